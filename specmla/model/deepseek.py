@@ -1,0 +1,307 @@
+"""DeepSeek-V2/V3-family model in plain PyTorch (the reference path; kernels plug in through `ops`).
+
+Parameter names follow the HF checkpoints (`model.layers.{i}.self_attn.kv_b_proj.weight`, ...), so
+loading is a name-for-name copy. The MTP modules live under `mtp.{i}` here and under
+`model.layers.{num_hidden_layers + i}` in checkpoints (the loader maps one to the other); their
+embedding and head are the trunk's tensors, not copies.
+
+Inputs are ragged: tokens of all requests packed into one [T] axis, described by an
+`AttentionMetadata`. Attention runs in one of two mathematically equal forms:
+- naive / MHA (prefill): up-project the latent c_kv with kv_b_proj into per-head k_nope and v;
+- absorbed (decode): fold W_UK into q (q_nope · W_UK → Dc wide), attend over the latent cache
+  directly with `ops.mla_decode`, then apply W_UV to the Dc-wide output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specmla.config import ModelConfig
+from specmla.model.metadata import AttentionMetadata
+from specmla.model.rope import rope_cos_sin_cache
+from specmla.ops.kv_cache import write_kv_cache
+from specmla.ops.mla_decode import mla_decode
+from specmla.ops.mla_prefill import mla_prefill
+from specmla.ops.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k expert choice for V3 (sigmoid + e_score_correction_bias, group top-2 sums) and V2
+    (softmax; greedy or group-limited greedy by the group's best expert)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size))
+        if cfg.topk_method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        n_group = cfg.n_group or 1
+        if n_group > 1 and cfg.topk_method in ("noaux_tc", "group_limited_greedy"):
+            grouped = choice.view(-1, n_group, choice.shape[-1] // n_group)
+            if cfg.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            else:
+                group_scores = grouped.max(dim=-1).values
+            group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+            score_mask = group_mask[:, :, None].expand_as(grouped).reshape(choice.shape)
+            fill = float("-inf") if cfg.topk_method == "noaux_tc" else 0.0
+            choice = choice.masked_fill(~score_mask, fill)
+        idx = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, idx)
+        if cfg.model_type == "deepseek_v2":  # original V2: normalise *or* scale
+            if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            else:
+                weights = weights * cfg.routed_scaling_factor
+        else:  # V3: normalise (optionally), then always scale
+            if cfg.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights * cfg.routed_scaling_factor
+        return weights, idx
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x)
+        out = torch.zeros_like(x)
+        # Reference dispatch: tokens grouped per expert (sorted once), one GEMM pair per used expert.
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        token_of = order // idx.shape[1]
+        w_sorted = weights.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = token_of[start : start + n]
+            y = self.experts[e](x[tok]) * w_sorted[start : start + n, None].to(x.dtype)
+            out.index_add_(0, tok, y)
+            start += n
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, hid = cfg.num_attention_heads, cfg.hidden_size
+        self.num_heads = H
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hid, H * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hid, cfg.latent_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, hid, bias=cfg.attention_bias)
+
+    # W_UK [H, Dn, Dc] and W_UV [H, Dv, Dc]: views into kv_b_proj.weight (no copies).
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        cos_sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        force_naive: bool = False,
+    ) -> torch.Tensor:
+        cfg, H = self.cfg, self.num_heads
+        T = x.shape[0]
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, H, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe = apply_rope(q_pe, meta.positions, cos_sin, cfg.rope_interleave)
+        k_pe = apply_rope(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
+        if kv_cache is not None:
+            write_kv_cache(kv_cache, c_kv, k_pe, meta.slot_mapping)
+
+        if meta.decode_query_len and kv_cache is not None and not force_naive:
+            o = self._absorbed(q_nope, q_pe, meta, kv_cache)
+        else:
+            o = self._naive(q_nope, q_pe, c_kv, k_pe, meta, kv_cache)
+        return self.o_proj(o.reshape(T, H * cfg.v_head_dim))
+
+    def _naive(self, q_nope, q_pe, c_kv, k_pe, meta, kv_cache):
+        cfg, H = self.cfg, self.num_heads
+        if meta.context_slots is not None:  # context = cached prefix + this step's tokens
+            latent = kv_cache.view(-1, cfg.latent_dim)[meta.context_slots].to(c_kv.dtype)
+            c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            cu_kv = meta.cu_seqlens_kv
+        else:
+            cu_kv = meta.cu_seqlens_q
+        kv = self.kv_b_proj(c_kv).view(-1, H, cfg.qk_nope_head_dim + cfg.v_head_dim)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, H, -1)], dim=-1)
+        qf = torch.cat([q_nope, q_pe], dim=-1)
+        return mla_prefill(
+            qf, k, v, meta.cu_seqlens_q, cu_kv, meta.max_seqlen_q, meta.max_seqlen_kv, cfg.softmax_scale, causal=True
+        )
+
+    def _absorbed(self, q_nope, q_pe, meta, kv_cache):
+        cfg, H = self.cfg, self.num_heads
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, Dc]
+        S = meta.decode_query_len
+        q = torch.cat([q_lat, q_pe], dim=-1).view(-1, S, H, cfg.latent_dim)
+        o_lat = mla_decode(
+            q, kv_cache, meta.block_table, meta.seq_lens, cfg.softmax_scale, causal=True,
+            head_dim_v=cfg.kv_lora_rank,
+        )  # [B, S, H, Dc]
+        return torch.einsum("thc,hvc->thv", o_lat.reshape(-1, H, cfg.kv_lora_rank), w_uv)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = MLAttention(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, meta, cos_sin, kv_cache, force_naive=False):
+        x = x + self.self_attn(self.input_layernorm(x), meta, cos_sin, kv_cache, force_naive)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    """The MTP head's own final norm; the projection is the trunk's lm_head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3 multi-token prediction module: h' = layer(eh_proj([enorm(emb(t_{i+1})) ; hnorm(h_i)]))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = SharedHead(cfg)
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """Trunk + head + MTP modules. `forward` returns final-normed hidden states [T, hidden]."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        n = cfg.num_hidden_layers
+        self.mtp = nn.ModuleList(MTPLayer(cfg, n + i) for i in range(cfg.num_nextn_predict_layers))
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.register_buffer(
+            "cos_sin", rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, self.max_positions), persistent=False
+        )
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Trunk layers followed by the MTP layers: one paged latent cache each."""
+        return self.config.num_hidden_layers + len(self.mtp)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor] | None = None,
+        force_naive: bool = False,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, meta, self.cos_sin, kv_caches[i] if kv_caches is not None else None, force_naive)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(
+        self,
+        k: int,
+        next_ids: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """MTP module k (applied recursively by the proposer): row i combines the token at i+1 with
+        the hidden state of position i (the trunk's final-normed state, or the previous MTP output),
+        at i's rope position. Returns the pre-norm hidden state; `mtp_logits` applies the head."""
+        layer = self.mtp[k]
+        e = layer.enorm(self.model.embed_tokens(next_ids))
+        x = layer.eh_proj(torch.cat([e, layer.hnorm(prev_hidden)], dim=-1))
+        cache = kv_caches[self.config.num_hidden_layers + k] if kv_caches is not None else None
+        return layer(x, meta, self.cos_sin, cache)
+
+    def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.mtp[k].shared_head.norm(hidden)).float()

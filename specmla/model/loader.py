@@ -1,0 +1,151 @@
+"""HF model directory → `DeepseekForCausalLM`.
+
+Reads config.json, then every tensor of model.safetensors (or the shards named by
+model.safetensors.index.json) through safetensors' memory map, one tensor at a time, straight into
+the parameter it belongs to (cast to the target dtype/device): peak host memory is the model plus one
+tensor, never a second full copy. The model is first built on the meta device, so no random init is
+paid for. Every parameter must be found with the right shape; errors name the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from specmla.config import ModelConfig
+from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.model.rope import rope_cos_sin_cache
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing a tensor, has a mis-shaped one, or a file is unreadable."""
+
+
+# Checkpoint tensors that the model intentionally does not keep.
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the trunk's tensors are used
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
+
+
+def _checkpoint_files(path: Path) -> dict[str, Path]:
+    """tensor name → file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: path / fname for name, fname in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as e:  # corrupted header / truncated file
+        raise CheckpointError(f"cannot read {single}: {e}") from e
+
+
+def _param_name(ckpt_name: str, cfg: ModelConfig) -> str | None:
+    """Map a checkpoint tensor name to our parameter name (None: skip it)."""
+    if _IGNORED.search(ckpt_name):
+        return None
+    m = re.match(r"model\.layers\.(\d+)\.(.*)", ckpt_name)
+    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+        k = int(m.group(1)) - cfg.num_hidden_layers
+        if k >= cfg.num_nextn_predict_layers:
+            return None
+        rest = m.group(2)
+        if rest in _MTP_SHARED:
+            return None
+        return f"mtp.{k}.{rest}"
+    return ckpt_name
+
+
+def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = True) -> None:
+    """Copy every tensor of the checkpoint at `path` into `model` (already materialised)."""
+    path = Path(path)
+    cfg = model.config
+    params = dict(model.named_parameters())
+    params.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    files = _checkpoint_files(path)
+    wanted: dict[str, tuple[str, Path]] = {}
+    for ckpt_name, file in files.items():
+        name = _param_name(ckpt_name, cfg)
+        if name is not None and name in params:
+            wanted[name] = (ckpt_name, file)
+    if cfg.tie_word_embeddings:
+        wanted.pop("lm_head.weight", None)
+        params.pop("lm_head.weight", None)
+    missing = sorted(set(params) - set(wanted))
+    if missing:
+        ckpt_names = [
+            re.sub(r"^mtp\.(\d+)\.", lambda m: f"model.layers.{cfg.num_hidden_layers + int(m.group(1))}.", n)
+            for n in missing
+        ]
+        raise CheckpointError(f"{path}: missing tensor(s) {ckpt_names[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, (ckpt_name, file) in wanted.items():
+        by_file.setdefault(file, []).append((name, ckpt_name))
+    bar = tqdm(total=len(wanted), desc="loading weights", unit="tensor", disable=not progress)
+    for file, items in by_file.items():
+        if not file.exists():
+            raise CheckpointError(f"tensor {items[0][1]!r} should be in {file}, which does not exist")
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:
+            raise CheckpointError(f"cannot read {file}: {e}") from e
+        with handle as f:
+            available = set(f.keys())
+            for name, ckpt_name in items:
+                if ckpt_name not in available:
+                    raise CheckpointError(f"tensor {ckpt_name!r} is listed for {file.name} but not stored there")
+                try:
+                    t = f.get_tensor(ckpt_name)
+                except Exception as e:
+                    raise CheckpointError(f"cannot read tensor {ckpt_name!r} from {file}: {e}") from e
+                dst = params[name]
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise CheckpointError(
+                        f"tensor {ckpt_name!r} in {file.name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
+                    )
+                if not t.is_floating_point():
+                    raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} has non-float dtype {t.dtype}")
+                with torch.no_grad():
+                    dst.copy_(t)
+                bar.update(1)
+    bar.close()
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    max_positions: int | None = None,
+    progress: bool = True,
+) -> DeepseekForCausalLM:
+    """Build the model for the directory `path` and load its weights.
+
+    dtype defaults to the checkpoint's (bf16 for real checkpoints) on CUDA and to fp32 on CPU.
+    """
+    path = Path(path)
+    cfg = ModelConfig.from_file(path)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        if device.type == "cpu":
+            dtype = torch.float32
+        else:
+            dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.bfloat16)
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, max_positions=max_positions).to(dtype)
+    model = model.to_empty(device=device)
+    # to_empty leaves buffers uninitialised: rebuild the rope table; the router bias stays fp32
+    model.cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, model.max_positions, device=device)
+    for module in model.modules():
+        if getattr(module, "e_score_correction_bias", None) is not None:
+            module.e_score_correction_bias = module.e_score_correction_bias.float()
+    load_weights(model, path, progress=progress)
+    return model.eval()

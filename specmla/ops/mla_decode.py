@@ -1,0 +1,102 @@
+"""MLA decode attention over a paged latent cache (contract C1).
+
+q [B, S, H, Dc+Dr] is the absorbed query (q_nope·W_UK ‖ roped q_pe); every head attends to the same
+cached latent rows [c_kv | k_pe], and the values are the c_kv part. This file holds the public
+entry point and the torch reference; the Triton kernel plugs in as backend="triton".
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_args(q, kv_cache, block_table, seq_lens, head_dim_v):
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, S, H, D], got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"kv_cache must be [num_pages, page_size, {q.shape[-1]}], got {tuple(kv_cache.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"block_table must be [B={q.shape[0]}, max_pages], got {tuple(block_table.shape)}")
+    if seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"seq_lens must be [B={q.shape[0]}], got {tuple(seq_lens.shape)}")
+    if not 0 < head_dim_v <= q.shape[-1]:
+        raise ValueError(f"head_dim_v={head_dim_v} must be in (0, {q.shape[-1]}]")
+
+
+def mla_decode_torch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    *,
+    causal: bool = True,
+    kv_format: str = "bf16",
+    kv_scale=None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    head_dim_v: int | None = None,
+):
+    """Reference: gather each request's pages, mask, softmax in fp32 (fp64 if q is fp64)."""
+    head_dim_v = head_dim_v or q.shape[-1] - 64
+    _check_args(q, kv_cache, block_table, seq_lens, head_dim_v)
+    if kv_format not in ("bf16", "fp16", "fp32", "auto"):
+        raise NotImplementedError(f"kv_format {kv_format!r} is not implemented in the torch reference yet")
+    B, S, H, D = q.shape
+    page_size = kv_cache.shape[1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    max_pages = block_table.shape[1]
+    L = max_pages * page_size
+    # [B, L, D]: every page the table names (pages beyond a request's length may hold anything)
+    kv = kv_cache[block_table.long().clamp(0, kv_cache.shape[0] - 1)].reshape(B, L, D).to(acc)
+    pos = torch.arange(L, device=q.device)
+    seq = seq_lens.long().to(q.device)
+    valid = pos[None, :] < seq[:, None]  # [B, L]
+    kv = torch.where(valid[..., None], kv, torch.zeros((), dtype=acc, device=q.device))  # NaN-safe
+    scores = torch.einsum("bshd,bld->bshl", q.to(acc), kv) * softmax_scale
+    mask = valid[:, None, None, :]
+    if causal:  # query s sees j < seq_len - S + s + 1
+        limit = seq[:, None] - S + torch.arange(S, device=q.device)[None, :] + 1  # [B, S]
+        mask = mask & (pos[None, None, :] < limit[:, :, None])[:, :, None, :]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, S, H]; -inf for rows with no visible key
+    p = torch.exp(scores - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
+    o = torch.einsum("bshl,blc->bshc", p, kv[..., :head_dim_v])
+    o = o.to(q.dtype)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    if return_lse:
+        return o, lse.float()
+    return o
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    *,
+    causal: bool = True,
+    kv_format: str = "bf16",
+    kv_scale=None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    head_dim_v: int | None = None,
+):
+    """Contract C1. Returns out [B, S, H, Dc] (q's dtype) and, if return_lse, lse [B, S, H] fp32.
+
+    `head_dim_v` (Dc, the value width) defaults to D - 64 (DeepSeek's 512 + 64 layout).
+    """
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    if backend == "torch":
+        return mla_decode_torch(
+            q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
+            kv_scale=kv_scale, out=out, return_lse=return_lse, head_dim_v=head_dim_v,
+        )
+    if backend == "triton":
+        raise NotImplementedError("the Triton MLA decode kernel is not built yet; use backend='torch'")
+    raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
