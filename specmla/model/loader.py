@@ -149,3 +149,25 @@ def load_model(
             module.e_score_correction_bias = module.e_score_correction_bias.float()
     load_weights(model, path, progress=progress)
     return model.eval()
+
+
+def save_checkpoint(model: DeepseekForCausalLM, path: str | Path) -> None:
+    """Write the model's tensors to `path`/model.safetensors with HF checkpoint names.
+
+    MTP modules go to model.layers.{num_hidden_layers + i}.*; their shared embedding/head are not
+    written again (the loader uses the trunk's), so files stay small.
+    """
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    tensors = {}
+    for name, t in list(model.named_parameters()) + [
+        (n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")
+    ]:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        m = re.match(r"mtp\.(\d+)\.(.*)", name)
+        if m:
+            name = f"model.layers.{cfg.num_hidden_layers + int(m.group(1))}.{m.group(2)}"
+        tensors[name] = t.detach().contiguous().cpu()
+    save_file(tensors, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})

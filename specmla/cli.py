@@ -1,0 +1,76 @@
+"""`specmla` command line: generate (more subcommands arrive with the server and benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specmla import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+              num_pages=args.num_pages, max_model_len=args.max_model_len)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+    print(f"[specmla] model {llm.model_path} loaded in {load_s:.1f} s", file=sys.stderr)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    for delta in llm.stream(args.prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    m = llm.last_output.metrics
+    n = m["generated_tokens"]
+    decode_s = (m["tpot_s"] or 0.0) * max(n - 1, 0)
+    tps = (n - 1) / decode_s if decode_s > 0 else float("nan")
+    print(
+        f"[specmla] {n} tokens in {m['e2e_s']:.2f} s | prompt {m['prompt_tokens']} tokens, "
+        f"TTFT {m['ttft_s'] * 1000:.0f} ms | decode {tps:.1f} tokens/s | finish: {llm.last_output.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmla", description="MLA inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"specmla: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""`specmla.LLM`: the user-facing entry point (contract C4)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
+from specmla.engine.kv_pool import KVPool
+from specmla.model.loader import load_model
+from specmla.sampling_params import SamplingParams
+from specmla.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class LLM:
+    """Load a model directory (None → the embedded default model) and generate from prompts."""
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        device: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 3,
+        kv_cache_dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        page_size: int = 64,
+        num_pages: int | None = None,
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        progress: bool = False,
+    ):
+        if speculative is not None:
+            raise NotImplementedError(f"speculative={speculative!r}: speculative decoding is not available yet")
+        if tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not available yet")
+        if model is None:
+            from specmla.model.default import default_model_path
+
+            model = default_model_path()
+        self.model_path = Path(model)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(dtype, str):
+            dtype = _DTYPES[dtype]
+        cfg_max = None
+        if max_model_len is not None:
+            cfg_max = max_model_len
+        self.model = load_model(self.model_path, device=device, dtype=dtype, max_positions=cfg_max, progress=progress)
+        self.tokenizer = Tokenizer(self.model_path) if (self.model_path / "tokenizer.json").exists() else None
+        cache_dtype = next(self.model.parameters()).dtype
+        if kv_cache_dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not available yet (auto | bf16 | fp16 | fp32)")
+        if kv_cache_dtype != "auto":
+            cache_dtype = _DTYPES[kv_cache_dtype]
+        max_len = self.model.max_positions
+        if num_pages is None:
+            num_pages = default_num_pages(self.model, page_size, cache_dtype, device, max_num_seqs, max_len,
+                                          gpu_memory_utilization)
+        pool = KVPool(self.model.num_cache_layers, num_pages, page_size, self.model.config.latent_dim,
+                      cache_dtype, device)
+        self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len)
+
+    @property
+    def kv_pool(self) -> KVPool:
+        return self.engine.pool
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
+            return [list(prompts)]
+        return list(prompts)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (strings or lists of token ids); outputs in prompt order."""
+        prompts = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        bar = tqdm(total=len(seqs), desc="generating", disable=not use_tqdm)
+        done = 0
+        while self.engine.has_unfinished():
+            self.engine.step()
+            now_done = sum(s.is_finished for s in seqs)
+            bar.update(now_done - done)
+            done = now_done
+        bar.close()
+        return [self.engine.output_of(s) for s in seqs]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the text of one request as it grows; the final RequestOutput is `self.last_output`."""
+        params = sampling_params or SamplingParams()
+        seq = self.engine.add_request(prompt, params)
+        holdback = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
+        emitted = 0
+        while not seq.is_finished:
+            self.engine.step()
+            safe = len(seq.text) - (0 if seq.is_finished else holdback)
+            if safe > emitted:
+                yield seq.text[emitted:safe]
+                emitted = safe
+        if len(seq.text) > emitted:
+            yield seq.text[emitted:]
+        self.last_output = self.engine.output_of(seq)

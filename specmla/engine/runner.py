@@ -1,0 +1,80 @@
+"""Runs the model on a batch of sequences: builds the step's tensors, forwards, samples.
+
+Each scheduled sequence computes the tokens [num_cached, total_len) of its ids (a whole prompt, or
+one new token in decode). The batch tensors (positions, slot mapping, block table, lengths) are
+built on the host once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmla.engine.kv_pool import KVPool
+from specmla.engine.sequence import Sequence
+from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.model.metadata import AttentionMetadata
+from specmla.ops.sampling import SamplingTensors, sample
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekForCausalLM, pool: KVPool):
+        self.model, self.pool = model, pool
+        self.device = pool.device
+
+    def build_metadata(self, seqs: list[Sequence], naive_context: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Input ids and metadata for computing tokens [num_cached, total_len) of every sequence."""
+        pool, dev = self.pool, self.device
+        ids, positions, slots, q_lens, kv_lens = [], [], [], [], []
+        for s in seqs:
+            start, end = s.num_cached, s.total_len
+            ids += s.all_ids[start:end]
+            positions += range(start, end)
+            slots += pool.slots(s.seq_id, start, end)
+            q_lens.append(end - start)
+            kv_lens.append(end)
+        is_decode = all(q == q_lens[0] for q in q_lens) and all(s.num_cached > 0 for s in seqs) and q_lens[0] <= 8
+        has_prefix = any(s.num_cached > 0 for s in seqs)
+        context_slots = None
+        cu_kv = None
+        if has_prefix and (not is_decode or naive_context):
+            ctx = [slot for s in seqs for slot in pool.slots(s.seq_id, 0, s.total_len)]
+            context_slots = torch.tensor(ctx, dtype=torch.long, device=dev)
+            cu_kv = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            cu_seqlens_q=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev),
+            seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_kv=max(kv_lens),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_table=pool.block_table([s.seq_id for s in seqs]),
+            decode_query_len=q_lens[0] if is_decode else 0,
+            context_slots=context_slots,
+            cu_seqlens_kv=cu_kv,
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta
+
+    @torch.inference_mode()
+    def forward_logits(self, seqs: list[Sequence], naive_context: bool = False) -> torch.Tensor:
+        """Logits [B, V] (fp32) of the last computed token of each sequence; marks tokens cached."""
+        for s in seqs:
+            self.pool.allocate(s.seq_id, s.total_len)
+        input_ids, meta = self.build_metadata(seqs, naive_context)
+        hidden = self.model(input_ids, meta, self.pool.caches, force_naive=naive_context)
+        last = meta.cu_seqlens_q[1:].long() - 1
+        for s in seqs:
+            s.num_cached = s.total_len
+        return self.model.compute_logits(hidden[last])
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor):
+        p = [s.params for s in seqs]
+        st = SamplingTensors.from_lists(
+            temperature=[x.temperature for x in p],
+            top_k=[x.top_k for x in p],
+            top_p=[x.top_p for x in p],
+            seed=[s.seed for s in seqs],
+            step=[len(s.output_ids) for s in seqs],
+            device=logits.device,
+        )
+        n_logprobs = max((x.logprobs or 0) for x in p)
+        return sample(logits, st, num_logprobs=n_logprobs)

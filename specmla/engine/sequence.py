@@ -1,0 +1,52 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import random
+import time
+from dataclasses import dataclass, field
+
+from specmla.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_cached: int = 0  # tokens whose latents are in the KV cache
+    text: str = ""  # detokenised output (stop strings cut off)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self):
+        # A seed per request makes sampling reproducible and independent of batch composition.
+        self.seed = self.params.seed if self.params.seed is not None else random.randrange(2**31)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
