@@ -1,0 +1,153 @@
+"""LLM.generate on a tiny random model: batching, sampling options, stops, pool accounting, bad input."""
+
+import math
+
+import pytest
+import torch
+
+from specmla import LLM, SamplingParams
+from specmla.engine.kv_pool import KVPool
+
+PROMPTS = ["def f(x):", "import os\nimport sys\n", "a", "class Foo:\n    def __init__(self):\n        self.x = 1\n"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256)
+
+
+def test_batch_equals_each_prompt_alone(llm):
+    together = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, together):
+        alone = llm.generate(prompt, GREEDY)[0]
+        assert alone.token_ids == out.token_ids
+        assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+
+
+def test_absorbed_decode_equals_naive_decode(llm):
+    absorbed = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))
+    llm.engine.naive_decode = True
+    try:
+        naive = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))
+    finally:
+        llm.engine.naive_decode = False
+    for a, n in zip(absorbed, naive):
+        assert a.token_ids == n.token_ids
+        for la, ln in zip(a.logprobs, n.logprobs):
+            assert la["logprob"] == pytest.approx(ln["logprob"], abs=1e-4)
+
+
+def test_nan_poisoned_pool_changes_nothing(tiny_model_dir, llm):
+    clean = llm.generate(PROMPTS, GREEDY)
+    poisoned = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256)
+    poisoned.engine.pool.__init__(poisoned.model.num_cache_layers, 256, 4, poisoned.model.config.latent_dim,
+                                  torch.float32, "cpu", fill=float("nan"))
+    assert torch.isnan(poisoned.kv_pool.caches[0]).all()
+    got = poisoned.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in clean]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    a = llm.generate(PROMPTS[0], params)[0]
+    b = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], params)[1]
+    assert a.token_ids == b.token_ids
+    others = {tuple(llm.generate(PROMPTS[0], SamplingParams(max_tokens=10, temperature=1.0, seed=s,
+                                                              ignore_eos=True))[0].token_ids) for s in range(5)}
+    assert len(others) > 1
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate(PROMPTS, GREEDY)
+    k1 = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.9, top_k=1, seed=3, ignore_eos=True))
+    p0 = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.9, top_p=1e-6, seed=3, ignore_eos=True))
+    assert [o.token_ids for o in k1] == [o.token_ids for o in greedy]
+    assert [o.token_ids for o in p0] == [o.token_ids for o in greedy]
+
+
+def test_logprobs_are_log_softmax_of_the_model(llm):
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=3))[0]
+    assert len(out.logprobs) == 3
+    ids = list(out.prompt_token_ids)
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        from specmla.model.metadata import AttentionMetadata
+
+        with torch.no_grad():
+            logits = llm.model.compute_logits(llm.model(torch.tensor(ids), AttentionMetadata.for_contiguous([len(ids)])))
+        ref = torch.log_softmax(logits[-1], -1)
+        assert entry["token_id"] == tok
+        assert entry["logprob"] == pytest.approx(ref[tok].item(), abs=1e-4)
+        top = sorted(entry["top"].items(), key=lambda kv: -kv[1])
+        assert [t for t, _ in top] == ref.topk(3).indices.tolist()
+        ids.append(tok)
+
+
+def test_stop_string_truncates_text(llm):
+    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    assert len(full.text) >= 4
+    stop = full.text[2:4]
+    cut = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+    assert stop not in cut.text
+
+
+def test_eos_stops_unless_ignored(llm):
+    full = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    fake_eos = full.token_ids[3]
+    first = full.token_ids.index(fake_eos)
+    saved = llm.engine.eos_ids
+    llm.engine.eos_ids = {fake_eos}
+    try:
+        stopped = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0))[0]
+        ignored = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    finally:
+        llm.engine.eos_ids = saved
+    assert stopped.token_ids == full.token_ids[: first + 1] and stopped.finish_reason == "stop"
+    assert ignored.token_ids == full.token_ids
+
+
+def test_stream_yields_the_final_text(llm):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    pieces = list(llm.stream(PROMPTS[3], params))
+    assert "".join(pieces) == llm.last_output.text == llm.generate(PROMPTS[3], params)[0].text
+    assert llm.last_output.metrics["generated_tokens"] == 12
+
+
+def test_bad_input_is_rejected_and_engine_keeps_working(llm):
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[1, 2, 10**6]], GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[5] * 600], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(NotImplementedError):
+        LLM(llm.model_path, device="cpu", speculative="mtp")
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids  # still serving
+
+
+def test_prompt_that_can_never_fit_gets_an_error_others_complete(tiny_model_dir):
+    small = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=8)
+    outs = small.generate(["x" * 40, "y"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert outs[0].finish_reason == "error" and "pages" in outs[0].text
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 4
+    assert small.kv_pool.num_free_pages() == 8
+
+
+def test_paged_memory_is_far_below_static_preallocation(llm):
+    """The ShallowMLA Table-4 measure on a real run: peak pages × page_size vs max_batch × max_len."""
+    pool: KVPool = llm.kv_pool
+    pool.peak_pages_used = 0
+    llm.generate(PROMPTS, GREEDY)
+    used_tokens = pool.peak_pages_used * pool.page_size
+    static_tokens = len(PROMPTS) * llm.engine.max_model_len
+    assert 0 < used_tokens < 0.25 * static_tokens
+    assert math.isclose(pool.peak_pages_used, sum(-(-(len(llm.tokenizer.encode(p)) + 12) // 4) for p in PROMPTS),
+                        abs_tol=len(PROMPTS))
