@@ -206,19 +206,14 @@ def test_default_cpu_dtype_is_fp32(ckpt):
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError, reason=(
-    "loader bug: transformers' DeepseekV3Config defaults num_nextn_predict_layers=1, but "
-    "save_pretrained writes no model.layers.{N}.* tensors, so load_model raises CheckpointError "
-    "'missing tensor(s) [model.layers.N.eh_proj.weight, ...]' for every V3 directory written by "
-    "transformers; a wholly absent MTP layer should be dropped (with a warning) instead"
-))
 def test_v3_save_pretrained_without_mtp_weights(ckpt, tmp_path):
     """A plain transformers save_pretrained of a V3 model (config says 1 MTP layer, no MTP weights)."""
     hf, _ = ckpt("v3_qlora_groups", 0)
     hf.save_pretrained(tmp_path, max_shard_size="200KB")
     assert json.loads((tmp_path / "config.json").read_text())["num_nextn_predict_layers"] == 1
     assert not any(n.startswith("model.layers.3.") for n in _weight_map(tmp_path))
-    model = _load(tmp_path)
+    with pytest.warns(UserWarning, match="MTP"):
+        model = _load(tmp_path)
     assert len(model.mtp) == 0
     ids = _ids(model.config.vocab_size, 9, seed=8)
     with torch.no_grad():
@@ -533,11 +528,6 @@ def test_bf16_load_keeps_router_bias_fp32(ckpt):
 # ---------------------------------------------------------------------------------------------
 # tied embeddings (no released DeepSeek checkpoint ties them, but the config flag is honoured)
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "loader bug: Module.to_empty() re-creates each Parameter per module and breaks the "
-    "lm_head/embed_tokens tie made in DeepseekForCausalLM.__init__; load_weights then skips "
-    "lm_head.weight, leaving it uninitialised (torch.empty) memory"
-))
 def test_tied_embeddings(tmp_path):
     from tests.hf_models import V3_BASE
 

@@ -597,9 +597,9 @@ def _random_layer(cfg, seed):
 def _churned_pool(cfg, page_size, gen):
     """A KVPool (NaN-filled) whose free list is shuffled by some alloc/free churn."""
     pool = KVPool(1, 64, page_size, cfg.latent_dim, torch.float32, "cpu", fill=NAN)
-    ids = list(range(1000, 1010))
-    for s in ids:
-        pool.allocate(s, int(torch.randint(1, 3 * page_size, (1,), generator=gen)))
+    ids = list(range(1000, 1064))
+    for s in ids:  # one page each: the whole pool
+        pool.allocate(s, int(torch.randint(1, page_size + 1, (1,), generator=gen)))
     for j in torch.randperm(len(ids), generator=gen).tolist():
         pool.free(ids[j])
     assert pool.num_free_pages() == 64

@@ -9,8 +9,10 @@ paid for. Every parameter must be found with the right shape; errors name the te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -120,6 +122,26 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = 
     bar.close()
 
 
+def _drop_absent_mtp_layers(cfg: ModelConfig, path: Path) -> ModelConfig:
+    """transformers writes num_nextn_predict_layers=1 into every V3 config.json but saves no MTP
+    tensors: run without the MTP modules that the checkpoint does not have (with a warning)."""
+    if not cfg.num_nextn_predict_layers:
+        return cfg
+    names = _checkpoint_files(path)
+    present = 0
+    while present < cfg.num_nextn_predict_layers and any(
+        n.startswith(f"model.layers.{cfg.num_hidden_layers + present}.") for n in names
+    ):
+        present += 1
+    if present < cfg.num_nextn_predict_layers:
+        warnings.warn(
+            f"{path}: config.json declares {cfg.num_nextn_predict_layers} MTP layer(s), the checkpoint has "
+            f"{present}; loading without the missing ones"
+        )
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=present)
+    return cfg
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device | None = None,
@@ -132,7 +154,7 @@ def load_model(
     dtype defaults to the checkpoint's (bf16 for real checkpoints) on CUDA and to fp32 on CPU.
     """
     path = Path(path)
-    cfg = ModelConfig.from_file(path)
+    cfg = _drop_absent_mtp_layers(ModelConfig.from_file(path), path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         if device.type == "cpu":
@@ -142,6 +164,8 @@ def load_model(
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, max_positions=max_positions).to(dtype)
     model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gives each module its own new Parameter: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
     # to_empty leaves buffers uninitialised: rebuild the rope table; the router bias stays fp32
     model.cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, model.max_positions, device=device)
     for module in model.modules():

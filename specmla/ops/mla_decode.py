@@ -98,5 +98,13 @@ def mla_decode(
             kv_scale=kv_scale, out=out, return_lse=return_lse, head_dim_v=head_dim_v,
         )
     if backend == "triton":
-        raise NotImplementedError("the Triton MLA decode kernel is not built yet; use backend='torch'")
+        if kv_format not in ("bf16", "fp16", "fp32", "auto"):
+            raise NotImplementedError(f"kv_format {kv_format!r} is not supported by the Triton kernel yet")
+        _check_args(q, kv_cache, block_table, seq_lens, head_dim_v or q.shape[-1] - 64)
+        from specmla.ops.mla_decode_triton import mla_decode_triton
+
+        return mla_decode_triton(
+            q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, out=out, return_lse=return_lse,
+            head_dim_v=head_dim_v,
+        )
     raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")

@@ -1,0 +1,241 @@
+"""Triton MLA decode over the paged latent cache: split-KV + combine, query tokens folded into rows.
+
+Stage 1: one program per (request, query-token group, head block, KV split). Its M rows are F
+query tokens × BLOCK_H heads (TokenSpeed's fold: F = the largest divisor of S with F·BLOCK_H ≤ 64,
+the fa3_mtp idea), so one pass over the KV pages serves every draft token of the request; each row
+keeps its own bottom-right causal limit. Scores = q_c·c_kv + q_r·k_pe, online softmax in base 2,
+acc += p·c_kv. It writes the split's normalised output and its log2-sum-exp.
+Stage 2: one program per (request, query token, head block) merges the splits.
+
+The number of splits comes from shapes only (B, S, H, SM count, the block table's capacity), never
+from the device-side lengths, so there is no host synchronisation, the workspace has a fixed size,
+and the pair of launches can be captured in a CUDA graph. Each program derives its KV range from
+the request's actual length on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_ROWS = 64  # rows (folded tokens × heads) per program
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    Q, KV, BT, SEQ, MID_O, MID_LSE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvp, stride_kvt,
+    stride_btb,
+    stride_mob, stride_mos, stride_moh, stride_mosp,
+    stride_mlb, stride_mls, stride_mlh,
+    scale_log2,
+    S, H, NUM_SPLITS,
+    PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
+    BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    pid_bg = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_sp = tl.program_id(2)
+    n_groups = S // FOLD
+    b = pid_bg // n_groups
+    g = pid_bg % n_groups
+
+    rows = tl.arange(0, BLOCK_M)
+    s_idx = g * FOLD + rows // BLOCK_H
+    h_idx = pid_h * BLOCK_H + rows % BLOCK_H
+    row_ok = (rows < FOLD * BLOCK_H) & (h_idx < H)
+
+    seq_len = tl.load(SEQ + b)
+    # this split's share of the request's KV range, in whole BLOCK_N blocks
+    n_blocks = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    start = pid_sp * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+    if CAUSAL:
+        limit = seq_len - S + s_idx + 1  # row sees positions < limit
+        end = tl.minimum(end, seq_len - S + g * FOLD + FOLD)
+    else:
+        limit = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len
+
+    offs_c = tl.arange(0, DC)
+    offs_r = tl.arange(0, DR)
+    q_row = Q + b * stride_qb + s_idx * stride_qs + h_idx * stride_qh
+    q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
+    q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + offs_n0
+        n_ok = offs_n < end
+        page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+        kv_row = KV + page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt
+        k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
+        k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
+        qk = tl.dot(q_c, tl.trans(k_c))
+        qk = tl.dot(q_r, tl.trans(k_r), qk)
+        qk = qk * scale_log2
+        visible = n_ok[None, :] & (offs_n[None, :] < limit[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_c.dtype), k_c, acc)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    mo = MID_O + b * stride_mob + s_idx * stride_mos + h_idx * stride_moh + pid_sp * stride_mosp
+    tl.store(mo[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
+    ml = MID_LSE + b * stride_mlb + s_idx * stride_mls + h_idx * stride_mlh + pid_sp
+    tl.store(ml, lse, mask=row_ok)
+
+
+@triton.jit
+def _mla_decode_combine_kernel(
+    MID_O, MID_LSE, OUT, LSE,
+    stride_mob, stride_mos, stride_moh, stride_mosp,
+    stride_mlb, stride_mls, stride_mlh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    S, H, NUM_SPLITS,
+    DC: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = pid // S
+    s = pid % S
+    offs_sp = tl.arange(0, BLOCK_SPLITS)
+    sp_ok = offs_sp < NUM_SPLITS
+    lse = tl.load(MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh + offs_sp, mask=sp_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0, total, 1.0)
+    base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
+    for d0 in tl.static_range(0, DC, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        o = tl.load(base + offs_sp[:, None] * stride_mosp + offs_d[None, :], mask=sp_ok[:, None] & (w[:, None] > 0),
+                    other=0.0)
+        res = tl.sum(o * w[:, None], 0)
+        tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, res.to(OUT.dtype.element_ty))
+    lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
+                       float("-inf"))
+    tl.store(LSE + b * stride_lb + s * stride_ls + h, lse_out)
+
+
+def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:
+    """Largest F dividing S with F·block_h ≤ max_rows (TokenSpeed's rule)."""
+    for f in range(S, 0, -1):
+        if S % f == 0 and f * block_h <= max_rows:
+            return f
+    return 1
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n: int = 64) -> dict:
+    """Tile shapes and the split count, from shapes only (no device data read)."""
+    block_h = min(MAX_ROWS, triton.next_power_of_2(H))
+    fold = fold_factor(S, block_h)
+    block_m = max(16, triton.next_power_of_2(fold * block_h))
+    head_blocks = triton.cdiv(H, block_h)
+    programs = B * (S // fold) * head_blocks
+    target = 2 * _sm_count(device)  # enough programs for every SM, two deep
+    max_useful = max(1, triton.cdiv(max_seq_len, 4 * block_n))  # keep ≥ 4 KV blocks per split
+    splits = max(1, min(triton.cdiv(target, programs), max_useful, 64))
+    return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
+                BLOCK_N=block_n)
+
+
+def mla_decode_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    *,
+    causal: bool = True,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    head_dim_v: int | None = None,
+    num_splits: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    block_n: int = 64,
+):
+    """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs."""
+    B, S, H, D = q.shape
+    dc = head_dim_v or D - 64
+    dr = D - dc
+    page_size = kv_cache.shape[1]
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache must be contiguous in their last dimension")
+    max_seq = block_table.shape[1] * page_size
+    cfg = plan(B, S, H, max_seq, q.device, block_n)
+    if num_splits is not None:
+        cfg["num_splits"] = num_splits
+    ns = cfg["num_splits"]
+    if workspace is None:
+        mid_o = torch.empty(B, S, H, ns, dc, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device=q.device)
+    else:
+        mid_o, mid_lse = workspace
+        ns = mid_o.shape[3]
+    if out is None:
+        out = torch.empty(B, S, H, dc, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
+    grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], ns)
+    warps = num_warps or (8 if cfg["BLOCK_M"] >= 64 else 4)
+    _mla_decode_split_kernel[grid](
+        q, kv_cache, block_table, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
+        mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
+        softmax_scale * LOG2E,
+        S, H, ns,
+        PAGE_SIZE=page_size, DC=dc, DR=dr,
+        BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
+        CAUSAL=causal, num_warps=warps, num_stages=num_stages or 2,
+    )
+    _mla_decode_combine_kernel[(B * S, H)](
+        mid_o, mid_lse, out, lse,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
+        mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        S, H, ns,
+        DC=dc, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)), BLOCK_D=min(dc, 128),
+        num_warps=4,
+    )
+    return (out, lse) if return_lse else out
+
+
+def decode_bytes(seq_lens_sum: int, B: int, S: int, H: int, D: int = 576, dv: int = 512, elem: int = 2) -> int:
+    """FlashMLA's byte count: every cached row once, q in, out back."""
+    return (seq_lens_sum * D + B * S * H * (D + dv)) * elem
+
+
+def decode_flops(seq_lens_sum: int, S: int, H: int, D: int = 576, dv: int = 512) -> float:
+    return 2.0 * S * seq_lens_sum * H * (D + dv)
+
+

@@ -1,0 +1,133 @@
+"""Triton MLA decode (contract C1) vs the fp64 torch reference.
+
+CPU: the kernel runs under TRITON_INTERPRET=1 on small shapes (fp16/fp32: the interpreter's bf16
+dot is unreliable). GPU (@gpu): bf16 over the full grid of the issue, and CUDA-graph capture.
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+from mla_cases import make_decode_case, rel_err
+
+from specmla.ops.mla_decode import mla_decode, mla_decode_torch
+from specmla.ops.mla_decode_triton import fold_factor, mla_decode_triton, plan
+
+
+def reference(q, kv, table, seq, causal, dc):
+    return mla_decode_torch(q.double(), kv.double(), table, seq, 0.0721, causal=causal, return_lse=True,
+                            head_dim_v=dc)
+
+
+def check(case, causal, dc, out_tol, lse_tol=1e-3, **kw):
+    q, kv, table, seq = case
+    want, want_lse = reference(q.cpu(), kv.cpu(), table.cpu(), seq.cpu(), causal, dc)
+    got, got_lse = mla_decode(q, kv, table, seq, 0.0721, causal=causal, return_lse=True, backend="triton",
+                              head_dim_v=dc, **kw)
+    got, got_lse = got.cpu(), got_lse.cpu()
+    assert got.shape == want.shape and got.dtype == q.dtype
+    assert not torch.isnan(got).any()
+    assert rel_err(got, want) <= out_tol
+    inf = torch.isinf(want_lse)
+    assert torch.equal(inf, torch.isinf(got_lse))
+    assert (got[inf] == 0).all()
+    if (~inf).any():
+        assert (got_lse[~inf].double() - want_lse[~inf]).abs().max().item() <= lse_tol
+
+
+CPU_CASES = [
+    # B, S, H, page, dc, dr, lens
+    (1, 1, 1, 16, 32, 16, [37]),
+    (2, 1, 16, 4, 64, 16, [1, 50]),
+    (3, 2, 3, 8, 32, 16, [2, 9, 33]),
+    (2, 4, 16, 64, 64, 16, [3, 70]),  # lengths < S·page, below S for one request
+    (2, 3, 5, 1, 32, 16, [20, 7]),  # page size 1, S not a power of two
+    (1, 8, 2, 128, 32, 32, [130]),
+    (2, 2, 8, 16, 128, 64, [2, 40]),  # seq_len == S
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_matches_reference_in_interpreter(case, causal, dtype):
+    B, S, H, ps, dc, dr, lens = case
+    check(make_decode_case(B, S, H, ps, dc, dr, lens, dtype, seed=len(lens) + S), causal, dc,
+          out_tol=1e-2 if dtype == torch.float16 else 1e-4)
+
+
+def test_forced_split_counts_agree():
+    case = make_decode_case(2, 2, 4, 16, 32, 16, [150, 61], torch.float32, seed=5)
+    outs = [mla_decode_triton(*case, 0.0721, head_dim_v=32, num_splits=n) for n in (1, 3, 7)]
+    assert rel_err(outs[1], outs[0]) < 1e-5 and rel_err(outs[2], outs[0]) < 1e-5
+
+
+def test_out_parameter_is_written_in_place():
+    q, kv, table, seq = make_decode_case(2, 1, 4, 16, 32, 16, [10, 31], torch.float32, seed=9)
+    out = torch.full((2, 1, 4, 32), float("nan"))
+    res = mla_decode(q, kv, table, seq, 0.0721, out=out, backend="triton", head_dim_v=32)
+    assert res.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+
+
+def test_fold_rule_and_plan():
+    assert fold_factor(4, 16) == 4  # H=16, S=4: 64 rows, one pass serves all four tokens
+    assert fold_factor(8, 16) == 4  # two groups of four
+    assert fold_factor(3, 16) == 3
+    assert fold_factor(4, 64) == 1
+    assert fold_factor(6, 16) == 3
+    p = plan(1, 1, 16, 81920, torch.device("cpu"))
+    assert p["num_splits"] > 1  # B=1 must be split to fill the GPU
+    big = plan(128, 1, 16, 4096, torch.device("cpu"))
+    assert big["num_splits"] <= p["num_splits"]
+
+
+def test_bad_shapes_raise():
+    q, kv, table, seq = make_decode_case(1, 1, 2, 16, 32, 16, [5], torch.float32)
+    with pytest.raises(ValueError):
+        mla_decode(q[0], kv, table, seq, 0.1, backend="triton", head_dim_v=32)
+    with pytest.raises(ValueError):
+        mla_decode(q, kv[..., :40], table, seq, 0.1, backend="triton", head_dim_v=32)
+
+
+# ---------------------------------------------------------------- GPU -------------------------------------
+GPU_GRID = list(itertools.product([1, 2, 6, 64], [1, 2, 4], [1, 3, 16, 64, 128], [True, False]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S,H,causal", GPU_GRID)
+def test_gpu_bf16_full_grid(B, S, H, causal):
+    rng = random.Random(B * 1000 + S * 100 + H + causal)
+    choices = [1, 2, 3, 63, 64, 65, 127, 200, 1000, 4095, 4096]
+    lens = [rng.choice(choices) if b < 4 else rng.randint(1, 4096) for b in range(B)]
+    case = make_decode_case(B, S, H, 64, 512, 64, lens, torch.bfloat16, device="cuda", seed=B + S + H)
+    check(case, causal, 512, out_tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+def test_gpu_page_sizes_and_odd_dims(page_size):
+    case = make_decode_case(5, 2, 16, page_size, 256, 32, [1, 77, 300, 1025, 2000], torch.bfloat16, device="cuda")
+    check(case, True, 256, out_tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    B, S, H = 8, 2, 16
+    q, kv, table, seq = make_decode_case(B, S, H, 64, 512, 64, [100 * (b + 1) for b in range(B)], torch.bfloat16,
+                                         device="cuda", seed=1)
+    cfg = plan(B, S, H, table.shape[1] * 64, q.device)
+    ws = (torch.empty(B, S, H, cfg["num_splits"], 512, device="cuda"),
+          torch.empty(B, S, H, cfg["num_splits"], device="cuda"))
+    out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+    mla_decode_triton(q, kv, table, seq, 0.0721, out=out, workspace=ws)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode_triton(q, kv, table, seq, 0.0721, out=out, workspace=ws)
+    for step in range(3):
+        seq.copy_(torch.randint(S, 700, (B,), dtype=torch.int32, device="cuda"))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        want = mla_decode_torch(q.double(), kv.double(), table, seq, 0.0721, head_dim_v=512)
+        assert rel_err(out, want) <= 1e-2
