@@ -113,9 +113,8 @@ def test_gpu_page_sizes_and_odd_dims(page_size):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_and_replay():
-    B, S, H = 8, 2, 16
-    q, kv, table, seq = make_decode_case(B, S, H, 64, 512, 64, [100 * (b + 1) for b in range(B)], torch.bfloat16,
-                                         device="cuda", seed=1)
+    B, S, H, T = 8, 2, 16, 700
+    q, kv, table, seq = make_decode_case(B, S, H, 64, 512, 64, [T] * B, torch.bfloat16, device="cuda", seed=1)
     cfg = plan(B, S, H, table.shape[1] * 64, q.device)
     ws = (torch.empty(B, S, H, cfg["num_splits"], 512, device="cuda"),
           torch.empty(B, S, H, cfg["num_splits"], device="cuda"))
@@ -125,9 +124,12 @@ def test_gpu_cuda_graph_capture_and_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         mla_decode_triton(q, kv, table, seq, 0.0721, out=out, workspace=ws)
-    for step in range(3):
-        seq.copy_(torch.randint(S, 700, (B,), dtype=torch.int32, device="cuda"))
+    previous = None
+    for step in range(3):  # new lengths and queries each replay, as a decode loop would bring
+        seq.copy_(torch.randint(S, T + 1, (B,), dtype=torch.int32, device="cuda"))
         q.copy_(torch.randn_like(q))
         graph.replay()
         want = mla_decode_torch(q.double(), kv.double(), table, seq, 0.0721, head_dim_v=512)
         assert rel_err(out, want) <= 1e-2
+        assert previous is None or not torch.equal(previous, out)
+        previous = out.clone()

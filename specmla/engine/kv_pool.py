@@ -26,8 +26,11 @@ class KVPool:
         device: torch.device | str,
         fill: float | None = None,
     ):
-        if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        if min(num_layers, num_pages, page_size, latent_dim) < 1:
+            raise ValueError(
+                f"num_layers, num_pages, page_size and latent_dim must be >= 1, got "
+                f"{num_layers}, {num_pages}, {page_size}, {latent_dim}"
+            )
         self.num_pages, self.page_size, self.latent_dim = num_pages, page_size, latent_dim
         self.device = torch.device(device)
         alloc = torch.empty if fill is None else (lambda *s, **kw: torch.full(s, fill, **kw))

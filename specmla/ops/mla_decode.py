@@ -38,7 +38,7 @@ def mla_decode_torch(
     head_dim_v: int | None = None,
 ):
     """Reference: gather each request's pages, mask, softmax in fp32 (fp64 if q is fp64)."""
-    head_dim_v = head_dim_v or q.shape[-1] - 64
+    head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
     _check_args(q, kv_cache, block_table, seq_lens, head_dim_v)
     if kv_format not in ("bf16", "fp16", "fp32", "auto"):
         raise NotImplementedError(f"kv_format {kv_format!r} is not implemented in the torch reference yet")
@@ -100,7 +100,8 @@ def mla_decode(
     if backend == "triton":
         if kv_format not in ("bf16", "fp16", "fp32", "auto"):
             raise NotImplementedError(f"kv_format {kv_format!r} is not supported by the Triton kernel yet")
-        _check_args(q, kv_cache, block_table, seq_lens, head_dim_v or q.shape[-1] - 64)
+        head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+        _check_args(q, kv_cache, block_table, seq_lens, head_dim_v)
         from specmla.ops.mla_decode_triton import mla_decode_triton
 
         return mla_decode_triton(

@@ -74,8 +74,12 @@ def _mla_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_n0
         n_ok = offs_n < end
-        page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-        kv_row = KV + page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt
+        if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page: one page id, contiguous rows
+            page = tl.load(BT + b * stride_btb + n0 // PAGE_SIZE).to(tl.int64)
+            kv_row = KV + page * stride_kvp + (n0 % PAGE_SIZE + offs_n0) * stride_kvt
+        else:
+            page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0)
+            kv_row = KV + page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt
         k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
         k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
         qk = tl.dot(q_c, tl.trans(k_c))
@@ -158,8 +162,8 @@ def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n
     head_blocks = triton.cdiv(H, block_h)
     programs = B * (S // fold) * head_blocks
     target = 2 * _sm_count(device)  # enough programs for every SM, two deep
-    max_useful = max(1, triton.cdiv(max_seq_len, 4 * block_n))  # keep ≥ 4 KV blocks per split
-    splits = max(1, min(triton.cdiv(target, programs), max_useful, 64))
+    max_useful = max(1, triton.cdiv(max_seq_len, 2 * block_n))  # keep ≥ 2 KV blocks per split
+    splits = max(1, min(triton.cdiv(target, programs), max_useful, 128))
     return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
                 BLOCK_N=block_n)
 
@@ -183,7 +187,7 @@ def mla_decode_triton(
 ):
     """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs."""
     B, S, H, D = q.shape
-    dc = head_dim_v or D - 64
+    dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
     page_size = kv_cache.shape[1]
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
