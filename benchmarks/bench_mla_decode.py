@@ -3,7 +3,7 @@
 GB/s are counted as FlashMLA does: (Σ seq_len·576 + B·S·H·(576+512))·2 bytes / time, and compared
 with the device-to-device copy bandwidth measured in the same run (bytes read + written). TFLOP/s =
 2·S·Σ seq_len·H·(576+512) / time. Caches smaller than 4× L2 are rotated among copies so that the
-timing reads HBM, not L2. Prints a table, writes JSON and a PNG plot.
+timing reads HBM, not L2. Our kernel is timed as CUDA-graph replays (as the engine runs decode). Prints a table, writes JSON and a PNG plot.
 
     PYTHONPATH=. python3 benchmarks/bench_mla_decode.py --out DIR [--quick]
 """
@@ -54,15 +54,29 @@ def make_problem(H, B, T, S, copies):
     return caches, table, seq, qs
 
 
-def time_fn(fn, copies: int, iters: int = 30, warmup: int = 5) -> float:
+def time_fn(fn, copies: int, iters: int = 30, warmup: int = 5, graph: bool = False) -> float:
+    """Median seconds of fn(i) over rotating inputs; with graph=True each fn(i) is captured once in a
+    CUDA graph and its replays are timed (what a decode step runs; removes host launch overhead)."""
     for i in range(warmup):
         fn(i % copies)
     torch.cuda.synchronize()
+    run = fn
+    if graph:
+        graphs = []
+        for i in range(copies):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(i)
+            graphs.append(g)
+        run = lambda i: graphs[i].replay()  # noqa: E731
+        for i in range(copies):
+            run(i)
+        torch.cuda.synchronize()
     times = []
     for i in range(iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn(i % copies)
+        run(i % copies)
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / 1e3)
@@ -83,8 +97,11 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict]):
     best = None
     for v in variants:
         out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+        ns = plan(B, S, H, T, torch.device("cuda"), v["block_n"])["num_splits"]
+        ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
         try:
-            t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, **v), copies)
+            t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws, **v),
+                        copies, graph=True)
         except Exception as e:  # a variant that does not compile (e.g. out of shared memory)
             row[f"ours{v}"] = str(e)[:200]
             continue
