@@ -133,3 +133,12 @@ def test_gpu_cuda_graph_capture_and_replay():
         assert rel_err(out, want) <= 1e-2
         assert previous is None or not torch.equal(previous, out)
         previous = out.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("H,S", [(4, 1), (16, 4), (128, 1), (64, 2)])
+def test_gpu_default_tiles_fit_every_dtype(dtype, H, S):
+    """The default tile choice must compile (shared memory) and be right for fp32/fp16/bf16 caches."""
+    case = make_decode_case(3, S, H, 64, 512, 64, [S, 300, 2049], dtype, device="cuda", seed=H + S)
+    check(case, True, 512, out_tol=1e-2 if dtype != torch.float32 else 1e-4)

@@ -154,7 +154,27 @@ def _sm_count(device: torch.device) -> int:
     return 8
 
 
-def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n: int = 64) -> dict:
+SMEM_BUDGET = 224 * 1024  # estimate (stages·block_n·d + block_m·d)·elem overcounts Triton's use a little
+
+
+def default_tiles(block_m: int, d: int, elem: int) -> dict:
+    """Tile/pipeline choice measured best on H100 for bf16 (docs/benchmarks.md), shrunk until the
+    K-tile pipeline (stages × block_n × d) plus the query tile fits the shared-memory budget."""
+    if block_m >= 64:
+        block_n, warps, stages = 64, 8, 2
+    else:
+        block_n, warps, stages = 32, 4, 3
+    while stages * block_n * d * elem + block_m * d * elem > SMEM_BUDGET and (stages > 1 or block_n > 16):
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            stages -= 1
+    return dict(block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n: int = 32) -> dict:
     """Tile shapes and the split count, from shapes only (no device data read)."""
     block_h = min(MAX_ROWS, triton.next_power_of_2(H))
     fold = fold_factor(S, block_h)
@@ -183,7 +203,7 @@ def mla_decode_triton(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ):
     """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs."""
     B, S, H, D = q.shape
@@ -193,6 +213,10 @@ def mla_decode_triton(
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache must be contiguous in their last dimension")
     max_seq = block_table.shape[1] * page_size
+    block_h = min(MAX_ROWS, triton.next_power_of_2(H))
+    block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h) * block_h))
+    tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()))
+    block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n)
     if num_splits is not None:
         cfg["num_splits"] = num_splits
@@ -207,7 +231,7 @@ def mla_decode_triton(
         out = torch.empty(B, S, H, dc, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
     grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], ns)
-    warps = num_warps or (8 if cfg["BLOCK_M"] >= 64 else 4)
+    warps = num_warps or tiles["num_warps"]
     _mla_decode_split_kernel[grid](
         q, kv_cache, block_table, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -219,7 +243,7 @@ def mla_decode_triton(
         S, H, ns,
         PAGE_SIZE=page_size, DC=dc, DR=dr,
         BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        CAUSAL=causal, num_warps=warps, num_stages=num_stages or 2,
+        CAUSAL=causal, num_warps=warps, num_stages=num_stages or tiles["num_stages"],
     )
     _mla_decode_combine_kernel[(B * S, H)](
         mid_o, mid_lse, out, lse,
