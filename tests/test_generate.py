@@ -162,7 +162,7 @@ def test_gpu_engine_with_triton_decode_matches_cpu(tiny_model_dir):
     for g, c in zip(gpu, cpu):
         assert g.token_ids == c.token_ids
         assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(g.logprobs, c.logprobs)) < 1e-3
-    bf16 = LLM(tiny_model_dir, device="cuda", page_size=16, num_pages=64)
+    bf16 = LLM(tiny_model_dir, device="cuda", dtype="bfloat16", page_size=16, num_pages=64)
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
     outs = bf16.generate(PROMPTS, params)
     assert all(len(o.token_ids) == 16 for o in outs) and bf16.kv_pool.num_free_pages() == 64

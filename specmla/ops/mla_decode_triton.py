@@ -4,7 +4,7 @@ Stage 1: one program per (request, query-token group, head block, KV split). Its
 query tokens × BLOCK_H heads (TokenSpeed's fold: F = the largest divisor of S with F·BLOCK_H ≤ 64,
 the fa3_mtp idea), so one pass over the KV pages serves every draft token of the request; each row
 keeps its own bottom-right causal limit. Scores = q_c·c_kv + q_r·k_pe, online softmax in base 2,
-acc += p·c_kv. It writes the split's normalised output and its log2-sum-exp.
+acc += p·c_kv (fp32 inputs use IEEE fp32 dots, not tf32: the fp32 path is the exact one). It writes the split's normalised output and its log2-sum-exp.
 Stage 2: one program per (request, query token, head block) merges the splits.
 
 The number of splits comes from shapes only (B, S, H, SM count, the block table's capacity), never
@@ -35,7 +35,7 @@ def _mla_decode_split_kernel(
     S, H, NUM_SPLITS,
     PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -82,8 +82,8 @@ def _mla_decode_split_kernel(
             kv_row = KV + page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt
         k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
         k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
-        qk = tl.dot(q_c, tl.trans(k_c))
-        qk = tl.dot(q_r, tl.trans(k_r), qk)
+        qk = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
+        qk = tl.dot(q_r, tl.trans(k_r), qk, input_precision=PRECISION)
         qk = qk * scale_log2
         visible = n_ok[None, :] & (offs_n[None, :] < limit[:, None])
         qk = tl.where(visible, qk, float("-inf"))
@@ -93,7 +93,7 @@ def _mla_decode_split_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_c.dtype), k_c, acc)
+        acc = tl.dot(p.to(k_c.dtype), k_c, acc, input_precision=PRECISION)
         m_i = m_new
 
     has = l_i > 0
@@ -243,7 +243,7 @@ def mla_decode_triton(
         S, H, ns,
         PAGE_SIZE=page_size, DC=dc, DR=dr,
         BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        CAUSAL=causal, num_warps=warps, num_stages=num_stages or tiles["num_stages"],
+        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=num_stages or tiles["num_stages"],
     )
     _mla_decode_combine_kernel[(B * S, H)](
         mid_o, mid_lse, out, lse,
