@@ -25,17 +25,19 @@ MAX_ROWS = 64  # rows (folded tokens × heads) per program
 
 @triton.jit
 def _mla_decode_split_kernel(
-    Q, KV, BT, SEQ, MID_O, MID_LSE,
+    Q, KV, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
     stride_qb, stride_qs, stride_qh,
     stride_kvp, stride_kvt,
     stride_btb,
     stride_mob, stride_mos, stride_moh, stride_mosp,
     stride_mlb, stride_mls, stride_mlh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
     scale_log2,
     S, H, NUM_SPLITS,
     PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
     BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -99,10 +101,15 @@ def _mla_decode_split_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    mo = MID_O + b * stride_mob + s_idx * stride_mos + h_idx * stride_moh + pid_sp * stride_mosp
-    tl.store(mo[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
-    ml = MID_LSE + b * stride_mlb + s_idx * stride_mls + h_idx * stride_mlh + pid_sp
-    tl.store(ml, lse, mask=row_ok)
+    if DIRECT:  # a single split: this is the final result, no combine pass
+        o_ptr = OUT + b * stride_ob + s_idx * stride_os + h_idx * stride_oh
+        tl.store(o_ptr[:, None] + offs_c[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + b * stride_lb + s_idx * stride_ls + h_idx, lse / 1.4426950408889634, mask=row_ok)
+    else:
+        mo = MID_O + b * stride_mob + s_idx * stride_mos + h_idx * stride_moh + pid_sp * stride_mosp
+        tl.store(mo[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
+        ml = MID_LSE + b * stride_mlb + s_idx * stride_mls + h_idx * stride_mlh + pid_sp
+        tl.store(ml, lse, mask=row_ok)
 
 
 @triton.jit
@@ -181,9 +188,11 @@ def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n
     block_m = max(16, triton.next_power_of_2(fold * block_h))
     head_blocks = triton.cdiv(H, block_h)
     programs = B * (S // fold) * head_blocks
-    target = 2 * _sm_count(device)  # enough programs for every SM, two deep
+    # One program per SM at a time (a program's K pipeline takes most of the shared memory), so
+    # split only as far as one wave allows: more splits would add a tail wave and partial traffic.
+    sms = _sm_count(device)
     max_useful = max(1, triton.cdiv(max_seq_len, 2 * block_n))  # keep ≥ 2 KV blocks per split
-    splits = max(1, min(triton.cdiv(target, programs), max_useful, 128))
+    splits = max(1, min(sms // programs, max_useful, 128)) if programs < sms else 1
     return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
                 BLOCK_N=block_n)
 
@@ -221,30 +230,40 @@ def mla_decode_triton(
     if num_splits is not None:
         cfg["num_splits"] = num_splits
     ns = cfg["num_splits"]
-    if workspace is None:
-        mid_o = torch.empty(B, S, H, ns, dc, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device=q.device)
-    else:
+    if workspace is not None:
         mid_o, mid_lse = workspace
         ns = mid_o.shape[3]
     if out is None:
         out = torch.empty(B, S, H, dc, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
+    direct = ns == 1  # stage 1 writes the result itself; no workspace, no combine
+    if direct:
+        mid_o, mid_lse = out, lse
+    elif workspace is None:
+        mid_o = torch.empty(B, S, H, ns, dc, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device=q.device)
     grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], ns)
     warps = num_warps or tiles["num_warps"]
+    mo_strides = (0, 0, 0, 0) if direct else mid_o.stride()[:4]
+    ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
     _mla_decode_split_kernel[grid](
-        q, kv_cache, block_table, seq_lens, mid_o, mid_lse,
+        q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
-        mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
+        *mo_strides,
+        *ml_strides,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
         softmax_scale * LOG2E,
         S, H, ns,
         PAGE_SIZE=page_size, DC=dc, DR=dr,
         BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=num_stages or tiles["num_stages"],
+        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DIRECT=direct,
+        num_warps=warps, num_stages=num_stages or tiles["num_stages"],
     )
+    if direct:
+        return (out, lse) if return_lse else out
     _mla_decode_combine_kernel[(B * S, H)](
         mid_o, mid_lse, out, lse,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
