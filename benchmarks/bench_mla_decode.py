@@ -96,7 +96,8 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict]):
            "plan": plan(B, S, H, T, torch.device("cuda"))}
     def timed(v):
         out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
-        ns = v.get("num_splits") or plan(B, S, H, T, torch.device("cuda"), v["block_n"])["num_splits"]
+        ns = v.get("num_splits") or plan(B, S, H, T, torch.device("cuda"), v["block_n"],
+                                         v.get("max_rows", 64))["num_splits"]
         ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
         try:
             t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws, **v),
@@ -108,12 +109,16 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict]):
         return t
 
     best = None
+    if S > 1:  # also try folding fewer tokens per pass (more passes, each lighter on the tensor cores)
+        variants = variants + [dict(num_warps=4, num_stages=5, block_n=32, max_rows=32),
+                               dict(num_warps=4, num_stages=3, block_n=32, max_rows=32),
+                               dict(num_warps=4, num_stages=5, block_n=32, max_rows=16)]
     for v in variants:  # tile/pipeline variants with the planned split count
         t = timed(v)
         if t is not None and (best is None or t < best[0]):
             best = (t, v)
     row["planned_s"] = best[0]
-    ns = plan(B, S, H, T, torch.device("cuda"), best[1]["block_n"])["num_splits"]
+    ns = plan(B, S, H, T, torch.device("cuda"), best[1]["block_n"], best[1].get("max_rows", 64))["num_splits"]
     for f in (0.25, 0.5, 2, 4):  # then the split count around the plan, best tiles
         n = max(1, min(256, int(ns * f)))
         if n == ns:

@@ -120,7 +120,7 @@ def _mla_decode_combine_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_ls,
     S, H, NUM_SPLITS,
-    DC: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
+    DC: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -132,16 +132,18 @@ def _mla_decode_combine_kernel(
                   other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    total = tl.sum(w, 0)
-    w = w / tl.where(total > 0, total, 1.0)
+    total = tl.sum(tl.exp2(lse - m_safe), 0)
     base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
-    for d0 in tl.static_range(0, DC, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        o = tl.load(base + offs_sp[:, None] * stride_mosp + offs_d[None, :], mask=sp_ok[:, None] & (w[:, None] > 0),
-                    other=0.0)
-        res = tl.sum(o * w[:, None], 0)
-        tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, res.to(OUT.dtype.element_ty))
+    # one split at a time (a [splits, DC] tile would not fit in registers for long splits lists)
+    offs_d = tl.arange(0, DC)
+    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+    acc = tl.zeros([DC], dtype=tl.float32)
+    for sp in range(0, NUM_SPLITS):
+        l_sp = tl.load(MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh + sp)
+        w_sp = tl.exp2(l_sp - m_safe) * inv_total
+        o = tl.load(base + sp * stride_mosp + offs_d)  # every split wrote its row (zeros if empty)
+        acc += o * w_sp
+    tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, acc.to(OUT.dtype.element_ty))
     lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
                        float("-inf"))
     tl.store(LSE + b * stride_lb + s * stride_ls + h, lse_out)
@@ -170,7 +172,7 @@ def default_tiles(block_m: int, d: int, elem: int) -> dict:
     if block_m >= 64:
         block_n, warps, stages = 64, 8, 2
     else:
-        block_n, warps, stages = 32, 4, 3
+        block_n, warps, stages = 32, 4, 5
     while stages * block_n * d * elem + block_m * d * elem > SMEM_BUDGET and (stages > 1 or block_n > 16):
         if stages > 2:
             stages -= 1
@@ -181,10 +183,11 @@ def default_tiles(block_m: int, d: int, elem: int) -> dict:
     return dict(block_n=block_n, num_warps=warps, num_stages=stages)
 
 
-def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n: int = 32) -> dict:
+def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n: int = 32,
+         max_rows: int = MAX_ROWS) -> dict:
     """Tile shapes and the split count, from shapes only (no device data read)."""
-    block_h = min(MAX_ROWS, triton.next_power_of_2(H))
-    fold = fold_factor(S, block_h)
+    block_h = min(max_rows, triton.next_power_of_2(H))
+    fold = fold_factor(S, block_h, max_rows)
     block_m = max(16, triton.next_power_of_2(fold * block_h))
     head_blocks = triton.cdiv(H, block_h)
     programs = B * (S // fold) * head_blocks
@@ -192,7 +195,8 @@ def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n
     # split only as far as one wave allows: more splits would add a tail wave and partial traffic.
     sms = _sm_count(device)
     max_useful = max(1, triton.cdiv(max_seq_len, 2 * block_n))  # keep ≥ 2 KV blocks per split
-    splits = max(1, min(sms // programs, max_useful, 128)) if programs < sms else 1
+    waves = 2 if programs >= 32 else 1  # measured: a second wave balances large batches (docs/benchmarks.md)
+    splits = max(1, min(waves * sms // programs, max_useful, 128))
     return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
                 BLOCK_N=block_n)
 
@@ -213,6 +217,7 @@ def mla_decode_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
     block_n: int | None = None,
+    max_rows: int = MAX_ROWS,
 ):
     """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs."""
     B, S, H, D = q.shape
@@ -222,11 +227,11 @@ def mla_decode_triton(
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache must be contiguous in their last dimension")
     max_seq = block_table.shape[1] * page_size
-    block_h = min(MAX_ROWS, triton.next_power_of_2(H))
-    block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h) * block_h))
+    block_h = min(max_rows, triton.next_power_of_2(H))
+    block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
     tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()))
     block_n = block_n or tiles["block_n"]
-    cfg = plan(B, S, H, max_seq, q.device, block_n)
+    cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
     if num_splits is not None:
         cfg["num_splits"] = num_splits
     ns = cfg["num_splits"]
@@ -271,7 +276,7 @@ def mla_decode_triton(
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         S, H, ns,
-        DC=dc, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)), BLOCK_D=min(dc, 128),
+        DC=dc, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)),
         num_warps=4,
     )
     return (out, lse) if return_lse else out
