@@ -142,3 +142,42 @@ def test_gpu_default_tiles_fit_every_dtype(dtype, H, S):
     """The default tile choice must compile (shared memory) and be right for fp32/fp16/bf16 caches."""
     case = make_decode_case(3, S, H, 64, 512, 64, [S, 300, 2049], dtype, device="cuda", seed=H + S)
     check(case, True, 512, out_tol=1e-2 if dtype != torch.float32 else 1e-4)
+
+
+TMA_CASES = [  # B, S, H, page, dc, dr, lens, block_n, splits
+    (2, 1, 16, 64, 512, 64, [70, 130], 32, 2),
+    (2, 4, 4, 32, 64, 16, [3, 90], 16, 1),
+    (3, 2, 8, 16, 256, 32, [5, 40, 100], 16, 3),
+]
+
+
+@pytest.mark.parametrize("case", TMA_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_tma_path_matches_reference_in_interpreter(case, causal):
+    B, S, H, ps, dc, dr, lens, bn, ns = case
+    q, kv, table, seq = make_decode_case(B, S, H, ps, dc, dr, lens, torch.float32, seed=B + S)
+    want, want_lse = reference(q, kv, table, seq, causal, dc)
+    got, got_lse = mla_decode_triton(q, kv, table, seq, 0.0721, causal=causal, return_lse=True, head_dim_v=dc,
+                                     use_tma=True, block_n=bn, num_splits=ns)
+    assert rel_err(got, want) <= 1e-4 and not torch.isnan(got).any()
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(got_lse))
+    assert (got_lse[fin].double() - want_lse[fin]).abs().max() <= 1e-4
+
+
+def test_tma_path_rejects_unsupported_layouts():
+    case = make_decode_case(1, 1, 2, 16, 32, 16, [20], torch.float32)
+    with pytest.raises(ValueError, match="TMA"):
+        mla_decode_triton(*case, 0.1, head_dim_v=32, use_tma=True, block_n=32)  # block larger than a page
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S,H,causal", [(1, 1, 16, True), (6, 2, 3, True), (64, 4, 16, True), (2, 1, 128, False),
+                                          (64, 1, 64, True)])
+def test_gpu_tma_path_bf16(B, S, H, causal):
+    rng = random.Random(B + S + H)
+    lens = [rng.randint(1, 4096) for _ in range(B)]
+    q, kv, table, seq = make_decode_case(B, S, H, 64, 512, 64, lens, torch.bfloat16, device="cuda", seed=B * S)
+    want, _ = reference(q.cpu(), kv.cpu(), table.cpu(), seq.cpu(), causal, 512)
+    got = mla_decode_triton(q, kv, table, seq, 0.0721, causal=causal, use_tma=True)
+    assert rel_err(got.cpu(), want) <= 1e-2
