@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
@@ -109,108 +108,6 @@ def _mla_decode_split_kernel(
     else:
         mo = MID_O + b * stride_mob + s_idx * stride_mos + h_idx * stride_moh + pid_sp * stride_mosp
         tl.store(mo[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
-        ml = MID_LSE + b * stride_mlb + s_idx * stride_mls + h_idx * stride_mlh + pid_sp
-        tl.store(ml, lse, mask=row_ok)
-
-
-@triton.jit
-def _mla_decode_split_kernel_tma(
-    Q, KC_DESC, KR_DESC, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
-    stride_qb, stride_qs, stride_qh,
-    stride_btb,
-    stride_mob, stride_mos, stride_moh, stride_mosp,
-    stride_mlb, stride_mls, stride_mlh,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_ls,
-    scale_log2,
-    S, H, NUM_SPLITS,
-    PAGE_SIZE: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, DR: tl.constexpr,
-    BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-):
-    """Stage 1 with bulk tensor copies (TMA): each KV block (inside one page) is fetched as NCH
-    [BLOCK_N, CH] latent tiles plus one [BLOCK_N, DR] rope tile; the Dc-wide accumulator is kept
-    as NCH column chunks. Same math and outputs as `_mla_decode_split_kernel`."""
-    pid_bg = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_sp = tl.program_id(2)
-    n_groups = S // FOLD
-    b = pid_bg // n_groups
-    g = pid_bg % n_groups
-    DC: tl.constexpr = CH * NCH
-
-    rows = tl.arange(0, BLOCK_M)
-    s_idx = g * FOLD + rows // BLOCK_H
-    h_idx = pid_h * BLOCK_H + rows % BLOCK_H
-    row_ok = (rows < FOLD * BLOCK_H) & (h_idx < H)
-
-    seq_len = tl.load(SEQ + b)
-    n_blocks = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-    start = pid_sp * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
-    if CAUSAL:
-        limit = seq_len - S + s_idx + 1
-        end = tl.minimum(end, seq_len - S + g * FOLD + FOLD)
-    else:
-        limit = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len
-
-    offs_ch = tl.arange(0, CH)
-    offs_r = tl.arange(0, DR)
-    q_row = Q + b * stride_qb + s_idx * stride_qs + h_idx * stride_qh
-    q_c0 = tl.load(q_row[:, None] + offs_ch[None, :], mask=row_ok[:, None], other=0.0)
-    if NCH == 2:
-        q_c1 = tl.load(q_row[:, None] + CH + offs_ch[None, :], mask=row_ok[:, None], other=0.0)
-    q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_M, CH], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_M, CH], dtype=tl.float32)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + offs_n0
-        n_ok = offs_n < end
-        page = tl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
-        row0 = page * PAGE_SIZE + n0 % PAGE_SIZE
-        # rows past the end may hold anything (NaN-poisoned pages): zero them before they reach p·V
-        k0 = tl.where(n_ok[:, None], KC_DESC.load([row0, 0]), 0.0)
-        k_r = tl.where(n_ok[:, None], KR_DESC.load([row0, DC]), 0.0)
-        qk = tl.dot(q_c0, tl.trans(k0), input_precision=PRECISION)
-        if NCH == 2:
-            k1 = tl.where(n_ok[:, None], KC_DESC.load([row0, CH]), 0.0)
-            qk = tl.dot(q_c1, tl.trans(k1), qk, input_precision=PRECISION)
-        qk = tl.dot(q_r, tl.trans(k_r), qk, input_precision=PRECISION)
-        qk = qk * scale_log2
-        visible = n_ok[None, :] & (offs_n[None, :] < limit[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pk = p.to(k0.dtype)
-        acc0 = tl.dot(pk, k0, acc0 * alpha[:, None], input_precision=PRECISION)
-        if NCH == 2:
-            acc1 = tl.dot(pk, k1, acc1 * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
-
-    has = l_i > 0
-    inv_l = 1.0 / tl.where(has, l_i, 1.0)
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    if DIRECT:
-        o_ptr = OUT + b * stride_ob + s_idx * stride_os + h_idx * stride_oh
-        tl.store(o_ptr[:, None] + offs_ch[None, :], (acc0 * inv_l[:, None]).to(OUT.dtype.element_ty),
-                 mask=row_ok[:, None])
-        if NCH == 2:
-            tl.store(o_ptr[:, None] + CH + offs_ch[None, :], (acc1 * inv_l[:, None]).to(OUT.dtype.element_ty),
-                     mask=row_ok[:, None])
-        tl.store(LSE + b * stride_lb + s_idx * stride_ls + h_idx, lse / 1.4426950408889634, mask=row_ok)
-    else:
-        mo = MID_O + b * stride_mob + s_idx * stride_mos + h_idx * stride_moh + pid_sp * stride_mosp
-        tl.store(mo[:, None] + offs_ch[None, :], acc0 * inv_l[:, None], mask=row_ok[:, None])
-        if NCH == 2:
-            tl.store(mo[:, None] + CH + offs_ch[None, :], acc1 * inv_l[:, None], mask=row_ok[:, None])
         ml = MID_LSE + b * stride_mlb + s_idx * stride_mls + h_idx * stride_mlh + pid_sp
         tl.store(ml, lse, mask=row_ok)
 
@@ -321,7 +218,6 @@ def mla_decode_triton(
     num_stages: int | None = None,
     block_n: int | None = None,
     max_rows: int = MAX_ROWS,
-    use_tma: bool | None = None,
 ):
     """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs."""
     B, S, H, D = q.shape
@@ -356,45 +252,21 @@ def mla_decode_triton(
     ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
-    ch = min(dc, 256)
-    if use_tma is None:
-        use_tma = False
-    if use_tma and (page_size % block_n or dc % ch or dc // ch > 2 or not kv_cache.is_contiguous()):
-        raise ValueError("the TMA path needs block_n | page_size, Dc <= 512 in 1-2 chunks, a contiguous cache")
-    if use_tma:
-        flat = kv_cache.view(-1, D)
-        kc_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, ch])
-        kr_desc = TensorDescriptor.from_tensor(flat, block_shape=[block_n, dr])
-        _mla_decode_split_kernel_tma[grid](
-            q, kc_desc, kr_desc, block_table, seq_lens, mid_o, mid_lse, out, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            block_table.stride(0),
-            *mo_strides,
-            *ml_strides,
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            softmax_scale * LOG2E,
-            S, H, ns,
-            PAGE_SIZE=page_size, CH=ch, NCH=dc // ch, DR=dr,
-            BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-            CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
-        )
-    else:
-        _mla_decode_split_kernel[grid](
-            q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv_cache.stride(0), kv_cache.stride(1),
-            block_table.stride(0),
-            *mo_strides,
-            *ml_strides,
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            softmax_scale * LOG2E,
-            S, H, ns,
-            PAGE_SIZE=page_size, DC=dc, DR=dr,
-            BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-            CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
-        )
+    _mla_decode_split_kernel[grid](
+        q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        *mo_strides,
+        *ml_strides,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        softmax_scale * LOG2E,
+        S, H, ns,
+        PAGE_SIZE=page_size, DC=dc, DR=dr,
+        BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
+        CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
+    )
     if direct:
         return (out, lse) if return_lse else out
     _mla_decode_combine_kernel[(B * S, H)](
