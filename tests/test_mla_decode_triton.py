@@ -45,6 +45,8 @@ CPU_CASES = [
     (2, 3, 5, 1, 32, 16, [20, 7]),  # page size 1, S not a power of two
     (1, 8, 2, 128, 32, 32, [130]),
     (2, 2, 8, 16, 128, 64, [2, 40]),  # seq_len == S
+    (2, 3, 5, 16, 48, 32, [7, 60]),  # Dc not a power of two
+    (1, 2, 16, 64, 80, 48, [100]),  # Dc and Dr not powers of two
 ]
 
 
@@ -82,6 +84,12 @@ def test_fold_rule_and_plan():
     assert big["num_splits"] <= p["num_splits"]
 
 
+def test_dims_not_multiple_of_16_are_rejected():
+    q, kv, table, seq = make_decode_case(1, 1, 2, 16, 40, 24, [5], torch.float32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mla_decode_triton(q, kv, table, seq, 0.1, head_dim_v=40)
+
+
 def test_bad_shapes_raise():
     q, kv, table, seq = make_decode_case(1, 1, 2, 16, 32, 16, [5], torch.float32)
     with pytest.raises(ValueError):
@@ -106,9 +114,10 @@ def test_gpu_bf16_full_grid(B, S, H, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16, 128])
-def test_gpu_page_sizes_and_odd_dims(page_size):
-    case = make_decode_case(5, 2, 16, page_size, 256, 32, [1, 77, 300, 1025, 2000], torch.bfloat16, device="cuda")
-    check(case, True, 256, out_tol=1e-2)
+@pytest.mark.parametrize("dc,dr", [(256, 32), (80, 48)])
+def test_gpu_page_sizes_and_odd_dims(page_size, dc, dr):
+    case = make_decode_case(5, 2, 16, page_size, dc, dr, [1, 77, 300, 1025, 2000], torch.bfloat16, device="cuda")
+    check(case, True, dc, out_tol=1e-2)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ query tokens × BLOCK_H heads (TokenSpeed's fold: F = the largest divisor of S w
 the fa3_mtp idea), so one pass over the KV pages serves every draft token of the request; each row
 keeps its own bottom-right causal limit. Scores = q_c·c_kv + q_r·k_pe, online softmax in base 2,
 acc += p·c_kv (fp32 inputs use IEEE fp32 dots, not tf32: the fp32 path is the exact one). It writes the split's normalised output and its log2-sum-exp.
-Stage 2: one program per (request, query token, head block) merges the splits.
+Stage 2: one program per (request, query token, head, 128 output columns) merges the splits.
 
 The number of splits comes from shapes only (B, S, H, SM count, the block table's capacity), never
 from the device-side lengths, so there is no host synchronisation, the workspace has a fixed size,
@@ -35,7 +35,7 @@ def _mla_decode_split_kernel(
     stride_lb, stride_ls,
     scale_log2,
     S, H, NUM_SPLITS,
-    PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, DC_PAD: tl.constexpr, DR_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):
@@ -63,15 +63,18 @@ def _mla_decode_split_kernel(
     else:
         limit = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len
 
-    offs_c = tl.arange(0, DC)
-    offs_r = tl.arange(0, DR)
+    # Dc/Dr that are not powers of two are padded to one (DC_PAD/DR_PAD) and masked
+    offs_c = tl.arange(0, DC_PAD)
+    offs_r = tl.arange(0, DR_PAD)
+    c_ok = offs_c < DC
+    r_ok = offs_r < DR
     q_row = Q + b * stride_qb + s_idx * stride_qs + h_idx * stride_qh
-    q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None], other=0.0)
-    q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+    q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+    q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DC_PAD], dtype=tl.float32)
     offs_n0 = tl.arange(0, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_n0
@@ -82,8 +85,14 @@ def _mla_decode_split_kernel(
         else:
             page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0)
             kv_row = KV + page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt
-        k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
-        k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
+        if DC_PAD == DC:
+            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+        if DR_PAD == DR:
+            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         qk = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
         qk = tl.dot(q_r, tl.trans(k_r), qk, input_precision=PRECISION)
         qk = qk * scale_log2
@@ -103,11 +112,11 @@ def _mla_decode_split_kernel(
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if DIRECT:  # a single split: this is the final result, no combine pass
         o_ptr = OUT + b * stride_ob + s_idx * stride_os + h_idx * stride_oh
-        tl.store(o_ptr[:, None] + offs_c[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptr[:, None] + offs_c[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
         tl.store(LSE + b * stride_lb + s_idx * stride_ls + h_idx, lse / 1.4426950408889634, mask=row_ok)
     else:
         mo = MID_O + b * stride_mob + s_idx * stride_mos + h_idx * stride_moh + pid_sp * stride_mosp
-        tl.store(mo[:, None] + offs_c[None, :], out, mask=row_ok[:, None])
+        tl.store(mo[:, None] + offs_c[None, :], out, mask=row_ok[:, None] & c_ok[None, :])
         ml = MID_LSE + b * stride_mlb + s_idx * stride_mls + h_idx * stride_mlh + pid_sp
         tl.store(ml, lse, mask=row_ok)
 
@@ -120,33 +129,37 @@ def _mla_decode_combine_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_ls,
     S, H, NUM_SPLITS,
-    DC: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
+    """One program per (request·token, head, BLOCK_D columns): enough programs to read the
+    partials at full bandwidth even when B·H is small (B=1 decodes split the most)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_D
     b = pid // S
     s = pid % S
+    lse_base = MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh
     offs_sp = tl.arange(0, BLOCK_SPLITS)
-    sp_ok = offs_sp < NUM_SPLITS
-    lse = tl.load(MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh + offs_sp, mask=sp_ok,
-                  other=float("-inf"))
+    lse = tl.load(lse_base + offs_sp, mask=offs_sp < NUM_SPLITS, other=float("-inf"))
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2(lse - m_safe), 0)
-    base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
-    # one split at a time (a [splits, DC] tile would not fit in registers for long splits lists)
-    offs_d = tl.arange(0, DC)
     inv_total = 1.0 / tl.where(total > 0, total, 1.0)
-    acc = tl.zeros([DC], dtype=tl.float32)
-    for sp in range(0, NUM_SPLITS):
-        l_sp = tl.load(MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh + sp)
-        w_sp = tl.exp2(l_sp - m_safe) * inv_total
-        o = tl.load(base + sp * stride_mosp + offs_d)  # every split wrote its row (zeros if empty)
-        acc += o * w_sp
+    base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
+    offs_d = d0 + tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for sp0 in range(0, NUM_SPLITS, SPLIT_CHUNK):  # a few splits per step: loads in flight together
+        sp = sp0 + offs_c
+        ok = sp < NUM_SPLITS
+        w = tl.exp2(tl.load(lse_base + sp, mask=ok, other=float("-inf")) - m_safe) * inv_total
+        o = tl.load(base + sp[:, None] * stride_mosp + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
     tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, acc.to(OUT.dtype.element_ty))
-    lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
-                       float("-inf"))
-    tl.store(LSE + b * stride_lb + s * stride_ls + h, lse_out)
+    if d0 == 0:
+        lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
+                           float("-inf"))
+        tl.store(LSE + b * stride_lb + s * stride_ls + h, lse_out)
 
 
 def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:
@@ -223,6 +236,8 @@ def mla_decode_triton(
     B, S, H, D = q.shape
     dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
+    if dc % 16 or dr % 16:
+        raise ValueError(f"Dc={dc} and Dr={dr} must be multiples of 16")
     page_size = kv_cache.shape[1]
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache must be contiguous in their last dimension")
@@ -263,20 +278,21 @@ def mla_decode_triton(
         lse.stride(0), lse.stride(1),
         softmax_scale * LOG2E,
         S, H, ns,
-        PAGE_SIZE=page_size, DC=dc, DR=dr,
+        PAGE_SIZE=page_size, DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc), DR_PAD=triton.next_power_of_2(dr),
         BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
         CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
     )
     if direct:
         return (out, lse) if return_lse else out
-    _mla_decode_combine_kernel[(B * S, H)](
+    block_d = 128 if dc % 128 == 0 else 16  # Dc is a multiple of 16 (checked above)
+    _mla_decode_combine_kernel[(B * S, H, dc // block_d)](
         mid_o, mid_lse, out, lse,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         S, H, ns,
-        DC=dc, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)),
+        BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)), SPLIT_CHUNK=8,
         num_warps=4,
     )
     return (out, lse) if return_lse else out
