@@ -129,10 +129,10 @@ def _mla_decode_combine_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_ls,
     S, H, NUM_SPLITS,
-    BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    DC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
-    """One program per (request·token, head, BLOCK_D columns): enough programs to read the
-    partials at full bandwidth even when B·H is small (B=1 decodes split the most)."""
+    """One program per (request·token, head, BLOCK_D columns). Columns are split only when B·S·H
+    alone would leave SMs idle (B=1 decodes split the most); otherwise one program per row."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -147,15 +147,16 @@ def _mla_decode_combine_kernel(
     inv_total = 1.0 / tl.where(total > 0, total, 1.0)
     base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
     offs_d = d0 + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < DC
     offs_c = tl.arange(0, SPLIT_CHUNK)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for sp0 in range(0, NUM_SPLITS, SPLIT_CHUNK):  # a few splits per step: loads in flight together
         sp = sp0 + offs_c
         ok = sp < NUM_SPLITS
         w = tl.exp2(tl.load(lse_base + sp, mask=ok, other=float("-inf")) - m_safe) * inv_total
-        o = tl.load(base + sp[:, None] * stride_mosp + offs_d[None, :], mask=ok[:, None], other=0.0)
+        o = tl.load(base + sp[:, None] * stride_mosp + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(o * w[:, None], 0)
-    tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, acc.to(OUT.dtype.element_ty))
+    tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, acc.to(OUT.dtype.element_ty), mask=d_ok)
     if d0 == 0:
         lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
                            float("-inf"))
@@ -284,15 +285,17 @@ def mla_decode_triton(
     )
     if direct:
         return (out, lse) if return_lse else out
-    block_d = 128 if dc % 128 == 0 else 16  # Dc is a multiple of 16 (checked above)
-    _mla_decode_combine_kernel[(B * S, H, dc // block_d)](
+    block_d = triton.next_power_of_2(dc)  # one program per row, unless rows are too few for the SMs
+    while block_d > 128 and B * S * H * (dc // block_d) < 4 * _sm_count(q.device) and dc % (block_d // 2) == 0:
+        block_d //= 2
+    _mla_decode_combine_kernel[(B * S, H, triton.cdiv(dc, block_d))](
         mid_o, mid_lse, out, lse,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         S, H, ns,
-        BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)), SPLIT_CHUNK=8,
+        DC=dc, BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)), SPLIT_CHUNK=8,
         num_warps=4,
     )
     return (out, lse) if return_lse else out
