@@ -209,7 +209,9 @@ def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n
     # split only as far as one wave allows: more splits would add a tail wave and partial traffic.
     sms = _sm_count(device)
     max_useful = max(1, triton.cdiv(max_seq_len, 2 * block_n))  # keep ≥ 2 KV blocks per split
-    waves = 2 if programs >= 32 else 1  # measured: a second wave balances large batches (docs/benchmarks.md)
+    # measured (docs/benchmarks.md): a second wave balances large batches of small (≤ 32-row) tiles;
+    # 64-row tiles are compute-heavy and do best in one wave, written directly
+    waves = 2 if programs >= 32 and block_m < 64 else 1
     splits = max(1, min(waves * sms // programs, max_useful, 128))
     return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
                 BLOCK_N=block_n)
