@@ -160,12 +160,7 @@ def main():
     variants = [dict(num_warps=8, num_stages=2, block_n=64), dict(num_warps=4, num_stages=2, block_n=32),
                 dict(num_warps=4, num_stages=3, block_n=32), dict(num_warps=4, num_stages=4, block_n=32),
                 dict(num_warps=8, num_stages=3, block_n=32), dict(num_warps=4, num_stages=2, block_n=64),
-                dict(num_warps=4, num_stages=5, block_n=32), dict(num_warps=4, num_stages=6, block_n=16),
-                dict(num_warps=4, num_stages=5, block_n=32, kv_evict="evict_first"),
-                dict(num_warps=4, num_stages=2, block_n=64, kv_evict="evict_first"),
-                dict(num_warps=8, num_stages=2, block_n=64, reload_q=True),
-                dict(num_warps=8, num_stages=3, block_n=32, reload_q=True),
-                dict(num_warps=4, num_stages=2, block_n=64, reload_q=True)]
+                dict(num_warps=4, num_stages=5, block_n=32), dict(num_warps=4, num_stages=6, block_n=16)]
     if args.quick:
         variants = variants[:1]
     rows = []

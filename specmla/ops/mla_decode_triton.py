@@ -38,7 +38,6 @@ def _mla_decode_split_kernel(
     PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, DC_PAD: tl.constexpr, DR_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-    RELOAD_Q: tl.constexpr, KV_EVICT: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -87,20 +86,13 @@ def _mla_decode_split_kernel(
             page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0)
             kv_row = KV + page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt
         if DC_PAD == DC:
-            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0,
-                          eviction_policy=KV_EVICT)
+            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
         else:
-            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0,
-                          eviction_policy=KV_EVICT)
+            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
         if DR_PAD == DR:
-            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0,
-                          eviction_policy=KV_EVICT)
+            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
         else:
-            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0,
-                          eviction_policy=KV_EVICT)
-        if RELOAD_Q:  # re-read q (L1/L2 hits) instead of pinning 64×576 values in registers
-            q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
-            q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
         qk = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
         qk = tl.dot(q_r, tl.trans(k_r), qk, input_precision=PRECISION)
         qk = qk * scale_log2
@@ -242,8 +234,6 @@ def mla_decode_triton(
     num_stages: int | None = None,
     block_n: int | None = None,
     max_rows: int = MAX_ROWS,
-    reload_q: bool = False,
-    kv_evict: str = "",
 ):
     """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs."""
     B, S, H, D = q.shape
@@ -293,8 +283,7 @@ def mla_decode_triton(
         S, H, ns,
         PAGE_SIZE=page_size, DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc), DR_PAD=triton.next_power_of_2(dr),
         BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        CAUSAL=causal, PRECISION=precision, DIRECT=direct, RELOAD_Q=reload_q, KV_EVICT=kv_evict,
-        num_warps=warps, num_stages=stages,
+        CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
     )
     if direct:
         return (out, lse) if return_lse else out
