@@ -43,9 +43,10 @@ def test_paged_prefill_and_decode_logits_match_transformers(pair):
     runner, recorded = llm.engine.runner, []
     forward = runner.forward_logits
 
-    def recording_forward(seqs, naive_context=False):
-        ids = [list(s.all_ids) for s in seqs]
-        logits = forward(seqs, naive_context)
+    def recording_forward(seqs, q_lens=None, naive_context=False):
+        ends = [s.num_cached + q for s, q in zip(seqs, q_lens)]
+        ids = [list(s.all_ids[:e]) for s, e in zip(seqs, ends)]
+        logits = forward(seqs, q_lens, naive_context)
         recorded.append((ids, logits))
         return logits
 

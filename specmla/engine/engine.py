@@ -1,19 +1,20 @@
 """The generation loop: admit requests, prefill, decode, sample, detokenise, finish, free pages.
 
-This is the simple foundation loop (whole-prompt prefill, then batched decode of every running
-request); the continuous-batching scheduler replaces `_schedule` later without touching the rest.
+Continuous batching: every step the scheduler picks decode tokens and prefill chunks under a token
+budget; the decode part runs the absorbed attention over the paged cache, the prefill part the MHA
+form; requests that finish free their pages at once and new ones join the next step.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from specmla.engine.kv_pool import KVPool, OutOfPages
+from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner
+from specmla.engine.scheduler import Scheduler
 from specmla.engine.sequence import Sequence, Status
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.sampling_params import SamplingParams
@@ -41,18 +42,17 @@ class LLMEngine:
         pool: KVPool,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
     ):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.runner = ModelRunner(model, pool)
-        self.max_num_seqs = max_num_seqs
+        self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens)
         self.max_model_len = max_model_len or model.max_positions
         cfg = model.config
         eos = set(cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.naive_decode = False  # tests: run decode through the MHA form instead of the absorbed one
 
     # ---- requests -------------------------------------------------------------------------------
@@ -71,45 +71,46 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len}")
         seq = Sequence(prompt_ids=ids, params=params, prompt=text)
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         return seq
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
+
+    @property
+    def waiting(self):
+        return self.scheduler.waiting
+
+    @property
+    def running(self):
+        return self.scheduler.running
 
     # ---- one step ----------------------------------------------------------------------------------
-    def _schedule(self) -> tuple[list[Sequence], bool]:
-        """Prefill newly admitted requests if any fit, else decode every running request."""
-        admitted = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
-            seq = self.waiting[0]
-            pages_for_all = sum(self.pool.pages_needed(s.seq_id, s.total_len) for s in admitted)
-            need = -(-seq.total_len // self.pool.page_size)
-            if need > self.pool.num_pages:
-                self.waiting.popleft()
-                self._finish(seq, "error")
-                seq.text = f"prompt needs {need} KV pages; the pool has {self.pool.num_pages}"
-                continue
-            if pages_for_all + need > self.pool.num_free_pages():
-                break
-            admitted.append(self.waiting.popleft())
-        if admitted:
-            return admitted, True
-        return list(self.running), False
-
     def step(self) -> list[Sequence]:
-        """Run one forward; returns the sequences that got a new token (or finished)."""
-        seqs, is_prefill = self._schedule()
-        if not seqs:
-            return []
-        if not is_prefill:
-            short = sum(self.pool.pages_needed(s.seq_id, s.total_len) for s in seqs)
-            if short > self.pool.num_free_pages():
-                raise OutOfPages(
-                    f"decode needs {short} more KV page(s), {self.pool.num_free_pages()} free; "
-                    "raise num_pages or lower max_num_seqs"
-                )
-        logits = self.runner.forward_logits(seqs, naive_context=self.naive_decode and not is_prefill)
+        """Schedule, run the decode and prefill parts, sample where a request's tokens are all
+        computed; returns the sequences that got a new token or finished."""
+        batch = self.scheduler.schedule()
+        for seq, why in batch.rejected:
+            seq.text = why
+            self._finish(seq, "error")
+        ready: list[Sequence] = []
+        logits = []
+        if batch.decode:
+            logits.append(self.runner.forward_logits(batch.decode, [1] * len(batch.decode),
+                                                     naive_context=self.naive_decode))
+            ready += batch.decode
+        if batch.prefill:
+            seqs = [s for s, _ in batch.prefill]
+            out = self.runner.forward_logits(seqs, [n for _, n in batch.prefill])
+            done = [i for i, s in enumerate(seqs) if s.num_cached == s.total_len]
+            if done:
+                logits.append(out[done])
+                ready += [seqs[i] for i in done]
+        if ready:
+            self._sample_and_append(ready, torch.cat(logits))
+        return ready + [s for s, _ in batch.rejected]
+
+    def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         out = self.runner.sample(seqs, logits)
         tokens = out.tokens.tolist()
         lps = out.logprobs.tolist() if any(s.params.logprobs is not None for s in seqs) else None
@@ -118,9 +119,6 @@ class LLMEngine:
             top = (out.top_token_ids.tolist(), out.top_logprobs.tolist())
         now = time.perf_counter()
         for i, s in enumerate(seqs):
-            if is_prefill:
-                s.status = Status.RUNNING
-                self.running.append(s)
             if s.first_token_time is None:
                 s.first_token_time = now
             s.output_ids.append(tokens[i])
@@ -131,7 +129,6 @@ class LLMEngine:
                     entry["top"] = dict(zip(top[0][i][:n], top[1][i][:n]))
                 s.logprobs.append(entry)
             self._check_finish(s, tokens[i])
-        return seqs
 
     def _check_finish(self, s: Sequence, token: int) -> None:
         p = s.params
@@ -151,13 +148,9 @@ class LLMEngine:
 
     def _finish(self, s: Sequence, reason: str) -> None:
         s.status, s.finish_reason, s.finish_time = Status.FINISHED, reason, time.perf_counter()
-        if s in self.running:
-            self.running.remove(s)
-        self.pool.free(s.seq_id)
+        self.scheduler.remove(s)
 
     def abort(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
         if not seq.is_finished:
             self._finish(seq, "abort")
 

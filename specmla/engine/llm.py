@@ -34,6 +34,8 @@ class LLM:
         page_size: int = 64,
         num_pages: int | None = None,
         max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         progress: bool = False,
@@ -65,8 +67,9 @@ class LLM:
             num_pages = default_num_pages(self.model, page_size, cache_dtype, device, max_num_seqs, max_len,
                                           gpu_memory_utilization)
         pool = KVPool(self.model.num_cache_layers, num_pages, page_size, self.model.config.latent_dim,
-                      cache_dtype, device)
-        self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len)
+                      cache_dtype, device, enable_prefix_caching=enable_prefix_caching)
+        self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
+                                max_num_batched_tokens=max_num_batched_tokens)
 
     @property
     def kv_pool(self) -> KVPool:

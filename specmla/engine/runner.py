@@ -1,7 +1,7 @@
 """Runs the model on a batch of sequences: builds the step's tensors, forwards, samples.
 
-Each scheduled sequence computes the tokens [num_cached, total_len) of its ids (a whole prompt, or
-one new token in decode). The batch tensors (positions, slot mapping, block table, lengths) are
+Each scheduled sequence computes q_len tokens from num_cached on (a prefill chunk, or one new token
+in decode). The batch tensors (positions, slot mapping, block table, lengths) are
 built on the host once per step and shared by every layer.
 """
 
@@ -21,23 +21,24 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.device = pool.device
 
-    def build_metadata(self, seqs: list[Sequence], naive_context: bool = False) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Input ids and metadata for computing tokens [num_cached, total_len) of every sequence."""
+    def build_metadata(
+        self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Input ids and metadata for computing tokens [num_cached, num_cached + q_len) of each sequence."""
         pool, dev = self.pool, self.device
-        ids, positions, slots, q_lens, kv_lens = [], [], [], [], []
-        for s in seqs:
-            start, end = s.num_cached, s.total_len
+        ids, positions, slots, kv_lens = [], [], [], []
+        for s, q in zip(seqs, q_lens):
+            start, end = s.num_cached, s.num_cached + q
             ids += s.all_ids[start:end]
             positions += range(start, end)
             slots += pool.slots(s.seq_id, start, end)
-            q_lens.append(end - start)
             kv_lens.append(end)
         is_decode = all(q == q_lens[0] for q in q_lens) and all(s.num_cached > 0 for s in seqs) and q_lens[0] <= 8
         has_prefix = any(s.num_cached > 0 for s in seqs)
         context_slots = None
         cu_kv = None
         if has_prefix and (not is_decode or naive_context):
-            ctx = [slot for s in seqs for slot in pool.slots(s.seq_id, 0, s.total_len)]
+            ctx = [slot for s, n in zip(seqs, kv_lens) for slot in pool.slots(s.seq_id, 0, n)]
             context_slots = torch.tensor(ctx, dtype=torch.long, device=dev)
             cu_kv = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
         meta = AttentionMetadata(
@@ -55,15 +56,19 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=dev), meta
 
     @torch.inference_mode()
-    def forward_logits(self, seqs: list[Sequence], naive_context: bool = False) -> torch.Tensor:
-        """Logits [B, V] (fp32) of the last computed token of each sequence; marks tokens cached."""
-        for s in seqs:
-            self.pool.allocate(s.seq_id, s.total_len)
-        input_ids, meta = self.build_metadata(seqs, naive_context)
+    def forward_logits(
+        self, seqs: list[Sequence], q_lens: list[int] | None = None, naive_context: bool = False
+    ) -> torch.Tensor:
+        """Compute q_lens[i] new tokens of each sequence (default: all uncomputed ones; pages must be
+        allocated) and return the fp32 logits [B, V] of each sequence's last computed token."""
+        if q_lens is None:
+            q_lens = [s.total_len - s.num_cached for s in seqs]
+        input_ids, meta = self.build_metadata(seqs, q_lens, naive_context)
         hidden = self.model(input_ids, meta, self.pool.caches, force_naive=naive_context)
         last = meta.cu_seqlens_q[1:].long() - 1
-        for s in seqs:
-            s.num_cached = s.total_len
+        for s, q in zip(seqs, q_lens):
+            s.num_cached += q
+            self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
         return self.model.compute_logits(hidden[last])
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor):
