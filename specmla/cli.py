@@ -1,4 +1,4 @@
-"""`specmla` command line: generate (more subcommands arrive with the server and benchmarks)."""
+"""`specmla` command line: generate, bench throughput (serve arrives with the server)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    import json
+
+    from specmla import LLM
+    from specmla.bench import format_report, load_prompts, run_throughput, run_transformers
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = load_prompts(args.dataset, args.num_prompts, args.input_len, llm.model.config.vocab_size, args.seed)
+    result = {"specmla": run_throughput(llm, prompts, args.output_len)}
+    print(format_report(result["specmla"]))
+    if args.compare_transformers:
+        if args.dataset:
+            prompts = [llm.tokenizer.encode(p) for p in prompts]
+        dtype = next(llm.model.parameters()).dtype
+        device = str(llm.kv_pool.device)
+        del llm
+        hf = run_transformers(str(args.model or _default_model()), prompts, args.output_len,
+                              args.hf_batch or args.num_prompts, device, dtype)
+        result["transformers"] = hf
+        print(f"transformers generate: {hf['output_tok_per_s']:.1f} output tok/s "
+              f"({hf['output_tokens']} tokens in {hf['duration_s']:.2f} s); specmla / transformers = "
+              f"{result['specmla']['output_tok_per_s'] / hf['output_tok_per_s']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def _default_model():
+    from specmla.model.default import default_model_path
+
+    return default_model_path()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmla", description="MLA inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    t = bench.add_parser("throughput", help="offline throughput of N prompts: tok/s, TTFT, TPOT")
+    _add_model_args(t)
+    t.add_argument("--num-prompts", type=int, default=32)
+    t.add_argument("--input-len", type=int, default=128, help="random prompt length (no --dataset)")
+    t.add_argument("--output-len", type=int, default=128)
+    t.add_argument("--dataset", default=None, help="file: one prompt per line, or JSON lines with 'prompt'")
+    t.add_argument("--max-num-seqs", type=int, default=64)
+    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate")
+    t.add_argument("--hf-batch", type=int, default=None, help="transformers batch size (default: all prompts)")
+    t.add_argument("--json", default=None, help="write the results here")
+    t.set_defaults(func=cmd_bench_throughput)
     return parser
 
 

@@ -28,3 +28,31 @@ def test_generate_bad_model_path_is_a_clear_error(tmp_path):
     r = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "x", "--device", "cpu")
     assert r.returncode == 2
     assert "config.json" in r.stderr
+
+
+def test_bench_throughput_reports_vllm_metrics(tiny_model_dir, tmp_path):
+    out = tmp_path / "r.json"
+    r = run_cli("bench", "throughput", "--model", str(tiny_model_dir), "--num-prompts", "5", "--input-len", "20",
+                "--output-len", "6", "--device", "cpu", "--max-num-batched-tokens", "32", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "output throughput" in r.stdout and "TTFT" in r.stdout and "TPOT" in r.stdout
+    import json
+
+    res = json.loads(out.read_text())["specmla"]
+    assert res["requests"] == 5 and res["output_tokens"] == 30 and res["input_tokens"] == 100
+    assert res["output_tok_per_s"] > 0 and res["ttft_s"]["median"] > 0 and res["tpot_s"]["median"] > 0
+
+
+def test_bench_prompts_from_file(tmp_path):
+    from specmla.bench import load_prompts
+
+    f = tmp_path / "p.txt"
+    f.write_text('def f(x):\n{"prompt": "import os"}\n\n')
+    assert load_prompts(str(f), 3, 0, 100, 0) == ["def f(x):", "import os", "def f(x):"]
+    rand = load_prompts(None, 2, 7, 50, 1)
+    assert len(rand) == 2 and all(len(p) == 7 and max(p) < 50 for p in rand)
+    (tmp_path / "empty.txt").write_text("\n")
+    import pytest
+
+    with pytest.raises(ValueError, match="no prompts"):
+        load_prompts(str(tmp_path / "empty.txt"), 1, 0, 10, 0)

@@ -1,0 +1,100 @@
+"""`specmla bench throughput`: offline throughput of a batch of prompts (vllm bench definitions).
+
+- output throughput = generated tokens / wall time of the whole batch;
+- TTFT = first token time − arrival, per request; TPOT = (e2e − TTFT) / (output tokens − 1);
+  reported as mean / median / p99 over requests.
+Optionally runs transformers' `generate` on the same weights and prompts for comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+
+def load_prompts(path: str | None, num_prompts: int, input_len: int, vocab: int, seed: int) -> list:
+    """Prompts from a file (one per line, or JSON lines with a "prompt" field), else random token ids."""
+    if path:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]
+        prompts = [json.loads(ln)["prompt"] if ln.lstrip().startswith("{") else ln for ln in lines]
+        if not prompts:
+            raise ValueError(f"{path} holds no prompts")
+        return [prompts[i % len(prompts)] for i in range(num_prompts)]
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def _stats(xs: list[float]) -> dict:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return {"mean": None, "median": None, "p99": None}
+    return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+
+
+def run_throughput(llm, prompts: list, output_len: int, warmup: bool = True) -> dict:
+    from specmla import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    if warmup:  # compile kernels / allocate before timing
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    sync = getattr(__import__("torch").cuda, "synchronize", None)
+    if llm.kv_pool.device.type == "cuda" and sync:
+        sync()
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    return {
+        "requests": len(outs),
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "duration_s": wall,
+        "output_tok_per_s": n_out / wall,
+        "total_tok_per_s": (n_in + n_out) / wall,
+        "request_per_s": len(outs) / wall,
+        "ttft_s": _stats([o.metrics["ttft_s"] for o in outs]),
+        "tpot_s": _stats([o.metrics["tpot_s"] for o in outs]),
+        "preemptions": llm.engine.scheduler.num_preemptions,
+        "prefix_hit_tokens": llm.kv_pool.prefix_hit_tokens,
+    }
+
+
+def run_transformers(model_dir, prompts: list[list[int]], output_len: int, batch: int, device: str, dtype) -> dict:
+    """transformers' generate on the same weights: greedy, `output_len` new tokens, batches of `batch`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    gen = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        first = torch.tensor([prompts[0]], device=device)
+        model.generate(first, attention_mask=torch.ones_like(first), **dict(gen, max_new_tokens=2, min_new_tokens=2))
+        t0 = time.perf_counter()
+        n_out = 0
+        for i in range(0, len(prompts), batch):
+            ids = torch.tensor(prompts[i : i + batch], device=device)  # equal lengths: no padding needed
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+            n_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return {"output_tokens": n_out, "duration_s": wall, "output_tok_per_s": n_out / wall}
+
+
+def format_report(r: dict, label: str = "specmla") -> str:
+    def ms(x):
+        return "-" if x is None else f"{x * 1000:.1f}"
+
+    return (
+        f"{label}: {r['requests']} requests, {r['input_tokens']} prompt + {r['output_tokens']} output tokens "
+        f"in {r['duration_s']:.2f} s\n"
+        f"  output throughput {r['output_tok_per_s']:.1f} tok/s | total {r['total_tok_per_s']:.1f} tok/s | "
+        f"{r['request_per_s']:.2f} req/s\n"
+        f"  TTFT ms mean/median/p99 {ms(r['ttft_s']['mean'])}/{ms(r['ttft_s']['median'])}/{ms(r['ttft_s']['p99'])} | "
+        f"TPOT ms mean/median/p99 {ms(r['tpot_s']['mean'])}/{ms(r['tpot_s']['median'])}/{ms(r['tpot_s']['p99'])}\n"
+        f"  preemptions {r['preemptions']} | prefix-cache hit tokens {r['prefix_hit_tokens']}"
+    )
