@@ -59,14 +59,17 @@ def _read_shard(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _ckpt_name(param_name: str, num_hidden_layers: int) -> str:
-    """Our parameter name → the checkpoint's (MTP module k lives at model.layers.{N + k})."""
+    """Our module path → the checkpoint's (MTP module k lives at model.layers.{N + k})."""
     return re.sub(r"^mtp\.(\d+)\.", lambda m: f"model.layers.{num_hidden_layers + int(m.group(1))}.", param_name)
 
 
 def _model_tensors(model) -> dict[str, torch.Tensor]:
-    """Parameters plus the router bias buffers (what the loader fills)."""
-    out = dict(model.named_parameters())
-    out.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    """What the loader fills, by checkpoint name: parameters, router biases, and per-expert views
+    of the stacked expert tensors. Every parameter's storage must be covered by these."""
+    out = model.checkpoint_tensors()
+    covered = {t.untyped_storage().data_ptr() for t in out.values()}
+    for n, p in model.named_parameters():
+        assert p.untyped_storage().data_ptr() in covered, f"{n} is not reachable from a checkpoint name"
     return out
 
 
@@ -178,7 +181,7 @@ def test_sharded_checkpoint_loads_every_tensor_exactly(ckpt, name, mtp):
     for cname in spot:
         assert torch.equal(ours[cname].detach(), ref[cname]), cname
     assert torch.equal(
-        model.model.layers[last].mlp.experts[5].down_proj.weight.detach(),
+        model.model.layers[last].mlp.w_down[5].detach(),
         ref[f"model.layers.{last}.mlp.experts.5.down_proj.weight"],
     )
 
@@ -274,7 +277,7 @@ def test_mtp_layer_loaded_shared_and_matches_transformers(ckpt, name):
     assert isinstance(model.mtp[0], MTPLayer)
     for key in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                 "self_attn.kv_b_proj.weight", "mlp.experts.3.up_proj.weight", "mlp.gate.e_score_correction_bias"):
-        assert torch.equal(model.mtp[0].state_dict()[key], ref[pre + key]), key
+        assert torch.equal(model.checkpoint_tensors()[pre + key], ref[pre + key]), key
 
     # embedding and head are shared with the trunk, not copied
     for key, t in model.mtp.state_dict(keep_vars=True).items():
@@ -513,8 +516,10 @@ def test_bf16_load_keeps_router_bias_fp32(ckpt):
     for n, b in biases.items():
         assert b.dtype == torch.float32, n
         assert torch.equal(b, ref[_ckpt_name(n, N)]), n  # not rounded through bf16
-    for n, p in m16.named_parameters():
-        assert torch.equal(p.detach(), ref[_ckpt_name(n, N)].to(torch.bfloat16)), n
+    for n, p in m16.checkpoint_tensors().items():
+        if n.endswith("e_score_correction_bias"):
+            continue
+        assert torch.equal(p.detach(), ref[n].to(torch.bfloat16)), n
 
     # it runs, and agrees with fp32 to bf16 accuracy on most rows (a token whose top-k experts
     # are a near tie may legitimately route differently in bf16, so judge the median row)

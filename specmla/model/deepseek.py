@@ -96,23 +96,59 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """Routed experts stored stacked ([E, I, H] gate/up, [E, H, I] down; the checkpoint's per-expert
+    tensors are views into them) plus shared experts.
+
+    Dispatch paths, all the same math:
+    - grouped (eager): tokens sorted by expert, one GEMM pair per expert that has tokens; needs the
+      per-expert counts on the host, so it syncs;
+    - gather (sync-free, few tokens): each (token, expert) pair multiplies by its gathered expert
+      weights — reads only the chosen experts, for T·k ≤ E;
+    - dense (sync-free, many tokens): every expert on every token, weighted by the (mostly zero)
+      routing matrix — reads every expert once, which a large batch does anyway.
+    The sync-free paths are used while a CUDA graph is being captured or when `sync_free` is set.
+    """
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
-        )
+        self.w_gate = nn.Parameter(torch.empty(E, I, H))
+        self.w_up = nn.Parameter(torch.empty(E, I, H))
+        self.w_down = nn.Parameter(torch.empty(E, H, I))
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
+        self.sync_free = False
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Per-expert checkpoint names (relative to this module) → views of the stacked tensors."""
+        out = {}
+        for e in range(self.w_gate.shape[0]):
+            out[f"experts.{e}.gate_proj.weight"] = self.w_gate[e]
+            out[f"experts.{e}.up_proj.weight"] = self.w_up[e]
+            out[f"experts.{e}.down_proj.weight"] = self.w_down[e]
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
+        weights = weights.to(x.dtype)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not (capturing or self.sync_free):
+            out = self._grouped(x, weights, idx)
+        elif idx.numel() <= self.w_gate.shape[0]:
+            out = self._gather(x, weights, idx)
+        else:
+            out = self._dense(x, weights, idx)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _grouped(self, x, weights, idx):
         out = torch.zeros_like(x)
-        # Reference dispatch: tokens grouped per expert (sorted once), one GEMM pair per used expert.
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()
         token_of = order // idx.shape[1]
         w_sorted = weights.reshape(-1)[order]
         start = 0
@@ -120,12 +156,25 @@ class MoE(nn.Module):
             if n == 0:
                 continue
             tok = token_of[start : start + n]
-            y = self.experts[e](x[tok]) * w_sorted[start : start + n, None].to(x.dtype)
-            out.index_add_(0, tok, y)
+            xe = x[tok]
+            h = F.silu(xe @ self.w_gate[e].T) * (xe @ self.w_up[e].T)
+            out.index_add_(0, tok, (h @ self.w_down[e].T) * w_sorted[start : start + n, None])
             start += n
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out
+
+    def _gather(self, x, weights, idx):
+        T, k = idx.shape
+        flat = idx.reshape(-1)
+        xr = x.repeat_interleave(k, dim=0)[:, :, None]  # [T·k, H, 1]
+        h = F.silu(torch.bmm(self.w_gate[flat], xr)) * torch.bmm(self.w_up[flat], xr)  # [T·k, I, 1]
+        y = torch.bmm(self.w_down[flat], h)[..., 0] * weights.reshape(-1, 1)  # [T·k, H]
+        return y.view(T, k, -1).sum(dim=1)
+
+    def _dense(self, x, weights, idx):
+        route = torch.zeros(x.shape[0], self.w_gate.shape[0], dtype=x.dtype, device=x.device)
+        route.scatter_(1, idx, weights)  # [T, E], zero for experts a token did not choose
+        h = F.silu(torch.einsum("th,eih->tei", x, self.w_gate)) * torch.einsum("th,eih->tei", x, self.w_up)
+        return torch.einsum("tei,ehi,te->th", h, self.w_down, route)
 
 
 class MLAttention(nn.Module):
@@ -249,6 +298,13 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def _checkpoint_name(name: str, num_hidden_layers: int) -> str:
+    if name.startswith("mtp."):
+        k, rest = name[4:].split(".", 1)
+        return f"model.layers.{num_hidden_layers + int(k)}.{rest}"
+    return name
+
+
 class DeepseekForCausalLM(nn.Module):
     """Trunk + head + MTP modules. `forward` returns final-normed hidden states [T, hidden]."""
 
@@ -265,6 +321,26 @@ class DeepseekForCausalLM(nn.Module):
         self.register_buffer(
             "cos_sin", rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, self.max_positions), persistent=False
         )
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """HF checkpoint name → the tensor (or view) that holds it. MTP module k is checkpoint layer
+        num_hidden_layers + k; its embedding/head are the trunk's and are not listed again."""
+        n = self.config.num_hidden_layers
+        out: dict[str, torch.Tensor] = {}
+        stacked = {"w_gate", "w_up", "w_down"}
+        for name, t in list(self.named_parameters()) + [
+            (b, t) for b, t in self.named_buffers() if b.endswith("e_score_correction_bias")
+        ]:
+            if name.rsplit(".", 1)[-1] in stacked:
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            out[_checkpoint_name(name, n)] = t
+        for name, module in self.named_modules():
+            if isinstance(module, MoE):
+                for rel, t in module.checkpoint_tensors().items():
+                    out[_checkpoint_name(f"{name}.{rel}", n)] = t
+        return out
 
     @property
     def num_cache_layers(self) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import warnings
 from pathlib import Path
 
@@ -26,11 +25,6 @@ from specmla.model.rope import rope_cos_sin_cache
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory is missing a tensor, has a mis-shaped one, or a file is unreadable."""
-
-
-# Checkpoint tensors that the model intentionally does not keep.
-_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the trunk's tensors are used
-_IGNORED = re.compile(r"(rotary_emb\.inv_freq$)")
 
 
 def _checkpoint_files(path: Path) -> dict[str, Path]:
@@ -50,66 +44,37 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"cannot read {single}: {e}") from e
 
 
-def _param_name(ckpt_name: str, cfg: ModelConfig) -> str | None:
-    """Map a checkpoint tensor name to our parameter name (None: skip it)."""
-    if _IGNORED.search(ckpt_name):
-        return None
-    m = re.match(r"model\.layers\.(\d+)\.(.*)", ckpt_name)
-    if m and int(m.group(1)) >= cfg.num_hidden_layers:
-        k = int(m.group(1)) - cfg.num_hidden_layers
-        if k >= cfg.num_nextn_predict_layers:
-            return None
-        rest = m.group(2)
-        if rest in _MTP_SHARED:
-            return None
-        return f"mtp.{k}.{rest}"
-    return ckpt_name
-
-
 def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = True) -> None:
     """Copy every tensor of the checkpoint at `path` into `model` (already materialised)."""
     path = Path(path)
-    cfg = model.config
-    params = dict(model.named_parameters())
-    params.update({n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")})
+    params = model.checkpoint_tensors()  # checkpoint name → destination tensor (view)
     files = _checkpoint_files(path)
-    wanted: dict[str, tuple[str, Path]] = {}
-    for ckpt_name, file in files.items():
-        name = _param_name(ckpt_name, cfg)
-        if name is not None and name in params:
-            wanted[name] = (ckpt_name, file)
-    if cfg.tie_word_embeddings:
-        wanted.pop("lm_head.weight", None)
-        params.pop("lm_head.weight", None)
+    wanted = {name: file for name, file in files.items() if name in params}
     missing = sorted(set(params) - set(wanted))
     if missing:
-        ckpt_names = [
-            re.sub(r"^mtp\.(\d+)\.", lambda m: f"model.layers.{cfg.num_hidden_layers + int(m.group(1))}.", n)
-            for n in missing
-        ]
-        raise CheckpointError(f"{path}: missing tensor(s) {ckpt_names[:8]}{' ...' if len(missing) > 8 else ''}")
+        raise CheckpointError(f"{path}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for name, (ckpt_name, file) in wanted.items():
-        by_file.setdefault(file, []).append((name, ckpt_name))
+    by_file: dict[Path, list[str]] = {}
+    for name, file in wanted.items():
+        by_file.setdefault(file, []).append(name)
     bar = tqdm(total=len(wanted), desc="loading weights", unit="tensor", disable=not progress)
     for file, items in by_file.items():
         if not file.exists():
-            raise CheckpointError(f"tensor {items[0][1]!r} should be in {file}, which does not exist")
+            raise CheckpointError(f"tensor {items[0]!r} should be in {file}, which does not exist")
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
         except Exception as e:
             raise CheckpointError(f"cannot read {file}: {e}") from e
         with handle as f:
             available = set(f.keys())
-            for name, ckpt_name in items:
+            for ckpt_name in items:
                 if ckpt_name not in available:
                     raise CheckpointError(f"tensor {ckpt_name!r} is listed for {file.name} but not stored there")
                 try:
                     t = f.get_tensor(ckpt_name)
                 except Exception as e:
                     raise CheckpointError(f"cannot read tensor {ckpt_name!r} from {file}: {e}") from e
-                dst = params[name]
+                dst = params[ckpt_name]
                 if tuple(t.shape) != tuple(dst.shape):
                     raise CheckpointError(
                         f"tensor {ckpt_name!r} in {file.name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
@@ -176,22 +141,10 @@ def load_model(
 
 
 def save_checkpoint(model: DeepseekForCausalLM, path: str | Path) -> None:
-    """Write the model's tensors to `path`/model.safetensors with HF checkpoint names.
-
-    MTP modules go to model.layers.{num_hidden_layers + i}.*; their shared embedding/head are not
-    written again (the loader uses the trunk's), so files stay small.
-    """
+    """Write the model's tensors to `path`/model.safetensors with HF checkpoint names (per-expert
+    tensors, MTP modules as model.layers.{num_hidden_layers + i}.*, their shared embedding/head
+    not written again: the loader uses the trunk's)."""
     from safetensors.torch import save_file
 
-    cfg = model.config
-    tensors = {}
-    for name, t in list(model.named_parameters()) + [
-        (n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")
-    ]:
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        m = re.match(r"mtp\.(\d+)\.(.*)", name)
-        if m:
-            name = f"model.layers.{cfg.num_hidden_layers + int(m.group(1))}.{m.group(2)}"
-        tensors[name] = t.detach().contiguous().cpu()
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model.checkpoint_tensors().items()}
     save_file(tensors, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
