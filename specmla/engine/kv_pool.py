@@ -35,6 +35,7 @@ class KVPool:
         device: torch.device | str,
         fill: float | None = None,
         enable_prefix_caching: bool = True,
+        scratch_page: bool = False,
     ):
         if min(num_layers, num_pages, page_size, latent_dim) < 1:
             raise ValueError(
@@ -45,7 +46,10 @@ class KVPool:
         self.device = torch.device(device)
         self.enable_prefix_caching = enable_prefix_caching
         alloc = torch.empty if fill is None else (lambda *s, **kw: torch.full(s, fill, **kw))
-        self.caches = [alloc(num_pages, page_size, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        # one extra physical page, owned by nobody, for the padded rows of graphed decode batches
+        self.scratch_page = num_pages if scratch_page else None
+        physical = num_pages + (1 if scratch_page else 0)
+        self.caches = [alloc(physical, page_size, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free: dict[int, None] = dict.fromkeys(range(num_pages))  # insertion-ordered: oldest first
         self._ref = [0] * num_pages
         self._hash: list[int | None] = [None] * num_pages

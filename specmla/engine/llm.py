@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
+from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.loader import load_model
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
@@ -23,7 +25,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | DeepseekForCausalLM | None = None,
         *,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
@@ -38,25 +40,33 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
         progress: bool = False,
+        tokenizer: Tokenizer | None = None,
     ):
+        """`model`: a model directory, None (the embedded default), or an already built
+        `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's)."""
         if speculative is not None:
             raise NotImplementedError(f"speculative={speculative!r}: speculative decoding is not available yet")
         if tensor_parallel_size != 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not available yet")
-        if model is None:
-            from specmla.model.default import default_model_path
+        if isinstance(model, DeepseekForCausalLM):
+            self.model_path = None
+            self.model, self.tokenizer = model, tokenizer
+            device = next(model.parameters()).device
+        else:
+            if model is None:
+                from specmla.model.default import default_model_path
 
-            model = default_model_path()
-        self.model_path = Path(model)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if isinstance(dtype, str):
-            dtype = _DTYPES[dtype]
-        cfg_max = None
-        if max_model_len is not None:
-            cfg_max = max_model_len
-        self.model = load_model(self.model_path, device=device, dtype=dtype, max_positions=cfg_max, progress=progress)
-        self.tokenizer = Tokenizer(self.model_path) if (self.model_path / "tokenizer.json").exists() else None
+                model = default_model_path()
+            self.model_path = Path(model)
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            if isinstance(dtype, str):
+                dtype = _DTYPES[dtype]
+            self.model = load_model(self.model_path, device=device, dtype=dtype, max_positions=max_model_len,
+                                    progress=progress)
+            has_tok = (self.model_path / "tokenizer.json").exists()
+            self.tokenizer = tokenizer or (Tokenizer(self.model_path) if has_tok else None)
         cache_dtype = next(self.model.parameters()).dtype
         if kv_cache_dtype not in ("auto", "bf16", "fp16", "fp32"):
             raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not available yet (auto | bf16 | fp16 | fp32)")
@@ -67,9 +77,11 @@ class LLM:
             num_pages = default_num_pages(self.model, page_size, cache_dtype, device, max_num_seqs, max_len,
                                           gpu_memory_utilization)
         pool = KVPool(self.model.num_cache_layers, num_pages, page_size, self.model.config.latent_dim,
-                      cache_dtype, device, enable_prefix_caching=enable_prefix_caching)
+                      cache_dtype, device, enable_prefix_caching=enable_prefix_caching, scratch_page=True)
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens)
+        if device.type == "cuda" and not enforce_eager:
+            self.engine.runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, -(-max_len // page_size))
 
     @property
     def kv_pool(self) -> KVPool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.sequence import Sequence
 from specmla.model.deepseek import DeepseekForCausalLM
@@ -17,9 +18,10 @@ from specmla.ops.sampling import SamplingTensors, sample
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekForCausalLM, pool: KVPool):
+    def __init__(self, model: DeepseekForCausalLM, pool: KVPool, graphed: GraphedDecoder | None = None):
         self.model, self.pool = model, pool
         self.device = pool.device
+        self.graphed = graphed  # decode steps through static buffers / CUDA graphs when set
 
     def build_metadata(
         self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False
@@ -63,13 +65,34 @@ class ModelRunner:
         allocated) and return the fp32 logits [B, V] of each sequence's last computed token."""
         if q_lens is None:
             q_lens = [s.total_len - s.num_cached for s in seqs]
-        input_ids, meta = self.build_metadata(seqs, q_lens, naive_context)
-        hidden = self.model(input_ids, meta, self.pool.caches, force_naive=naive_context)
-        last = meta.cu_seqlens_q[1:].long() - 1
+        if self._graphable(seqs, q_lens, naive_context):
+            logits = self._graphed_decode(seqs)
+        else:
+            input_ids, meta = self.build_metadata(seqs, q_lens, naive_context)
+            hidden = self.model(input_ids, meta, self.pool.caches, force_naive=naive_context)
+            logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
         for s, q in zip(seqs, q_lens):
             s.num_cached += q
             self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
-        return self.model.compute_logits(hidden[last])
+        return logits
+
+    def _graphable(self, seqs, q_lens, naive_context) -> bool:
+        g = self.graphed
+        return (
+            g is not None and not naive_context and all(q == 1 for q in q_lens) and all(s.num_cached > 0 for s in seqs)
+            and g.padded_size(len(seqs)) is not None
+            and all(len(self.pool.pages_of(s.seq_id)) <= g.max_pages_per_seq for s in seqs)
+        )
+
+    def _graphed_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        pool = self.pool
+        return self.graphed.run(
+            input_ids=[s.all_ids[s.num_cached] for s in seqs],
+            positions=[s.num_cached for s in seqs],
+            slots=[pool.slots(s.seq_id, s.num_cached, s.num_cached + 1)[0] for s in seqs],
+            seq_lens=[s.num_cached + 1 for s in seqs],
+            tables=[pool.pages_of(s.seq_id) for s in seqs],
+        )
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor):
         p = [s.params for s in seqs]

@@ -1,0 +1,106 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step (one new token per request) launches hundreds of small kernels; replaying a captured
+graph removes their launch cost. Graphs are captured lazily, one per padded batch size (1, 2, 4, 8,
+then multiples of 16), over static input buffers: a batch of B requests is copied into the buffers,
+padded to the next captured size, and the graph is replayed. Padded rows read and write only a
+scratch page that no request owns, with length 1, so they cannot disturb real requests.
+
+With `use_graphs=False` (CPU) the same static-buffer path runs eagerly, which lets the padding logic
+be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmla.engine.kv_pool import KVPool
+from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.model.metadata import AttentionMetadata
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if sizes[-1] < max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class GraphedDecoder:
+    def __init__(self, model: DeepseekForCausalLM, pool: KVPool, max_num_seqs: int, max_pages_per_seq: int,
+                 use_graphs: bool = True):
+        if pool.scratch_page is None:
+            raise ValueError("graphed decode needs a KV pool with a scratch page")
+        self.model, self.pool = model, pool
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.use_graphs = use_graphs
+        dev, n = pool.device, self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.block_table = torch.full((n, max_pages_per_seq), pool.scratch_page, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.block_table.shape[1]
+
+    def padded_size(self, batch: int) -> int | None:
+        return next((b for b in self.sizes if b >= batch), None)
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=self.positions[:b], cu_seqlens_q=self.cu_seqlens[: b + 1], seq_lens=self.seq_lens[:b],
+            max_seqlen_q=1, max_seqlen_kv=self.max_pages_per_seq * self.pool.page_size,
+            slot_mapping=self.slot_mapping[:b], block_table=self.block_table[:b], decode_query_len=1,
+        )
+
+    def _forward(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self._meta(b), self.pool.caches)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, b: int) -> None:
+        torch.cuda.synchronize()
+        self._forward(b)  # warm-up: compile kernels, settle allocations outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            self.outputs[b] = self._forward(b)
+        self.graphs[b] = graph
+
+    def load(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+             tables: list[list[int]]) -> int:
+        """Copy one decode batch into the static buffers; returns the padded size."""
+        B = len(input_ids)
+        b = self.padded_size(B)
+        if b is None or any(len(t) > self.max_pages_per_seq for t in tables):
+            raise ValueError("batch does not fit the graphed decoder")
+        pool = self.pool
+        scratch_slot = pool.scratch_page * pool.page_size
+        pad = b - B
+        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad))
+        self.positions[:b].copy_(torch.tensor(positions + [0] * pad))
+        self.slot_mapping[:b].copy_(torch.tensor(slots + [scratch_slot] * pad))
+        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32))
+        table = torch.full((b, self.max_pages_per_seq), pool.scratch_page, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.block_table[:b].copy_(table)
+        return b
+
+    @torch.inference_mode()
+    def run(self, input_ids, positions, slots, seq_lens, tables) -> torch.Tensor:
+        """Logits [B, V] of one decode step for the given batch (replayed from a graph on CUDA)."""
+        B = len(input_ids)
+        b = self.load(input_ids, positions, slots, seq_lens, tables)
+        if not self.use_graphs:
+            return self._forward(b)[:B]
+        if b not in self.graphs:
+            self._capture(b)
+        self.graphs[b].replay()
+        return self.outputs[b][:B]
