@@ -71,7 +71,7 @@ def transformers_twin(model: DeepseekForCausalLM, cfg_dict: dict, device, dtype)
     sd = {k: v for k, v in model.checkpoint_tensors().items() if ".mlp.experts." not in k}
     for name, module in model.named_modules():
         if isinstance(module, MoE) and name.startswith("model."):
-            sd[f"{name}.experts.gate_up_proj"] = torch.cat([module.w_gate, module.w_up], dim=1)
+            sd[f"{name}.experts.gate_up_proj"] = module.w_gate_up  # the same fused layout
             sd[f"{name}.experts.down_proj"] = module.w_down
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     missing = [k for k in missing if "rotary" not in k]

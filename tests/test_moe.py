@@ -44,3 +44,6 @@ def test_checkpoint_views_write_through_to_the_stacked_tensors():
     with torch.no_grad():
         views["experts.7.down_proj.weight"].fill_(3.0)
     assert (moe.w_down[7] == 3.0).all() and not (moe.w_down[6] == 3.0).all()
+    with torch.no_grad():
+        views["experts.2.up_proj.weight"].fill_(-1.0)
+    assert (moe.w_gate_up[2, 24:] == -1.0).all() and not (moe.w_gate_up[2, :24] == -1.0).any()

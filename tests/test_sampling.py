@@ -252,3 +252,19 @@ def test_cuda_graph_capture_matches_eager():
 
 def _cpu(st):
     return SamplingTensors(*(getattr(st, f).cpu() for f in ("temperature", "top_k", "top_p", "seed", "step")))
+
+
+def test_host_known_shortcuts_give_the_full_paths_answer():
+    """all_greedy / filtering=False / with_logprobs=False skip work but never change a token."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 301) * 3
+    greedy = SamplingTensors.from_lists([0.0] * 6, [0] * 6, [1.0] * 6, range(6), [3] * 6, "cpu")
+    full = sample(logits, greedy)
+    fast = sample(logits, greedy, all_greedy=True, filtering=False, with_logprobs=False)
+    assert torch.equal(full.tokens, fast.tokens) and fast.logprobs is None
+    plain = SamplingTensors.from_lists([0.8, 1.0, 0.0, 1.3, 0.5, 1.0], [0] * 6, [1.0] * 6, range(10, 16), [1] * 6,
+                                       "cpu")
+    full = sample(logits, plain)
+    fast = sample(logits, plain, filtering=False)
+    assert torch.equal(full.tokens, fast.tokens)
+    assert torch.allclose(full.logprobs, fast.logprobs)

@@ -105,4 +105,9 @@ class ModelRunner:
             device=logits.device,
         )
         n_logprobs = max((x.logprobs or 0) for x in p)
-        return sample(logits, st, num_logprobs=n_logprobs)
+        return sample(
+            logits, st, num_logprobs=n_logprobs,
+            all_greedy=all(x.temperature < 1e-5 for x in p),
+            filtering=any(0 < x.top_k < logits.shape[-1] or x.top_p < 1.0 for x in p),
+            with_logprobs=any(x.logprobs is not None for x in p),
+        )

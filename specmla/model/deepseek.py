@@ -96,8 +96,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts stored stacked ([E, I, H] gate/up, [E, H, I] down; the checkpoint's per-expert
-    tensors are views into them) plus shared experts.
+    """Routed experts stored stacked ([E, 2I, H] gate‖up, transformers' fused layout, and [E, H, I]
+    down; the checkpoint's per-expert tensors are views into them) plus shared experts.
 
     Dispatch paths, all the same math:
     - grouped (eager): tokens sorted by expert, one GEMM pair per expert that has tokens; needs the
@@ -113,8 +113,8 @@ class MoE(nn.Module):
         super().__init__()
         E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate = Router(cfg)
-        self.w_gate = nn.Parameter(torch.empty(E, I, H))
-        self.w_up = nn.Parameter(torch.empty(E, I, H))
+        self.inter = I
+        self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w_down = nn.Parameter(torch.empty(E, H, I))
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
@@ -123,12 +123,16 @@ class MoE(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Per-expert checkpoint names (relative to this module) → views of the stacked tensors."""
-        out = {}
-        for e in range(self.w_gate.shape[0]):
-            out[f"experts.{e}.gate_proj.weight"] = self.w_gate[e]
-            out[f"experts.{e}.up_proj.weight"] = self.w_up[e]
+        out, I = {}, self.inter
+        for e in range(self.w_down.shape[0]):
+            out[f"experts.{e}.gate_proj.weight"] = self.w_gate_up[e, :I]
+            out[f"experts.{e}.up_proj.weight"] = self.w_gate_up[e, I:]
             out[f"experts.{e}.down_proj.weight"] = self.w_down[e]
         return out
+
+    def _act(self, gu: torch.Tensor) -> torch.Tensor:
+        g, u = gu.split(self.inter, dim=-1)
+        return F.silu(g) * u
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
@@ -136,7 +140,7 @@ class MoE(nn.Module):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not (capturing or self.sync_free):
             out = self._grouped(x, weights, idx)
-        elif idx.numel() <= self.w_gate.shape[0]:
+        elif idx.numel() <= self.w_down.shape[0]:
             out = self._gather(x, weights, idx)
         else:
             out = self._dense(x, weights, idx)
@@ -148,7 +152,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.w_gate.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.w_down.shape[0]).tolist()
         token_of = order // idx.shape[1]
         w_sorted = weights.reshape(-1)[order]
         start = 0
@@ -156,8 +160,7 @@ class MoE(nn.Module):
             if n == 0:
                 continue
             tok = token_of[start : start + n]
-            xe = x[tok]
-            h = F.silu(xe @ self.w_gate[e].T) * (xe @ self.w_up[e].T)
+            h = self._act(x[tok] @ self.w_gate_up[e].T)
             out.index_add_(0, tok, (h @ self.w_down[e].T) * w_sorted[start : start + n, None])
             start += n
         return out
@@ -166,15 +169,17 @@ class MoE(nn.Module):
         T, k = idx.shape
         flat = idx.reshape(-1)
         xr = x.repeat_interleave(k, dim=0)[:, :, None]  # [T·k, H, 1]
-        h = F.silu(torch.bmm(self.w_gate[flat], xr)) * torch.bmm(self.w_up[flat], xr)  # [T·k, I, 1]
-        y = torch.bmm(self.w_down[flat], h)[..., 0] * weights.reshape(-1, 1)  # [T·k, H]
+        h = self._act(torch.bmm(self.w_gate_up[flat], xr)[..., 0])  # [T·k, I]
+        y = torch.bmm(self.w_down[flat], h[:, :, None])[..., 0] * weights.reshape(-1, 1)  # [T·k, H]
         return y.view(T, k, -1).sum(dim=1)
 
     def _dense(self, x, weights, idx):
-        route = torch.zeros(x.shape[0], self.w_gate.shape[0], dtype=x.dtype, device=x.device)
+        E = self.w_down.shape[0]
+        route = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device)
         route.scatter_(1, idx, weights)  # [T, E], zero for experts a token did not choose
-        h = F.silu(torch.einsum("th,eih->tei", x, self.w_gate)) * torch.einsum("th,eih->tei", x, self.w_up)
-        return torch.einsum("tei,ehi,te->th", h, self.w_down, route)
+        h = self._act(torch.matmul(x, self.w_gate_up.transpose(1, 2)))  # [E, T, I]: one batched GEMM
+        y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E, T, H]
+        return (y * route.T[:, :, None]).sum(dim=0)
 
 
 class MLAttention(nn.Module):
@@ -327,7 +332,7 @@ class DeepseekForCausalLM(nn.Module):
         num_hidden_layers + k; its embedding/head are the trunk's and are not listed again."""
         n = self.config.num_hidden_layers
         out: dict[str, torch.Tensor] = {}
-        stacked = {"w_gate", "w_up", "w_down"}
+        stacked = {"w_gate_up", "w_down"}
         for name, t in list(self.named_parameters()) + [
             (b, t) for b, t in self.named_buffers() if b.endswith("e_score_correction_bias")
         ]:

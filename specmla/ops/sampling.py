@@ -47,7 +47,7 @@ class SamplingTensors:
 @dataclass
 class SampleOutput:
     tokens: torch.Tensor  # int64 [B]
-    logprobs: torch.Tensor  # float32 [B], raw log-softmax at the chosen token
+    logprobs: torch.Tensor | None  # float32 [B], raw log-softmax at the chosen token (None if not asked)
     top_logprobs: torch.Tensor | None  # float32 [B, n], descending
     top_token_ids: torch.Tensor | None  # int64 [B, n]
 
@@ -128,17 +128,36 @@ def _logprob_outputs(raw: torch.Tensor, tokens: torch.Tensor, num_logprobs: int)
     return SampleOutput(tokens, chosen, top_vals, top_ids)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors, num_logprobs: int = 0) -> SampleOutput:
-    """Draw one token per row of logits [B, V]; sync-free, so CUDA-graph capturable."""
+def sample(
+    logits: torch.Tensor,
+    st: SamplingTensors,
+    num_logprobs: int = 0,
+    *,
+    all_greedy: bool = False,
+    filtering: bool = True,
+    with_logprobs: bool = True,
+) -> SampleOutput:
+    """Draw one token per row of logits [B, V]; sync-free, so CUDA-graph capturable.
+
+    The keyword flags are facts the caller knows on the host (from the requests' parameters) and
+    let whole-batch work be skipped: `all_greedy` (every row greedy: just argmax), `filtering=False`
+    (no row uses top-k/top-p: no vocabulary sort), `with_logprobs=False` (no log-softmax; the
+    output's `logprobs` is None). Defaults compute everything."""
     _check(logits, st, num_logprobs)
     raw = logits.float()
-    temp = st.temperature.float()
-    greedy = temp < GREEDY_EPS
-    scaled = raw / torch.where(greedy, 1.0, temp)[:, None]
-    probs = apply_top_k_top_p(scaled, st.top_k, st.top_p).softmax(dim=-1)
-    exp_noise = -torch.log(uniform_noise(st.seed, st.step, raw.shape[1]))
-    sampled = (probs / exp_noise).argmax(dim=-1)
-    tokens = torch.where(greedy, raw.argmax(dim=-1), sampled)
+    if all_greedy:
+        tokens = raw.argmax(dim=-1)
+    else:
+        temp = st.temperature.float()
+        greedy = temp < GREEDY_EPS
+        scaled = raw / torch.where(greedy, 1.0, temp)[:, None]
+        if filtering:
+            scaled = apply_top_k_top_p(scaled, st.top_k, st.top_p)
+        exp_noise = -torch.log(uniform_noise(st.seed, st.step, raw.shape[1]))
+        sampled = (scaled.softmax(dim=-1) / exp_noise).argmax(dim=-1)
+        tokens = torch.where(greedy, raw.argmax(dim=-1), sampled)
+    if not with_logprobs and num_logprobs == 0:
+        return SampleOutput(tokens, None, None, None)
     return _logprob_outputs(raw, tokens, num_logprobs)
 
 
