@@ -23,11 +23,11 @@ import statistics
 import time
 
 import torch
+from limits import copy_bandwidth
 
 from specmla import LLM, SamplingParams
 from specmla.bench import run_throughput
 from specmla.config import ModelConfig
-from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.model.deepseek import DeepseekForCausalLM, MoE
 from specmla.model.rope import rope_cos_sin_cache
 
@@ -130,22 +130,6 @@ def step_floor_bytes(cfg: ModelConfig, batch: int, elem: int = 2) -> float:
     touched = E * (1 - (1 - k / E) ** batch) if E else 0
     dense = total - moe_layers * E * expert - cfg.vocab_size * H  # the embedding is gathered, not read whole
     return (dense + moe_layers * touched * expert) * elem
-
-
-def copy_bandwidth(device) -> float:
-    if torch.device(device).type != "cuda":
-        return float("nan")
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * a.numel() / statistics.median(times[2:])
 
 
 def bench_model(label, llm: LLM, hf, batches, prompt_len, new_tokens, copy_bw, seed=0) -> dict:

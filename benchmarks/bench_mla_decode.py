@@ -17,6 +17,7 @@ import os
 import statistics
 
 import torch
+from limits import copy_bandwidth
 
 from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
@@ -29,20 +30,6 @@ CASES = [  # (H, B, T, S)
 ]
 PAGE = 64
 SCALE = 0.1352
-
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * nbytes / statistics.median(times[2:])
 
 
 def make_problem(H, B, T, S, copies):
@@ -143,7 +130,6 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict]):
             row["naive_pct_copy"] = 100 * nbytes / t / copy_bw
         except torch.OutOfMemoryError:
             row["naive_s"] = None
-    del caches, qs
     torch.cuda.empty_cache()
     return row
 

@@ -8,7 +8,6 @@ chunk after a cached prefix) query t sees kv positions j <= kv_len - q_len + t.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def mla_prefill_torch(
