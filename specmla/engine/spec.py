@@ -1,0 +1,127 @@
+"""Speculative decoding: draft proposers and the lossless verification of their drafts.
+
+A verify step runs the target model on 1 + k tokens per request (the last accepted token and k
+drafts; requests with fewer drafts are padded, and padded positions are never accepted) through the
+decode path with S = 1 + k, so one pass over the KV pages scores every draft.
+
+- Greedy rows accept the longest prefix of drafts equal to the target's argmax, then emit the
+  target's argmax at the first mismatch (or after the last draft: the bonus token).
+- Sampled rows use rejection sampling (Leviathan et al. 2023). Drafts are proposed greedily, so
+  the draft distribution q is one-hot: draft d at position j is accepted with probability p_j(d);
+  at the first rejection the token is drawn from the residual (p_j − q_j)+ ∝ p_j with d removed;
+  if every draft is accepted the bonus token is drawn from p_k. The emitted tokens then follow the
+  target distribution exactly.
+All of it is batched tensor code without host synchronisation; the randomness comes from the same
+counter-based generator as plain sampling, keyed by (request seed, output position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specmla.ops.ngram import ngram_propose
+from specmla.ops.sampling import GREEDY_EPS, SamplingTensors, apply_top_k_top_p, uniform_noise
+
+ACCEPT_STREAM = 0x5BD1E995  # seeds the accept/reject draws apart from the token draws
+
+
+def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """[B, S, V] fp32 distributions after each row's temperature / top-k / top-p."""
+    B, S, V = logits.shape
+    temp = st.temperature.float().clamp_min(GREEDY_EPS)
+    flat = (logits.float() / temp[:, None, None]).reshape(B * S, V)
+    rep = lambda t: t.repeat_interleave(S)  # noqa: E731
+    return apply_top_k_top_p(flat, rep(st.top_k), rep(st.top_p)).softmax(-1).view(B, S, V)
+
+
+def verify(drafts: torch.Tensor, num_drafts: torch.Tensor, logits: torch.Tensor, st: SamplingTensors,
+           all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts int64 [B, k], num_drafts int [B], target logits [B, k+1, V] (position j scores the
+    token after the j-th input) → (tokens int64 [B, k+1], emitted int32 [B]): request b emits
+    tokens[b, :emitted[b]] = its accepted drafts followed by one target token."""
+    B, S, V = logits.shape
+    k = S - 1
+    j = torch.arange(k, device=logits.device)[None, :]
+    valid = j < num_drafts.long()[:, None]
+    argmax = logits.argmax(-1)  # [B, S]
+    accepted = ((drafts == argmax[:, :k]) & valid).long().cumprod(1).sum(1)
+    greedy_out = torch.where(torch.arange(S, device=logits.device)[None, :] < accepted[:, None],
+                             torch.cat([drafts, argmax[:, -1:]], 1), argmax)
+    if all_greedy:
+        return greedy_out, (accepted + 1).to(torch.int32)
+
+    probs = target_probs(logits, st)  # [B, S, V]
+    steps = st.step.long()[:, None] + torch.arange(S, device=logits.device)[None, :]  # output index per position
+    seeds = st.seed.long()[:, None].expand(B, S)
+    u = uniform_noise((seeds ^ ACCEPT_STREAM).reshape(-1), steps.reshape(-1), 1).view(B, S)[:, :k]
+    p_draft = probs[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
+    ok = (u < p_draft) & valid
+    s_accepted = ok.long().cumprod(1).sum(1)
+    # at a rejected draft position the residual drops the draft; elsewhere (bonus) it is p itself
+    residual = probs.clone()
+    drop = torch.zeros_like(residual[:, :k]).scatter_(2, drafts[:, :, None], 1.0).bool() & valid[:, :, None]
+    residual[:, :k] = residual[:, :k].masked_fill(drop, 0.0)
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, probs, residual)
+    noise = -torch.log(uniform_noise(seeds.reshape(-1), steps.reshape(-1), V)).view(B, S, V)
+    race = (residual / noise).argmax(-1)  # [B, S]: a draw from each position's residual
+    sampled_out = torch.where(torch.arange(S, device=logits.device)[None, :] < s_accepted[:, None],
+                              torch.cat([drafts, race[:, -1:]], 1), race)
+    greedy = (st.temperature < GREEDY_EPS)[:, None]
+    tokens = torch.where(greedy, greedy_out, sampled_out)
+    emitted = torch.where(greedy[:, 0], accepted, s_accepted) + 1
+    return tokens, emitted.to(torch.int32)
+
+
+@dataclass
+class SpecStats:
+    """Counters in vLLM's terms: drafts (verify steps with ≥ 1 draft), draft tokens, accepted tokens,
+    accepted per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, n_draft: int, n_accepted: int) -> None:
+        if n_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += n_draft
+        self.num_accepted_tokens += n_accepted
+        if len(self.accepted_per_position) < n_draft:
+            self.accepted_per_position += [0] * (n_draft - len(self.accepted_per_position))
+        for i in range(n_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step that had drafts (accepted + the target's own token)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position),
+                "mean_acceptance_length": self.mean_acceptance_length}
+
+
+class NgramProposer:
+    """Drafts from the request's own prompt and output (ops.ngram_propose, on the device)."""
+
+    def __init__(self, num_speculative_tokens: int, ngram_min: int = 1, ngram_max: int = 3):
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.k, self.ngram_min, self.ngram_max = num_speculative_tokens, ngram_min, ngram_max
+
+    def propose(self, token_rows: list[list[int]], caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        L = max(len(r) for r in token_rows)
+        tokens = torch.zeros(len(token_rows), L, dtype=torch.long)
+        for i, r in enumerate(token_rows):
+            tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        lens = torch.tensor([len(r) for r in token_rows], dtype=torch.int32)
+        caps_t = torch.tensor(caps, dtype=torch.int32)
+        return ngram_propose(tokens.to(device), lens.to(device), max_ngram=self.ngram_max, min_ngram=self.ngram_min,
+                             num_draft=caps_t.to(device), max_num_draft=self.k)
