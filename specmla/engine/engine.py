@@ -16,6 +16,7 @@ from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner
 from specmla.engine.scheduler import Scheduler
 from specmla.engine.sequence import Sequence, Status
+from specmla.engine.spec import NgramProposer, SpecStats, verify
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
@@ -43,10 +44,14 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 2048,
+        proposer: NgramProposer | None = None,
     ):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.runner = ModelRunner(model, pool)
-        self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens)
+        self.proposer = proposer  # speculative decoding when set
+        self.spec_stats = SpecStats()
+        self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens,
+                                   lookahead=proposer.k if proposer else 0)
         self.max_model_len = max_model_len or model.max_positions
         cfg = model.config
         eos = set(cfg.eos_token_ids)
@@ -95,7 +100,9 @@ class LLMEngine:
             self._finish(seq, "error")
         ready: list[Sequence] = []
         logits = []
-        if batch.decode:
+        if batch.decode and self.proposer is not None:
+            self._speculative_decode(batch.decode)
+        elif batch.decode:
             logits.append(self.runner.forward_logits(batch.decode, [1] * len(batch.decode),
                                                      naive_context=self.naive_decode))
             ready += batch.decode
@@ -108,7 +115,52 @@ class LLMEngine:
                 ready += [seqs[i] for i in done]
         if ready:
             self._sample_and_append(ready, torch.cat(logits))
-        return ready + [s for s, _ in batch.rejected]
+        return batch.decode + ready + [s for s, _ in batch.rejected]
+
+    def _speculative_decode(self, seqs: list[Sequence]) -> None:
+        """Draft, verify all drafts in one S = 1 + k pass, keep the accepted prefix + one token."""
+        k = self.proposer.k
+        caps = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.total_len - 1))
+                for s in seqs]
+        drafts, num = self.proposer.propose([s.all_ids for s in seqs], caps, self.pool.device)
+        logits = self.runner.forward_verify(seqs, drafts)
+        st = self.runner.sampling_tensors(seqs, logits.device)
+        tokens, emitted = verify(drafts, num, logits, st, all_greedy=all(s.params.temperature < 1e-5 for s in seqs))
+        want_lp = any(s.params.logprobs is not None for s in seqs)
+        logp = logits.float().log_softmax(-1) if want_lp else None
+        tokens_l, emitted_l, num_l = tokens.tolist(), emitted.tolist(), num.tolist()
+        now = time.perf_counter()
+        for i, s in enumerate(seqs):
+            accepted = emitted_l[i] - 1
+            s.spec_stats.add(num_l[i], accepted)
+            self.spec_stats.add(num_l[i], accepted)
+            s.num_cached = s.total_len + accepted  # the last token and the accepted drafts are cached
+            for j in range(emitted_l[i]):
+                entry = None
+                if s.params.logprobs is not None:
+                    entry = self._logprob_entry(s, tokens_l[i][j], logp[i, j])
+                self._append(s, tokens_l[i][j], entry, now)
+                if s.is_finished:
+                    break
+            if not s.is_finished:
+                self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
+                self.pool.trim(s.seq_id, s.num_cached)
+
+    @staticmethod
+    def _logprob_entry(s: Sequence, token: int, logp_row: torch.Tensor) -> dict:
+        entry = {"token_id": token, "logprob": logp_row[token].item()}
+        if s.params.logprobs:
+            vals, ids = logp_row.topk(s.params.logprobs)
+            entry["top"] = dict(zip(ids.tolist(), vals.tolist()))
+        return entry
+
+    def _append(self, s: Sequence, token: int, logprob_entry: dict | None, now: float) -> None:
+        if s.first_token_time is None:
+            s.first_token_time = now
+        s.output_ids.append(token)
+        if logprob_entry is not None:
+            s.logprobs.append(logprob_entry)
+        self._check_finish(s, token)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         out = self.runner.sample(seqs, logits)
@@ -119,16 +171,13 @@ class LLMEngine:
             top = (out.top_token_ids.tolist(), out.top_logprobs.tolist())
         now = time.perf_counter()
         for i, s in enumerate(seqs):
-            if s.first_token_time is None:
-                s.first_token_time = now
-            s.output_ids.append(tokens[i])
+            entry = None
             if s.params.logprobs is not None:
                 entry = {"token_id": tokens[i], "logprob": lps[i]}
                 if s.params.logprobs and top is not None:
                     n = s.params.logprobs
                     entry["top"] = dict(zip(top[0][i][:n], top[1][i][:n]))
-                s.logprobs.append(entry)
-            self._check_finish(s, tokens[i])
+            self._append(s, tokens[i], entry, now)
 
     def _check_finish(self, s: Sequence, token: int) -> None:
         p = s.params
@@ -175,6 +224,7 @@ class LLMEngine:
                 "ttft_s": ttft,
                 "e2e_s": end - s.arrival,
                 "tpot_s": decode_time / (n - 1) if n > 1 else None,
+                "spec": s.spec_stats.as_dict(),
             },
             finished=s.is_finished,
         )

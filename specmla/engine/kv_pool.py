@@ -113,6 +113,19 @@ class KVPool:
                 self._free[p] = None
         self._registered.pop(seq_id, None)
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Release `seq_id`'s pages beyond those holding its first `num_tokens` tokens (rejected
+        speculative tokens leave pages that are no longer needed)."""
+        pages = self._pages.get(seq_id)
+        if not pages:
+            return
+        keep = -(-num_tokens // self.page_size)
+        while len(pages) > keep:
+            p = pages.pop()
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                self._free[p] = None
+
     # ---- prefix caching ---------------------------------------------------------------------
     def match_prefix(self, seq_id: int, token_ids: list[int]) -> int:
         """Attach the longest cached prefix of `token_ids` to `seq_id` (which holds no pages yet);

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
+from specmla.engine.spec import NgramProposer
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.loader import load_model
 from specmla.sampling_params import SamplingParams
@@ -31,6 +32,8 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         speculative: str | None = None,
         num_speculative_tokens: int = 3,
+        ngram_min: int = 1,
+        ngram_max: int = 3,
         kv_cache_dtype: str = "auto",
         tensor_parallel_size: int = 1,
         page_size: int = 64,
@@ -46,8 +49,10 @@ class LLM:
     ):
         """`model`: a model directory, None (the embedded default), or an already built
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's)."""
-        if speculative is not None:
-            raise NotImplementedError(f"speculative={speculative!r}: speculative decoding is not available yet")
+        if speculative not in (None, "ngram", "mtp", "hybrid"):
+            raise ValueError(f"speculative={speculative!r}: expected None, 'ngram', 'mtp' or 'hybrid'")
+        if speculative in ("mtp", "hybrid"):
+            raise NotImplementedError(f"speculative={speculative!r} is not available yet (use 'ngram')")
         if tensor_parallel_size != 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not available yet")
         if isinstance(model, DeepseekForCausalLM):
@@ -78,8 +83,9 @@ class LLM:
                                           gpu_memory_utilization)
         pool = KVPool(self.model.num_cache_layers, num_pages, page_size, self.model.config.latent_dim,
                       cache_dtype, device, enable_prefix_caching=enable_prefix_caching, scratch_page=True)
+        proposer = NgramProposer(num_speculative_tokens, ngram_min, ngram_max) if speculative == "ngram" else None
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
-                                max_num_batched_tokens=max_num_batched_tokens)
+                                max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
         if device.type == "cuda" and not enforce_eager:
             self.engine.runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, -(-max_len // page_size))
 

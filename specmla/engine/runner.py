@@ -94,16 +94,29 @@ class ModelRunner:
             tables=[pool.pages_of(s.seq_id) for s in seqs],
         )
 
+    @torch.inference_mode()
+    def forward_verify(self, seqs: list[Sequence], drafts: torch.Tensor) -> torch.Tensor:
+        """Score each request's last token followed by its k (padded) drafts in one decode pass with
+        S = 1 + k; returns logits [B, S, V]. Cache slots for all S tokens are written; the engine
+        moves num_cached past the accepted ones only."""
+        B, S = drafts.shape[0], drafts.shape[1] + 1
+        _, meta = self.build_metadata(seqs, [S] * B)
+        last = torch.tensor([s.all_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+        ids = torch.cat([last[:, None], drafts.to(self.device)], 1).reshape(-1)
+        hidden = self.model(ids, meta, self.pool.caches)
+        return self.model.compute_logits(hidden).view(B, S, -1)
+
+    @staticmethod
+    def sampling_tensors(seqs: list[Sequence], device) -> SamplingTensors:
+        p = [s.params for s in seqs]
+        return SamplingTensors.from_lists(
+            temperature=[x.temperature for x in p], top_k=[x.top_k for x in p], top_p=[x.top_p for x in p],
+            seed=[s.seed for s in seqs], step=[len(s.output_ids) for s in seqs], device=device,
+        )
+
     def sample(self, seqs: list[Sequence], logits: torch.Tensor):
         p = [s.params for s in seqs]
-        st = SamplingTensors.from_lists(
-            temperature=[x.temperature for x in p],
-            top_k=[x.top_k for x in p],
-            top_p=[x.top_p for x in p],
-            seed=[s.seed for s in seqs],
-            step=[len(s.output_ids) for s in seqs],
-            device=logits.device,
-        )
+        st = self.sampling_tensors(seqs, logits.device)
         n_logprobs = max((x.logprobs or 0) for x in p)
         return sample(
             logits, st, num_logprobs=n_logprobs,

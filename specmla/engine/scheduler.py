@@ -34,12 +34,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+    def __init__(self, pool: KVPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 lookahead: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.lookahead = lookahead  # speculative decoding: each decode also verifies this many drafts
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted (holding pages), oldest first
         self.num_preemptions = 0
@@ -88,21 +90,22 @@ class Scheduler:
         pool, page = self.pool, self.pool.page_size
 
         # 1. decodes, oldest first; make room by preempting the newest running requests
+        need = 1 + self.lookahead
         for seq in list(self.running):
-            if budget == 0:
+            if budget < need:
                 break
             if seq not in self.running or not self.is_decoding(seq):
                 continue
-            while not pool.can_allocate(seq.seq_id, seq.total_len):
+            while not pool.can_allocate(seq.seq_id, seq.total_len + self.lookahead):
                 victims = [s for s in self.running if s is not seq and s not in batch.decode]
                 self._preempt(victims[-1] if victims else seq, batch)
                 if not victims:
                     break
             if seq not in self.running:
                 continue
-            pool.allocate(seq.seq_id, seq.total_len)
+            pool.allocate(seq.seq_id, seq.total_len + self.lookahead)
             batch.decode.append(seq)
-            budget -= 1
+            budget -= need
 
         # 2. prefill chunks of admitted requests, then admit waiting ones in arrival order
         for seq in self.running:

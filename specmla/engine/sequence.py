@@ -8,6 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from specmla.engine.spec import SpecStats
 from specmla.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -34,6 +35,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    spec_stats: SpecStats = field(default_factory=SpecStats)  # speculative decoding counters
 
     def __post_init__(self):
         # A seed per request makes sampling reproducible and independent of batch composition.
