@@ -60,6 +60,7 @@ def run_throughput(llm, prompts: list, output_len: int, warmup: bool = True) -> 
         "tpot_s": _stats([o.metrics["tpot_s"] for o in outs]),
         "preemptions": llm.engine.scheduler.num_preemptions,
         "prefix_hit_tokens": llm.kv_pool.prefix_hit_tokens,
+        "spec": llm.engine.spec_stats.as_dict(),
     }
 
 
@@ -97,4 +98,6 @@ def format_report(r: dict, label: str = "specmla") -> str:
         f"  TTFT ms mean/median/p99 {ms(r['ttft_s']['mean'])}/{ms(r['ttft_s']['median'])}/{ms(r['ttft_s']['p99'])} | "
         f"TPOT ms mean/median/p99 {ms(r['tpot_s']['mean'])}/{ms(r['tpot_s']['median'])}/{ms(r['tpot_s']['p99'])}\n"
         f"  preemptions {r['preemptions']} | prefix-cache hit tokens {r['prefix_hit_tokens']}"
+        + (f"\n  speculative: {r['spec']['num_accepted_tokens']}/{r['spec']['num_draft_tokens']} draft tokens accepted, "
+           f"mean acceptance length {r['spec']['mean_acceptance_length']:.2f}" if r["spec"]["num_drafts"] else "")
     )

@@ -14,6 +14,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--speculative", choices=["ngram", "mtp", "hybrid"], default=None,
+                   help="speculative decoding proposer (default: none)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--ngram-max", type=int, default=3)
+
+
+def _spec_kwargs(args: argparse.Namespace) -> dict:
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                ngram_min=args.ngram_min, ngram_max=args.ngram_max)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -21,7 +31,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-              num_pages=args.num_pages, max_model_len=args.max_model_len)
+              num_pages=args.num_pages, max_model_len=args.max_model_len, **_spec_kwargs(args))
     load_s = time.perf_counter() - t0
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -43,6 +53,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"TTFT {m['ttft_s'] * 1000:.0f} ms | decode {tps:.1f} tokens/s | finish: {llm.last_output.finish_reason}",
         file=sys.stderr,
     )
+    if args.speculative:
+        sp = m["spec"]
+        print(f"[specmla] speculative {args.speculative}: {sp['num_accepted_tokens']}/{sp['num_draft_tokens']} draft "
+              f"tokens accepted, mean acceptance length {sp['mean_acceptance_length']:.2f}", file=sys.stderr)
     return 0
 
 
@@ -54,7 +68,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, **_spec_kwargs(args))
     prompts = load_prompts(args.dataset, args.num_prompts, args.input_len, llm.model.config.vocab_size, args.seed)
     result = {"specmla": run_throughput(llm, prompts, args.output_len)}
     print(format_report(result["specmla"]))

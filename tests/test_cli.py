@@ -56,3 +56,10 @@ def test_bench_prompts_from_file(tmp_path):
 
     with pytest.raises(ValueError, match="no prompts"):
         load_prompts(str(tmp_path / "empty.txt"), 1, 0, 10, 0)
+
+
+def test_generate_with_ngram_speculation_reports_acceptance(tiny_model_dir):
+    r = run_cli("generate", "--model", str(tiny_model_dir), "--prompt", "abcabcabcabcabc", "--max-tokens", "12",
+                "--device", "cpu", "--ignore-eos", "--speculative", "ngram", "--num-speculative-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    assert "speculative ngram" in r.stderr and "mean acceptance length" in r.stderr
