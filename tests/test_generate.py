@@ -127,8 +127,8 @@ def test_bad_input_is_rejected_and_engine_keeps_working(llm):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
-    with pytest.raises(NotImplementedError):
-        LLM(llm.model_path, device="cpu", speculative="mtp")
+    with pytest.raises(ValueError, match="speculative"):
+        LLM(llm.model_path, device="cpu", speculative="eagle")
     assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids  # still serving
 

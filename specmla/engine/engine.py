@@ -16,7 +16,7 @@ from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner
 from specmla.engine.scheduler import Scheduler
 from specmla.engine.sequence import Sequence, Status
-from specmla.engine.spec import NgramProposer, SpecStats, verify
+from specmla.engine.spec import SpecStats, verify
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ class LLMEngine:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 2048,
-        proposer: NgramProposer | None = None,
+        proposer=None,
     ):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.runner = ModelRunner(model, pool)
@@ -106,15 +106,23 @@ class LLMEngine:
             logits.append(self.runner.forward_logits(batch.decode, [1] * len(batch.decode),
                                                      naive_context=self.naive_decode))
             ready += batch.decode
+        prefill_hidden = None
         if batch.prefill:
             seqs = [s for s, _ in batch.prefill]
             out = self.runner.forward_logits(seqs, [n for _, n in batch.prefill])
+            prefill_hidden = self.runner.last_hidden
             done = [i for i, s in enumerate(seqs) if s.num_cached == s.total_len]
             if done:
                 logits.append(out[done])
                 ready += [seqs[i] for i in done]
         if ready:
             self._sample_and_append(ready, torch.cat(logits))
+        if prefill_hidden is not None and self.proposer is not None and self.proposer.uses_mtp:
+            hidden, starts, q_lens = prefill_hidden
+            rows = hidden.split(q_lens)
+            items = [(s, st, h) for (s, _), st, h in zip(batch.prefill, starts, rows) if not s.is_finished]
+            if items:
+                self.runner.mtp_catch_up_and_draft(items, self.proposer.k)
         return batch.decode + ready + [s for s, _ in batch.rejected]
 
     def _speculative_decode(self, seqs: list[Sequence]) -> None:
@@ -122,8 +130,9 @@ class LLMEngine:
         k = self.proposer.k
         caps = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.total_len - 1))
                 for s in seqs]
-        drafts, num = self.proposer.propose([s.all_ids for s in seqs], caps, self.pool.device)
+        drafts, num = self.proposer.propose_for(seqs, caps, self.pool.device)
         logits = self.runner.forward_verify(seqs, drafts)
+        verify_hidden, starts, _ = self.runner.last_hidden
         st = self.runner.sampling_tensors(seqs, logits.device)
         tokens, emitted = verify(drafts, num, logits, st, all_greedy=all(s.params.temperature < 1e-5 for s in seqs))
         want_lp = any(s.params.logprobs is not None for s in seqs)
@@ -145,6 +154,12 @@ class LLMEngine:
             if not s.is_finished:
                 self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
                 self.pool.trim(s.seq_id, s.num_cached)
+        if self.proposer.uses_mtp:  # the MTP module catches up on the verified positions, then drafts
+            S = k + 1
+            items = [(s, starts[i], verify_hidden[i * S : i * S + emitted_l[i]])
+                     for i, s in enumerate(seqs) if not s.is_finished]
+            if items:
+                self.runner.mtp_catch_up_and_draft(items, k)
 
     @staticmethod
     def _logprob_entry(s: Sequence, token: int, logp_row: torch.Tensor) -> dict:

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
-from specmla.engine.spec import NgramProposer
+from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.loader import load_model
 from specmla.sampling_params import SamplingParams
@@ -51,8 +51,6 @@ class LLM:
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's)."""
         if speculative not in (None, "ngram", "mtp", "hybrid"):
             raise ValueError(f"speculative={speculative!r}: expected None, 'ngram', 'mtp' or 'hybrid'")
-        if speculative in ("mtp", "hybrid"):
-            raise NotImplementedError(f"speculative={speculative!r} is not available yet (use 'ngram')")
         if tensor_parallel_size != 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not available yet")
         if isinstance(model, DeepseekForCausalLM):
@@ -83,10 +81,17 @@ class LLM:
                                           gpu_memory_utilization)
         pool = KVPool(self.model.num_cache_layers, num_pages, page_size, self.model.config.latent_dim,
                       cache_dtype, device, enable_prefix_caching=enable_prefix_caching, scratch_page=True)
-        proposer = NgramProposer(num_speculative_tokens, ngram_min, ngram_max) if speculative == "ngram" else None
+        proposer = None
+        if speculative == "ngram":
+            proposer = NgramProposer(num_speculative_tokens, ngram_min, ngram_max)
+        elif speculative in ("mtp", "hybrid"):
+            if not len(self.model.mtp):
+                raise ValueError(f"speculative={speculative!r} needs a model with MTP layers (num_nextn_predict_layers)")
+            proposer = (MtpProposer(num_speculative_tokens) if speculative == "mtp"
+                        else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
-        if device.type == "cuda" and not enforce_eager:
+        if device.type == "cuda" and not enforce_eager and proposer is None:  # graphs: plain decode only
             self.engine.runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, -(-max_len // page_size))
 
     @property

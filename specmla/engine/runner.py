@@ -24,19 +24,21 @@ class ModelRunner:
         self.graphed = graphed  # decode steps through static buffers / CUDA graphs when set
 
     def build_metadata(
-        self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False
+        self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False, starts: list[int] | None = None
     ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Input ids and metadata for computing tokens [num_cached, num_cached + q_len) of each sequence."""
+        """Input ids and metadata for computing positions [start, start + q_len) of each sequence
+        (start defaults to num_cached; the cache holds the positions before it)."""
         pool, dev = self.pool, self.device
+        starts = [s.num_cached for s in seqs] if starts is None else starts
         ids, positions, slots, kv_lens = [], [], [], []
-        for s, q in zip(seqs, q_lens):
-            start, end = s.num_cached, s.num_cached + q
+        for s, q, start in zip(seqs, q_lens, starts):
+            end = start + q
             ids += s.all_ids[start:end]
             positions += range(start, end)
             slots += pool.slots(s.seq_id, start, end)
             kv_lens.append(end)
-        is_decode = all(q == q_lens[0] for q in q_lens) and all(s.num_cached > 0 for s in seqs) and q_lens[0] <= 8
-        has_prefix = any(s.num_cached > 0 for s in seqs)
+        is_decode = all(q == q_lens[0] for q in q_lens) and all(st > 0 for st in starts) and q_lens[0] <= 8
+        has_prefix = any(st > 0 for st in starts)
         context_slots = None
         cu_kv = None
         if has_prefix and (not is_decode or naive_context):
@@ -71,6 +73,7 @@ class ModelRunner:
             input_ids, meta = self.build_metadata(seqs, q_lens, naive_context)
             hidden = self.model(input_ids, meta, self.pool.caches, force_naive=naive_context)
             logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+            self.last_hidden = (hidden, [s.num_cached for s in seqs], q_lens)  # for the MTP proposer
         for s, q in zip(seqs, q_lens):
             s.num_cached += q
             self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
@@ -104,7 +107,46 @@ class ModelRunner:
         last = torch.tensor([s.all_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
         ids = torch.cat([last[:, None], drafts.to(self.device)], 1).reshape(-1)
         hidden = self.model(ids, meta, self.pool.caches)
+        self.last_hidden = (hidden, [s.num_cached for s in seqs], [S] * B)
         return self.model.compute_logits(hidden).view(B, S, -1)
+
+    @torch.inference_mode()
+    def mtp_catch_up_and_draft(self, items: list[tuple[Sequence, int, torch.Tensor]], k: int) -> None:
+        """MTP proposer. items: (request, first position, trunk hidden rows for positions first..).
+        Runs the MTP module at those positions (its input at position p is the trunk's hidden state
+        at p and token p+1, so every row needs its next token known), filling the MTP layer's paged
+        cache; then, for each request that is decoding, drafts k tokens by applying the module
+        recursively from its last position. Drafts land in `seq.drafts`."""
+        model, pool = self.model, self.pool
+        seqs = [s for s, _, _ in items]
+        starts = [p for _, p, _ in items]
+        q_lens = [h.shape[0] for _, _, h in items]
+        next_ids = torch.tensor([t for s, p, h in items for t in s.all_ids[p + 1 : p + 1 + h.shape[0]]],
+                                dtype=torch.long, device=self.device)
+        _, meta = self.build_metadata(seqs, q_lens, starts=starts)
+        h_mtp = model.mtp_forward(0, next_ids, torch.cat([h for _, _, h in items]), meta, pool.caches)
+        last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
+        drafting = [i for i, s in enumerate(seqs) if s.num_cached == s.total_len - 1 and not s.is_finished
+                    and starts[i] + q_lens[i] == s.total_len - 1
+                    and pool.can_allocate(s.seq_id, s.total_len + k)]
+        for s in seqs:
+            s.drafts = []
+        if not drafting:
+            return
+        dseqs = [seqs[i] for i in drafting]
+        for s in dseqs:
+            pool.allocate(s.seq_id, s.total_len + k)
+        h = h_mtp[last[drafting]]
+        tok = model.mtp_logits(0, h).argmax(-1)
+        out = [tok]
+        for j in range(1, k):  # position total_len - 2 + j takes (previous MTP state, previous draft)
+            _, m = self.build_metadata(dseqs, [1] * len(dseqs), starts=[s.total_len - 2 + j for s in dseqs])
+            h = model.mtp_forward(j % len(model.mtp), tok, h, m, pool.caches)
+            tok = model.mtp_logits(j % len(model.mtp), h).argmax(-1)
+            out.append(tok)
+        drafts = torch.stack(out, 1).tolist()
+        for s, d in zip(dseqs, drafts):
+            s.drafts = d
 
     @staticmethod
     def sampling_tensors(seqs: list[Sequence], device) -> SamplingTensors:

@@ -111,10 +111,15 @@ class SpecStats:
 class NgramProposer:
     """Drafts from the request's own prompt and output (ops.ngram_propose, on the device)."""
 
+    uses_mtp = False
+
     def __init__(self, num_speculative_tokens: int, ngram_min: int = 1, ngram_max: int = 3):
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.k, self.ngram_min, self.ngram_max = num_speculative_tokens, ngram_min, ngram_max
+
+    def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.propose([s.all_ids for s in seqs], caps, device)
 
     def propose(self, token_rows: list[list[int]], caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
         L = max(len(r) for r in token_rows)
@@ -125,3 +130,47 @@ class NgramProposer:
         caps_t = torch.tensor(caps, dtype=torch.int32)
         return ngram_propose(tokens.to(device), lens.to(device), max_ngram=self.ngram_max, min_ngram=self.ngram_min,
                              num_draft=caps_t.to(device), max_num_draft=self.k)
+
+
+class MtpProposer:
+    """Drafts from the model's own MTP module(s): the runner runs the module after every forward
+    (`ModelRunner.mtp_catch_up_and_draft`), and the drafts wait on the request for its next step."""
+
+    uses_mtp = True
+
+    def __init__(self, num_speculative_tokens: int):
+        if num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.k = num_speculative_tokens
+
+    def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        drafts = torch.zeros(len(seqs), self.k, dtype=torch.long)
+        num = []
+        for i, (s, cap) in enumerate(zip(seqs, caps)):
+            d = s.drafts[: min(cap, self.k)]
+            drafts[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+            num.append(len(d))
+        return drafts.to(device), torch.tensor(num, dtype=torch.int32, device=device)
+
+
+class HybridProposer(MtpProposer):
+    """FastDeploy's hybrid_mtp_ngram: the MTP module drafts the first `mtp_tokens`, then the n-gram
+    proposer extends the draft up to k, matching over the tokens including the MTP drafts."""
+
+    def __init__(self, num_speculative_tokens: int, mtp_tokens: int = 1, ngram_min: int = 1, ngram_max: int = 3):
+        super().__init__(num_speculative_tokens)
+        self.mtp_tokens = max(1, min(mtp_tokens, num_speculative_tokens))
+        self.ngram = NgramProposer(num_speculative_tokens, ngram_min, ngram_max)
+
+    def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        mtp = [s.drafts[: min(cap, self.mtp_tokens)] for s, cap in zip(seqs, caps)]
+        rows = [s.all_ids + d for s, d in zip(seqs, mtp)]
+        rest = [max(0, cap - len(d)) if len(d) == min(cap, self.mtp_tokens) else 0 for cap, d in zip(caps, mtp)]
+        ext, n_ext = self.ngram.propose(rows, rest, "cpu")
+        drafts = torch.zeros(len(seqs), self.k, dtype=torch.long)
+        num = []
+        for i, d in enumerate(mtp):
+            full = d + ext[i, : int(n_ext[i])].tolist()
+            drafts[i, : len(full)] = torch.tensor(full, dtype=torch.long)
+            num.append(len(full))
+        return drafts.to(device), torch.tensor(num, dtype=torch.int32, device=device)
