@@ -106,3 +106,60 @@ def test_mtp_drafts_equal_a_cache_free_recomputation(tiny_model_dir):
                 assert s.drafts == reference_mtp_drafts(llm.model, s.all_ids, k)
                 checked += 1
     assert checked >= 10
+
+
+def test_speculative_sampling_follows_the_target_distribution_end_to_end(tiny_model_dir):
+    """Many seeded requests sample two tokens (top-k 3 keeps the support small). Token 2 comes from
+    verifying a one-token draft that is the target's own most likely token (so drafts are accepted
+    with probability p(draft), and rejected ones are resampled from the residual). The joint
+    distribution of (token 1, token 2) must match the model's, computed exactly from its logits
+    (χ², 8 degrees of freedom, below the 0.1 % critical value)."""
+    import torch
+
+    from specmla.model.metadata import AttentionMetadata
+    from specmla.ops.sampling import apply_top_k_top_p
+
+    prompt = [11, 45, 200, 3, 99, 7]
+    temp, k_top, N = 1.5, 3, 1500
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=4096, max_num_seqs=N,
+              max_num_batched_tokens=2048, speculative="ngram", num_speculative_tokens=1)
+
+    def dist(ids):
+        with torch.no_grad():
+            logits = llm.model.compute_logits(llm.model(torch.tensor(ids), AttentionMetadata.for_contiguous([len(ids)])))
+        masked = apply_top_k_top_p(logits[-1:] / temp, torch.tensor([k_top]), torch.tensor([1.0]))
+        return masked.softmax(-1)[0]
+
+    best = {}
+
+    class TargetArgmaxProposer:  # drafts the target's most likely next token
+        uses_mtp, k = False, 1
+
+        def propose_for(self, seqs, caps, device):
+            drafts = []
+            for s in seqs:
+                key = tuple(s.all_ids)
+                if key not in best:
+                    best[key] = int(dist(s.all_ids).argmax())
+                drafts.append([best[key]])
+            return torch.tensor(drafts), torch.tensor([min(1, c) for c in caps], dtype=torch.int32)
+
+    llm.engine.proposer = TargetArgmaxProposer()
+    params = [SamplingParams(max_tokens=3, temperature=temp, top_k=k_top, seed=s, ignore_eos=True) for s in range(N)]
+    outs = llm.generate([prompt] * N, params)
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts == N and 0.2 * N < stats.num_accepted_tokens < 0.95 * N  # both paths taken
+
+    p1 = dist(prompt)
+    expected = {}
+    for t1 in p1.nonzero().flatten().tolist():
+        p2 = dist(prompt + [t1])
+        for t2 in p2.nonzero().flatten().tolist():
+            expected[(t1, t2)] = (p1[t1] * p2[t2]).item()
+    counts = {}
+    for o in outs:
+        key = tuple(o.token_ids[:2])
+        assert key in expected, key
+        counts[key] = counts.get(key, 0) + 1
+    chi2 = sum((counts.get(key, 0) - N * p) ** 2 / (N * p) for key, p in expected.items())
+    assert len(expected) == 9 and chi2 < 26.1
