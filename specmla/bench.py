@@ -101,3 +101,46 @@ def format_report(r: dict, label: str = "specmla") -> str:
         + (f"\n  speculative: {r['spec']['num_accepted_tokens']}/{r['spec']['num_draft_tokens']} draft tokens accepted, "
            f"mean acceptance length {r['spec']['mean_acceptance_length']:.2f}" if r["spec"]["num_drafts"] else "")
     )
+
+
+def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], ks: list[int]) -> list[dict]:
+    """Decode tok/s and acceptance for each speculative mode and draft length, same prompts (greedy)."""
+    from specmla import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    rows, base = [], None
+    for mode in modes:
+        for k in ([0] if mode == "none" else ks):
+            llm = make_llm(None if mode == "none" else mode, max(k, 1))
+            llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up
+            llm.engine.spec_stats.__init__()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            wall = time.perf_counter() - t0
+            decode_s = sum((o.metrics["e2e_s"] - (o.metrics["ttft_s"] or 0)) for o in outs) / len(outs)
+            n = sum(len(o.token_ids) for o in outs)
+            row = {"mode": mode, "k": k, "batch": len(prompts), "output_tok_per_s": n / wall,
+                   "decode_tok_per_s_per_request": (output_len - 1) / decode_s if decode_s > 0 else None,
+                   "spec": llm.engine.spec_stats.as_dict(), "token_ids": [o.token_ids for o in outs]}
+            if base is None and mode == "none":
+                base = row
+            if base is not None:
+                row["speedup"] = row["output_tok_per_s"] / base["output_tok_per_s"]
+                row["same_output"] = row["token_ids"] == base["token_ids"]
+            rows.append(row)
+            del llm
+    for r in rows:
+        r.pop("token_ids")
+    return rows
+
+
+def format_spec_rows(rows: list[dict]) -> str:
+    lines = [f"{'mode':7s} {'k':>2s} {'B':>4s} {'tok/s':>9s} {'speedup':>8s} {'mean acc len':>12s}  accepted per position"]
+    for r in rows:
+        sp = r["spec"]
+        per = sp["accepted_per_position"]
+        rate = [f"{a / sp['num_drafts']:.2f}" for a in per] if sp["num_drafts"] else []
+        lines.append(f"{r['mode']:7s} {r['k']:>2d} {r['batch']:>4d} {r['output_tok_per_s']:>9.1f} "
+                     f"{r.get('speedup', 1.0):>7.2f}x {sp['mean_acceptance_length']:>12.2f}  {' '.join(rate)}"
+                     + ("" if r.get("same_output", True) else "  (OUTPUT DIFFERS)"))
+    return "\n".join(lines)

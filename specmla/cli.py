@@ -90,6 +90,30 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_spec(args: argparse.Namespace) -> int:
+    import json
+
+    from specmla import LLM
+    from specmla.bench import format_spec_rows, load_prompts, run_spec_sweep
+
+    def make_llm(mode, k):
+        return LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                   num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=max(args.batch),
+                   speculative=mode, num_speculative_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+
+    vocab = make_llm(None, 1).model.config.vocab_size
+    results = []
+    for B in args.batch:
+        prompts = load_prompts(args.dataset, B, args.input_len, vocab, args.seed)
+        rows = run_spec_sweep(make_llm, prompts, args.output_len, args.modes, args.k)
+        print(f"batch {B}:\n{format_spec_rows(rows)}")
+        results += rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
 def _default_model():
     from specmla.model.default import default_model_path
 
@@ -125,6 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hf-batch", type=int, default=None, help="transformers batch size (default: all prompts)")
     t.add_argument("--json", default=None, help="write the results here")
     t.set_defaults(func=cmd_bench_throughput)
+
+    sp = bench.add_parser("spec", help="speculative decoding sweep: none / mtp / ngram / hybrid × k × batch")
+    _add_model_args(sp)
+    sp.add_argument("--modes", nargs="+", default=["none", "mtp", "ngram", "hybrid"],
+                    choices=["none", "mtp", "ngram", "hybrid"])
+    sp.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="draft lengths")
+    sp.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    sp.add_argument("--input-len", type=int, default=128)
+    sp.add_argument("--output-len", type=int, default=128)
+    sp.add_argument("--dataset", default=None, help="prompts file (e.g. code-editing prompts)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--json", default=None)
+    sp.set_defaults(func=cmd_bench_spec, speculative=None)
     return parser
 
 

@@ -63,3 +63,16 @@ def test_generate_with_ngram_speculation_reports_acceptance(tiny_model_dir):
                 "--device", "cpu", "--ignore-eos", "--speculative", "ngram", "--num-speculative-tokens", "3")
     assert r.returncode == 0, r.stderr
     assert "speculative ngram" in r.stderr and "mean acceptance length" in r.stderr
+
+
+def test_bench_spec_sweep_keeps_outputs_identical(tiny_model_dir, tmp_path):
+    out = tmp_path / "spec.json"
+    r = run_cli("bench", "spec", "--model", str(tiny_model_dir), "--device", "cpu", "--batch", "3", "--k", "2",
+                "--modes", "none", "ngram", "mtp", "--input-len", "24", "--output-len", "8", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    import json
+
+    rows = json.loads(out.read_text())
+    assert [(x["mode"], x["k"]) for x in rows] == [("none", 0), ("ngram", 2), ("mtp", 2)]
+    assert all(x["same_output"] for x in rows)  # greedy speculation is lossless
+    assert "accepted per position" in r.stdout
