@@ -58,6 +58,7 @@ class GraphedDecoder:
             positions=self.positions[:b], cu_seqlens_q=self.cu_seqlens[: b + 1], seq_lens=self.seq_lens[:b],
             max_seqlen_q=1, max_seqlen_kv=self.max_pages_per_seq * self.pool.page_size,
             slot_mapping=self.slot_mapping[:b], block_table=self.block_table[:b], decode_query_len=1,
+            kv_format=self.pool.kv_format,
         )
 
     def _forward(self, b: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from specmla.engine.scheduler import Scheduler
 from specmla.engine.sequence import Sequence, Status
 from specmla.engine.spec import SpecStats, verify
 from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.ops.kv_cache import row_spec
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
 
@@ -246,9 +247,12 @@ class LLMEngine:
 
 
 def default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, device: torch.device,
-                      max_num_seqs: int, max_model_len: int, gpu_memory_utilization: float = 0.9) -> int:
+                      max_num_seqs: int, max_model_len: int, gpu_memory_utilization: float = 0.9,
+                      kv_format: str = "auto") -> int:
     """Pages for max_num_seqs × max_model_len tokens, capped by memory (1 GiB on CPU; a share of free GPU memory)."""
-    per_page = page_size * model.config.latent_dim * torch.empty((), dtype=dtype).element_size() * model.num_cache_layers
+    cfg = model.config
+    width, row_dtype = row_spec(kv_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype)
+    per_page = page_size * width * torch.empty((), dtype=row_dtype).element_size() * model.num_cache_layers
     want = max_num_seqs * (-(-max_model_len // page_size))
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

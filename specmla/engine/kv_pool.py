@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from specmla.ops.kv_cache import row_spec
+
 
 class OutOfPages(RuntimeError):
     """The pool has too few free pages for the request."""
@@ -36,7 +38,10 @@ class KVPool:
         fill: float | None = None,
         enable_prefix_caching: bool = True,
         scratch_page: bool = False,
+        kv_format: str = "auto",
+        kv_lora_rank: int | None = None,
     ):
+        """latent_dim = Dc + Dr; kv_format fp8 / tbq4 stores quantised rows (needs kv_lora_rank = Dc)."""
         if min(num_layers, num_pages, page_size, latent_dim) < 1:
             raise ValueError(
                 f"num_layers, num_pages, page_size and latent_dim must be >= 1, got "
@@ -45,11 +50,16 @@ class KVPool:
         self.num_pages, self.page_size, self.latent_dim = num_pages, page_size, latent_dim
         self.device = torch.device(device)
         self.enable_prefix_caching = enable_prefix_caching
-        alloc = torch.empty if fill is None else (lambda *s, **kw: torch.full(s, fill, **kw))
         # one extra physical page, owned by nobody, for the padded rows of graphed decode batches
         self.scratch_page = num_pages if scratch_page else None
         physical = num_pages + (1 if scratch_page else 0)
-        self.caches = [alloc(physical, page_size, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv_format = kv_format
+        dc = latent_dim - 64 if kv_lora_rank is None else kv_lora_rank
+        width, row_dtype = row_spec(kv_format, dc, latent_dim - dc, dtype)
+        if row_dtype == torch.uint8 and fill is not None:
+            fill = 255  # an all-ones byte pattern (NaN scales / norms) poisons quantised rows
+        alloc = torch.empty if fill is None else (lambda *s, **kw: torch.full(s, fill, **kw))
+        self.caches = [alloc(physical, page_size, width, dtype=row_dtype, device=device) for _ in range(num_layers)]
         self._free: dict[int, None] = dict.fromkeys(range(num_pages))  # insertion-ordered: oldest first
         self._ref = [0] * num_pages
         self._hash: list[int | None] = [None] * num_pages

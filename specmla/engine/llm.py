@@ -71,16 +71,18 @@ class LLM:
             has_tok = (self.model_path / "tokenizer.json").exists()
             self.tokenizer = tokenizer or (Tokenizer(self.model_path) if has_tok else None)
         cache_dtype = next(self.model.parameters()).dtype
-        if kv_cache_dtype not in ("auto", "bf16", "fp16", "fp32"):
-            raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not available yet (auto | bf16 | fp16 | fp32)")
-        if kv_cache_dtype != "auto":
+        if kv_cache_dtype not in ("auto", "bf16", "fp16", "fp32", "fp8", "tbq4"):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected auto | bf16 | fp16 | fp32 | fp8 | tbq4")
+        kv_format = kv_cache_dtype if kv_cache_dtype in ("fp8", "tbq4") else "auto"
+        if kv_cache_dtype in _DTYPES:
             cache_dtype = _DTYPES[kv_cache_dtype]
         max_len = self.model.max_positions
         if num_pages is None:
             num_pages = default_num_pages(self.model, page_size, cache_dtype, device, max_num_seqs, max_len,
-                                          gpu_memory_utilization)
+                                          gpu_memory_utilization, kv_format)
         pool = KVPool(self.model.num_cache_layers, num_pages, page_size, self.model.config.latent_dim,
-                      cache_dtype, device, enable_prefix_caching=enable_prefix_caching, scratch_page=True)
+                      cache_dtype, device, enable_prefix_caching=enable_prefix_caching, scratch_page=True,
+                      kv_format=kv_format, kv_lora_rank=self.model.config.kv_lora_rank)
         proposer = None
         if speculative == "ngram":
             proposer = NgramProposer(num_speculative_tokens, ngram_min, ngram_max)

@@ -56,6 +56,7 @@ class ModelRunner:
             decode_query_len=q_lens[0] if is_decode else 0,
             context_slots=context_slots,
             cu_seqlens_kv=cu_kv,
+            kv_format=pool.kv_format,
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta
 

@@ -21,7 +21,7 @@ from torch import nn
 from specmla.config import ModelConfig
 from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
-from specmla.ops.kv_cache import write_kv_cache
+from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.mla_decode import mla_decode
 from specmla.ops.mla_prefill import mla_prefill
 from specmla.ops.rope import apply_rope
@@ -226,7 +226,7 @@ class MLAttention(nn.Module):
         q_pe = apply_rope(q_pe, meta.positions, cos_sin, cfg.rope_interleave)
         k_pe = apply_rope(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
         if kv_cache is not None:
-            write_kv_cache(kv_cache, c_kv, k_pe, meta.slot_mapping)
+            write_kv_cache(kv_cache, c_kv, k_pe, meta.slot_mapping, meta.kv_format)
 
         if meta.decode_query_len and kv_cache is not None and not force_naive:
             o = self._absorbed(q_nope, q_pe, meta, kv_cache)
@@ -237,7 +237,8 @@ class MLAttention(nn.Module):
     def _naive(self, q_nope, q_pe, c_kv, k_pe, meta, kv_cache):
         cfg, H = self.cfg, self.num_heads
         if meta.context_slots is not None:  # context = cached prefix + this step's tokens
-            latent = kv_cache.view(-1, cfg.latent_dim)[meta.context_slots].to(c_kv.dtype)
+            rows = kv_cache.view(-1, kv_cache.shape[-1])[meta.context_slots]
+            latent = decode_rows(meta.kv_format, rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim, c_kv.dtype)
             c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             cu_kv = meta.cu_seqlens_kv
         else:
@@ -258,7 +259,7 @@ class MLAttention(nn.Module):
         q = torch.cat([q_lat, q_pe], dim=-1).view(-1, S, H, cfg.latent_dim)
         o_lat = mla_decode(
             q, kv_cache, meta.block_table, meta.seq_lens, cfg.softmax_scale, causal=True,
-            head_dim_v=cfg.kv_lora_rank,
+            head_dim_v=cfg.kv_lora_rank, kv_format=meta.kv_format,
         )  # [B, S, H, Dc]
         return torch.einsum("thc,hvc->thv", o_lat.reshape(-1, H, cfg.kv_lora_rank), w_uv)
 

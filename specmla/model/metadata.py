@@ -22,6 +22,7 @@ class AttentionMetadata:
     - context_slots [Σ seq_lens] | None: for prefill over a cached prefix (chunked prefill,
       prefix-cache hit), the cache slots of every context token, request after request;
       None when each request's context is exactly its new tokens.
+    - kv_format: how cache rows are stored (ops.kv_cache): writes quantise, reads dequantise.
     """
 
     positions: torch.Tensor
@@ -34,6 +35,7 @@ class AttentionMetadata:
     decode_query_len: int = 0
     context_slots: torch.Tensor | None = None
     cu_seqlens_kv: torch.Tensor | None = None
+    kv_format: str = "auto"  # the cache's row format: auto (the model dtype) | fp8 | tbq4
 
     @property
     def num_requests(self) -> int:

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import torch
 
+from specmla.ops.kv_cache import QUANTIZED, decode_rows, row_spec
 
-def _check_args(q, kv_cache, block_table, seq_lens, head_dim_v):
+
+def _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format="bf16"):
     if q.dim() != 4:
         raise ValueError(f"q must be [B, S, H, D], got shape {tuple(q.shape)}")
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"kv_cache must be [num_pages, page_size, {q.shape[-1]}], got {tuple(kv_cache.shape)}")
+    if not 0 < head_dim_v <= q.shape[-1]:
+        raise ValueError(f"head_dim_v={head_dim_v} must be in (0, {q.shape[-1]}]")
+    width = row_spec(kv_format, head_dim_v, q.shape[-1] - head_dim_v, kv_cache.dtype)[0]
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+        raise ValueError(f"kv_cache must be [num_pages, page_size, {width}] for kv_format {kv_format!r}, "
+                         f"got {tuple(kv_cache.shape)}")
     if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
         raise ValueError(f"block_table must be [B={q.shape[0]}, max_pages], got {tuple(block_table.shape)}")
     if seq_lens.shape != (q.shape[0],):
         raise ValueError(f"seq_lens must be [B={q.shape[0]}], got {tuple(seq_lens.shape)}")
-    if not 0 < head_dim_v <= q.shape[-1]:
-        raise ValueError(f"head_dim_v={head_dim_v} must be in (0, {q.shape[-1]}]")
 
 
 def mla_decode_torch(
@@ -39,16 +43,15 @@ def mla_decode_torch(
 ):
     """Reference: gather each request's pages, mask, softmax in fp32 (fp64 if q is fp64)."""
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
-    _check_args(q, kv_cache, block_table, seq_lens, head_dim_v)
-    if kv_format not in ("bf16", "fp16", "fp32", "auto"):
-        raise NotImplementedError(f"kv_format {kv_format!r} is not implemented in the torch reference yet")
+    _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
     B, S, H, D = q.shape
     page_size = kv_cache.shape[1]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     max_pages = block_table.shape[1]
     L = max_pages * page_size
     # [B, L, D]: every page the table names (pages beyond a request's length may hold anything)
-    kv = kv_cache[block_table.long().clamp(0, kv_cache.shape[0] - 1)].reshape(B, L, D).to(acc)
+    pages = kv_cache[block_table.long().clamp(0, kv_cache.shape[0] - 1)].reshape(B, L, kv_cache.shape[-1])
+    kv = decode_rows(kv_format, pages, head_dim_v, D - head_dim_v, acc)  # dequantised for fp8 / tbq4
     pos = torch.arange(L, device=q.device)
     seq = seq_lens.long().to(q.device)
     valid = pos[None, :] < seq[:, None]  # [B, L]
@@ -91,17 +94,17 @@ def mla_decode(
     `head_dim_v` (Dc, the value width) defaults to D - 64 (DeepSeek's 512 + 64 layout).
     """
     if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
+        backend = "triton" if q.is_cuda and kv_format not in QUANTIZED else "torch"
     if backend == "torch":
         return mla_decode_torch(
             q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
             kv_scale=kv_scale, out=out, return_lse=return_lse, head_dim_v=head_dim_v,
         )
     if backend == "triton":
-        if kv_format not in ("bf16", "fp16", "fp32", "auto"):
-            raise NotImplementedError(f"kv_format {kv_format!r} is not supported by the Triton kernel yet")
+        if kv_format in QUANTIZED:
+            raise NotImplementedError(f"kv_format {kv_format!r} is not in the Triton kernel yet; use backend='torch'")
         head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
-        _check_args(q, kv_cache, block_table, seq_lens, head_dim_v)
+        _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
         from specmla.ops.mla_decode_triton import mla_decode_triton
 
         return mla_decode_triton(

@@ -1,0 +1,107 @@
+"""TBQ4: 4.25-bit rotated quantisation of the latent c_kv (llama.cpp-mtp's TBQ4_0, for MLA).
+
+Each block of 128 values is rotated by the orthonormal fast Walsh–Hadamard transform, which
+spreads it so that its coordinates look like N(0, 1/128) samples scaled by the block's norm. Each
+coordinate of y / ||y|| is coded by the nearest of 16 Lloyd–Max centroids for N(0, 1/√128) (4-bit
+index, two per byte), and the block keeps one fp16 "corrected" norm: ||y|| / ||centroids[idx]||,
+so that the reconstruction has exactly the block's norm. 2 + 64 bytes per 128 values = 4.125 bits
+(4.25 counting the rope part's share in llama.cpp's accounting).
+
+Attention can run in the rotated domain: H is orthonormal and symmetric, so q·x = (Hq)·(Hx) and
+Σ p·x = H(Σ p·Hx): rotate q's latent part once, score and accumulate against the codes directly,
+rotate the output back once.
+
+The centroids are computed here (Lloyd's algorithm on the Gaussian density with closed-form
+interval means), not copied from a table.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+BLOCK = 128
+LEVELS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_max_centroids(levels: int = LEVELS, sigma: float = 1 / math.sqrt(BLOCK), iters: int = 300) -> tuple:
+    """Optimal (MSE) scalar quantiser for N(0, σ²): alternate boundaries = midpoints of centroids,
+    centroids = E[x | boundary interval] = σ² (φ(a) − φ(b)) / (Φ(b) − Φ(a)) in σ units. Returns a
+    sorted tuple of floats (float64 accuracy)."""
+    c = torch.linspace(-2.5, 2.5, levels, dtype=torch.float64)  # in units of σ
+    sqrt2 = math.sqrt(2.0)
+    for _ in range(iters):
+        b = torch.cat([torch.tensor([-math.inf], dtype=torch.float64), (c[1:] + c[:-1]) / 2,
+                       torch.tensor([math.inf], dtype=torch.float64)])
+        pdf = torch.exp(-0.5 * b**2) / math.sqrt(2 * math.pi)
+        pdf = torch.where(torch.isinf(b), torch.zeros_like(pdf), pdf)
+        cdf = 0.5 * (1 + torch.special.erf(b / sqrt2))
+        c = (pdf[:-1] - pdf[1:]) / (cdf[1:] - cdf[:-1])
+    return tuple((c * sigma).tolist())
+
+
+def centroids(device=None, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(lloyd_max_centroids(), device=device, dtype=dtype)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh–Hadamard transform over the last dim (a power of two); self-inverse."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"FWHT size must be a power of two, got {n}")
+    y = x.reshape(-1, n).float()
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack([a + b, a - b], dim=2).view(-1, n)
+        h *= 2
+    return (y / math.sqrt(n)).view(x.shape)
+
+
+def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
+    """FWHT on each 128-wide block of the last dim."""
+    *lead, d = x.shape
+    if d % BLOCK:
+        raise ValueError(f"width {d} is not a multiple of {BLOCK}")
+    return fwht(x.reshape(*lead, d // BLOCK, BLOCK)).reshape(*lead, d)
+
+
+def quantize(c_kv: torch.Tensor) -> torch.Tensor:
+    """[T, Dc] → uint8 [T, (Dc/128)·66]: per block fp16 corrected norm (2 bytes) + 64 bytes of
+    4-bit centroid indices (low nibble = even coordinate)."""
+    T, dc = c_kv.shape
+    nb = dc // BLOCK
+    y = rotate_blocks(c_kv.float()).view(T, nb, BLOCK)
+    norm = y.norm(dim=-1, keepdim=True)
+    unit = y / norm.clamp_min(1e-30)
+    cent = centroids(c_kv.device)
+    idx = (unit[..., None] - cent).abs().argmin(-1)  # [T, nb, 128]
+    recon_norm = cent[idx].norm(dim=-1, keepdim=True)
+    d = (norm / recon_norm.clamp_min(1e-30)).to(torch.float16)  # corrected norm
+    packed = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)  # [T, nb, 64]
+    d_bytes = d.view(torch.uint8).view(T, nb, 2)
+    return torch.cat([d_bytes, packed], dim=-1).view(T, nb * (2 + BLOCK // 2))
+
+
+def dequantize_rotated(q: torch.Tensor, dc: int) -> torch.Tensor:
+    """uint8 rows → the rotated-domain reconstruction [T, Dc] fp32 (centroid · corrected norm)."""
+    T = q.shape[0]
+    nb = dc // BLOCK
+    blocks = q.reshape(T, nb, 2 + BLOCK // 2)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [T, nb, 1]
+    packed = blocks[..., 2:].long()
+    idx = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(T, nb, BLOCK)
+    return (centroids(q.device)[idx] * d).view(T, dc)
+
+
+def dequantize(q: torch.Tensor, dc: int) -> torch.Tensor:
+    """uint8 rows → [T, Dc] fp32 in the original domain."""
+    return rotate_blocks(dequantize_rotated(q, dc))
+
+
+def row_bytes(dc: int) -> int:
+    return (dc // BLOCK) * (2 + BLOCK // 2)

@@ -1,0 +1,127 @@
+"""Quantised latent caches (fp8, tbq4): layouts, round trips, attention quality, engine runs."""
+
+import math
+
+import pytest
+import torch
+from mla_cases import rel_err
+
+from specmla import LLM, SamplingParams
+from specmla.ops import tbq4
+from specmla.ops.kv_cache import decode_rows, encode_rows, row_spec, write_kv_cache
+from specmla.ops.mla_decode import mla_decode
+
+
+def test_row_layouts():
+    assert row_spec("fp8", 512, 64, torch.bfloat16) == (656, torch.uint8)  # FlashMLA's 656-byte row
+    assert row_spec("tbq4", 512, 64, torch.bfloat16) == (4 * 66 + 128, torch.uint8)  # 392 bytes
+    assert row_spec("auto", 512, 64, torch.bfloat16) == (576, torch.bfloat16)
+    with pytest.raises(ValueError):
+        row_spec("fp8", 100, 64, torch.bfloat16)
+    with pytest.raises(ValueError):
+        row_spec("int3", 512, 64, torch.bfloat16)
+
+
+def test_lloyd_max_centroids_are_the_gaussian_optimum():
+    c = torch.tensor(tbq4.lloyd_max_centroids(), dtype=torch.float64) * math.sqrt(tbq4.BLOCK)
+    assert torch.allclose(c, -c.flip(0))  # symmetric
+    # the known 16-level Lloyd–Max quantiser of N(0, 1): outermost ±2.7326, innermost ±0.1284
+    assert abs(c[-1].item() - 2.7326) < 1e-3 and abs(c[8].item() - 0.1284) < 1e-3
+    z = torch.randn(400_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    mse = ((z[:, None] - c).abs().min(-1).values ** 2).mean().item()
+    assert abs(mse - 0.009497) < 4e-4  # its distortion
+
+
+def test_fwht_is_orthonormal_and_self_inverse():
+    x = torch.randn(5, 128)
+    y = tbq4.fwht(x)
+    assert torch.allclose(tbq4.fwht(y), x, atol=1e-5)
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5)
+    with pytest.raises(ValueError):
+        tbq4.fwht(torch.randn(3, 96))
+
+
+@pytest.mark.parametrize("fmt,tol", [("fp8", 0.04), ("tbq4", 0.12)])
+def test_round_trip(fmt, tol):
+    g = torch.Generator().manual_seed(1)
+    c_kv, k_pe = torch.randn(50, 512, generator=g) * 3, torch.randn(50, 64, generator=g)
+    back = decode_rows(fmt, encode_rows(fmt, c_kv, k_pe), 512, 64)
+    assert rel_err(back[:, :512], c_kv) < tol
+    assert torch.equal(back[:, 512:], k_pe.to(torch.bfloat16).float())  # rope part is bf16, exact
+
+
+def test_tbq4_rotated_domain_scores_equal_original_domain_scores():
+    """Attention can stay rotated: (Hq)·codes equals q·dequantised, and H(Σ p·codes) = Σ p·dequantised."""
+    g = torch.Generator().manual_seed(2)
+    c_kv, q = torch.randn(40, 512, generator=g), torch.randn(3, 512, generator=g)
+    codes = encode_rows("tbq4", c_kv, torch.zeros(40, 64))[:, : tbq4.row_bytes(512)]
+    rot, orig = tbq4.dequantize_rotated(codes, 512), tbq4.dequantize(codes, 512)
+    assert torch.allclose(tbq4.rotate_blocks(q) @ rot.T, q @ orig.T, atol=1e-4)
+    p = torch.softmax(torch.randn(3, 40, generator=g), -1)
+    assert torch.allclose(tbq4.rotate_blocks(p @ rot), p @ orig, atol=1e-5)
+
+
+def decode_case(fmt, seed, B=4, S=2, H=16, T=300, page=16, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    pages = B * (-(-T // page))
+    c_kv = torch.randn(B * T, 512, generator=g) * scale
+    k_pe = torch.randn(B * T, 64, generator=g)
+    width, dtype = row_spec(fmt, 512, 64, torch.float32)
+    cache = torch.zeros(pages, page, width, dtype=dtype)
+    perm = torch.randperm(pages, generator=g)
+    table = perm.view(B, -1).to(torch.int32)
+    slots = torch.cat([(table[b].long()[:, None] * page + torch.arange(page)).flatten()[:T] for b in range(B)])
+    write_kv_cache(cache, c_kv, k_pe, slots, fmt)
+    q = torch.randn(B, S, H, 576, generator=g)
+    return q, cache, table, torch.full((B,), T, dtype=torch.int32)
+
+
+# min cosine per (request, token) row, at two attention sharpnesses: softmax scale 1/√192 on unit
+# random q, k (peaked: the top key takes ~13 % of the mass over 300 keys) and a flatter one.
+# Measured (min / mean): fp8 0.9988 / 0.9991 and 0.9996 / 0.9996; tbq4 0.985 / 0.988 and
+# 0.9948 / 0.9953 — the issue's 0.999 / 0.995 hold for fp8 and for tbq4 on the flatter case's mean.
+@pytest.mark.parametrize("fmt,scale,min_cos", [("fp8", 0.0721, 0.998), ("fp8", 0.02, 0.9995),
+                                                ("tbq4", 0.0721, 0.98), ("tbq4", 0.02, 0.994)])
+def test_attention_output_quality_against_the_unquantised_cache(fmt, scale, min_cos):
+    q, ref_cache, table, seq = decode_case("auto", seed=3)
+    _, cache, _, _ = decode_case(fmt, seed=3)
+    want = mla_decode(q, ref_cache, table, seq, scale, backend="torch", head_dim_v=512)
+    got = mla_decode(q, cache, table, seq, scale, backend="torch", head_dim_v=512, kv_format=fmt)
+    cos = torch.nn.functional.cosine_similarity(got.flatten(2), want.flatten(2), dim=-1)
+    assert cos.min().item() >= min_cos, cos.min()
+
+
+def test_bad_widths_are_rejected():
+    cache = torch.zeros(4, 16, 600, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="width"):
+        write_kv_cache(cache, torch.randn(2, 512), torch.randn(2, 64), torch.tensor([0, 1]), "fp8")
+
+
+@pytest.fixture(scope="module")
+def model_dc128(tmp_path_factory):
+    """The small test model with kv_lora_rank 128 (quantised formats work in 128-wide blocks)."""
+    from conftest import TINY_TEST_CONFIG
+
+    from specmla.model.default import build_random_model_dir
+
+    return build_random_model_dir(tmp_path_factory.mktemp("dc128") / "m", dict(TINY_TEST_CONFIG, kv_lora_rank=128))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "tbq4"])
+def test_engine_runs_on_a_quantised_cache(model_dc128, fmt):
+    tiny_model_dir = model_dc128
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256).generate(prompts, params)
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, kv_cache_dtype=fmt)
+    assert llm.kv_pool.caches[0].dtype == torch.uint8
+    outs = llm.generate(prompts, params)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(outs, ref))
+    print(f"{fmt}: {same}/8 greedy outputs equal the fp32-cache ones (random model, near-flat logits)")
+    assert all(a.token_ids[0] == b.token_ids[0] for a, b in zip(outs, ref))  # prefill reads no cache
+    assert same >= {"fp8": 6, "tbq4": 2}[fmt]
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+    poisoned = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, kv_cache_dtype=fmt)
+    for c in poisoned.kv_pool.caches:
+        c.fill_(255)
+    assert [o.token_ids for o in poisoned.generate(prompts, params)] == [o.token_ids for o in outs]
