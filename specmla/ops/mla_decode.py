@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specmla.ops.kv_cache import QUANTIZED, decode_rows, row_spec
+from specmla.ops.kv_cache import decode_rows, row_spec
 
 
 def _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format="bf16"):
@@ -94,21 +94,21 @@ def mla_decode(
     `head_dim_v` (Dc, the value width) defaults to D - 64 (DeepSeek's 512 + 64 layout).
     """
     if backend == "auto":
-        backend = "triton" if q.is_cuda and kv_format not in QUANTIZED else "torch"
+        backend = "triton" if q.is_cuda and kv_format != "tbq4" else "torch"
     if backend == "torch":
         return mla_decode_torch(
             q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
             kv_scale=kv_scale, out=out, return_lse=return_lse, head_dim_v=head_dim_v,
         )
     if backend == "triton":
-        if kv_format in QUANTIZED:
-            raise NotImplementedError(f"kv_format {kv_format!r} is not in the Triton kernel yet; use backend='torch'")
+        if kv_format == "tbq4":
+            raise NotImplementedError("kv_format 'tbq4' is not in the Triton kernel yet; use backend='torch'")
         head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
         _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
         from specmla.ops.mla_decode_triton import mla_decode_triton
 
         return mla_decode_triton(
             q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, out=out, return_lse=return_lse,
-            head_dim_v=head_dim_v,
+            head_dim_v=head_dim_v, kv_format=kv_format,
         )
     raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")

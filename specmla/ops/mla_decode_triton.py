@@ -25,9 +25,10 @@ MAX_ROWS = 64  # rows (folded tokens × heads) per program
 
 @triton.jit
 def _mla_decode_split_kernel(
-    Q, KV, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
+    Q, KV, KVS, KVR, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
     stride_qb, stride_qs, stride_qh,
     stride_kvp, stride_kvt,
+    stride_ksp, stride_kst, stride_krp, stride_krt,
     stride_btb,
     stride_mob, stride_mos, stride_moh, stride_mosp,
     stride_mlb, stride_mls, stride_mlh,
@@ -37,7 +38,7 @@ def _mla_decode_split_kernel(
     S, H, NUM_SPLITS,
     PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, DC_PAD: tl.constexpr, DR_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -81,15 +82,26 @@ def _mla_decode_split_kernel(
         n_ok = offs_n < end
         if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page: one page id, contiguous rows
             page = tl.load(BT + b * stride_btb + n0 // PAGE_SIZE).to(tl.int64)
-            kv_row = KV + page * stride_kvp + (n0 % PAGE_SIZE + offs_n0) * stride_kvt
+            tok = n0 % PAGE_SIZE + offs_n0
         else:
-            page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0)
-            kv_row = KV + page.to(tl.int64) * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt
-        if DC_PAD == DC:
+            page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            tok = offs_n % PAGE_SIZE
+        kv_row = KV + page * stride_kvp + tok * stride_kvt
+        if FP8:  # e4m3 codes × the fp32 scale of their 128-block, bf16 rope: dequantised in registers
+            codes = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0)
+            s_row = KVS + page * stride_ksp + tok * stride_kst + DC // 4
+            scale = tl.load(s_row[:, None] + offs_c[None, :] // 128, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+            k_c = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(Q.dtype.element_ty)
+            r_row = KVR + page * stride_krp + tok * stride_krt + (DC + 4 * (DC // 128)) // 2
+            k_r = tl.load(r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                          other=0.0).to(Q.dtype.element_ty)
+        elif DC_PAD == DC:
             k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-        if DR_PAD == DR:
+        if FP8:
+            pass
+        elif DR_PAD == DR:
             k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
@@ -234,8 +246,10 @@ def mla_decode_triton(
     num_stages: int | None = None,
     block_n: int | None = None,
     max_rows: int = MAX_ROWS,
+    kv_format: str = "auto",
 ):
-    """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs."""
+    """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs.
+    kv_format "fp8": uint8 rows in FlashMLA's layout, dequantised inside the kernel's loop."""
     B, S, H, D = q.shape
     dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
@@ -270,10 +284,20 @@ def mla_decode_triton(
     ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
+    fp8 = kv_format == "fp8"
+    if fp8:
+        if kv_cache.dtype != torch.uint8 or not kv_cache.is_contiguous() or dc % 128:
+            raise ValueError("the fp8 cache must be contiguous uint8 rows with Dc a multiple of 128")
+        scales, rope = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)  # the same bytes
+    elif kv_format not in ("auto", "native", "bf16", "fp16", "fp32"):
+        raise NotImplementedError(f"kv_format {kv_format!r} is not in the Triton kernel yet")
+    else:
+        scales = rope = kv_cache
     _mla_decode_split_kernel[grid](
-        q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+        q, kv_cache, scales, rope, block_table, seq_lens, mid_o, mid_lse, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
+        scales.stride(0), scales.stride(1), rope.stride(0), rope.stride(1),
         block_table.stride(0),
         *mo_strides,
         *ml_strides,
@@ -283,7 +307,7 @@ def mla_decode_triton(
         S, H, ns,
         PAGE_SIZE=page_size, DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc), DR_PAD=triton.next_power_of_2(dr),
         BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
+        CAUSAL=causal, PRECISION=precision, DIRECT=direct, FP8=fp8, num_warps=warps, num_stages=stages,
     )
     if direct:
         return (out, lse) if return_lse else out
