@@ -127,24 +127,27 @@ def test_engine_runs_on_a_quantised_cache(model_dc128, fmt):
     assert [o.token_ids for o in poisoned.generate(prompts, params)] == [o.token_ids for o in outs]
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "tbq4"])
 @pytest.mark.parametrize("S,H,page", [(1, 16, 16), (3, 4, 64), (2, 1, 5)])
-def test_triton_fp8_decode_dequantises_in_the_loop(S, H, page):
-    """The Triton kernel reading fp8 rows directly equals the torch reference on the same rows."""
-    q, cache, table, seq = decode_case("fp8", seed=S + H, B=3, S=S, H=H, T=70, page=page)
+def test_triton_decode_reads_quantised_rows_directly(fmt, S, H, page):
+    """The Triton kernel reading fp8 / tbq4 rows (tbq4: rotated-domain attention) equals the torch
+    reference that dequantises the same rows first."""
+    q, cache, table, seq = decode_case(fmt, seed=S + H, B=3, S=S, H=H, T=70, page=page)
     seq = torch.tensor([70, 5, 33], dtype=torch.int32)
-    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format="fp8",
+    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
                                 return_lse=True)
-    got, got_lse = mla_decode(q, cache, table, seq, 0.0721, backend="triton", head_dim_v=512, kv_format="fp8",
+    got, got_lse = mla_decode(q, cache, table, seq, 0.0721, backend="triton", head_dim_v=512, kv_format=fmt,
                               return_lse=True)
     assert rel_err(got, want) < 1e-4
     assert (got_lse - want_lse).abs().max() < 1e-4
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_decode_bf16():
-    q, cache, table, seq = decode_case("fp8", seed=9, B=6, S=2, H=16, T=700, page=64)
+@pytest.mark.parametrize("fmt", ["fp8", "tbq4"])
+def test_gpu_quantised_decode_bf16(fmt):
+    q, cache, table, seq = decode_case(fmt, seed=9, B=6, S=2, H=16, T=700, page=64)
     q, cache, table, seq = q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda()
     want = mla_decode(q.float().cpu(), cache.cpu(), table.cpu(), seq.cpu(), 0.0721, backend="torch", head_dim_v=512,
-                      kv_format="fp8")
-    got = mla_decode(q, cache, table, seq, 0.0721, head_dim_v=512, kv_format="fp8")  # auto: Triton on CUDA
+                      kv_format=fmt)
+    got = mla_decode(q, cache, table, seq, 0.0721, head_dim_v=512, kv_format=fmt)  # auto: Triton on CUDA
     assert rel_err(got.float().cpu(), want) < 1e-2

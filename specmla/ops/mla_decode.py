@@ -94,15 +94,13 @@ def mla_decode(
     `head_dim_v` (Dc, the value width) defaults to D - 64 (DeepSeek's 512 + 64 layout).
     """
     if backend == "auto":
-        backend = "triton" if q.is_cuda and kv_format != "tbq4" else "torch"
+        backend = "triton" if q.is_cuda else "torch"
     if backend == "torch":
         return mla_decode_torch(
             q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
             kv_scale=kv_scale, out=out, return_lse=return_lse, head_dim_v=head_dim_v,
         )
     if backend == "triton":
-        if kv_format == "tbq4":
-            raise NotImplementedError("kv_format 'tbq4' is not in the Triton kernel yet; use backend='torch'")
         head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
         _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
         from specmla.ops.mla_decode_triton import mla_decode_triton

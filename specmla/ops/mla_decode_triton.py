@@ -19,13 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from specmla.ops import tbq4
+
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
 
 
 @triton.jit
 def _mla_decode_split_kernel(
-    Q, KV, KVS, KVR, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
+    Q, KV, KVS, KVR, CENT, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
     stride_qb, stride_qs, stride_qh,
     stride_kvp, stride_kvt,
     stride_ksp, stride_kst, stride_krp, stride_krt,
@@ -38,7 +40,7 @@ def _mla_decode_split_kernel(
     S, H, NUM_SPLITS,
     PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, DC_PAD: tl.constexpr, DR_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, TBQ4: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -95,11 +97,23 @@ def _mla_decode_split_kernel(
             r_row = KVR + page * stride_krp + tok * stride_krt + (DC + 4 * (DC // 128)) // 2
             k_r = tl.load(r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                           other=0.0).to(Q.dtype.element_ty)
+        elif TBQ4:  # 4-bit centroid codes × the block's corrected norm, in the rotated domain
+            blk = offs_c // 128
+            w = offs_c % 128
+            byte = tl.load(kv_row[:, None] + (blk * 66 + 2 + w // 2)[None, :], mask=n_ok[:, None] & c_ok[None, :],
+                           other=0).to(tl.int32)
+            code = (byte >> (4 * (w % 2))[None, :]) & 0xF
+            n_row = KVS + page * stride_ksp + tok * stride_kst
+            norm = tl.load(n_row[:, None] + (blk * 33)[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+            k_c = (tl.load(CENT + code) * norm.to(tl.float32)).to(Q.dtype.element_ty)
+            r_row = KVR + page * stride_krp + tok * stride_krt + (DC // 128) * 33
+            k_r = tl.load(r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                          other=0.0).to(Q.dtype.element_ty)
         elif DC_PAD == DC:
             k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
         else:
             k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-        if FP8:
+        if FP8 or TBQ4:
             pass
         elif DR_PAD == DR:
             k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
@@ -284,17 +298,22 @@ def mla_decode_triton(
     ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
-    fp8 = kv_format == "fp8"
-    if fp8:
+    fp8, tbq = kv_format == "fp8", kv_format == "tbq4"
+    cent = kv_cache  # unused unless tbq4
+    if fp8 or tbq:
         if kv_cache.dtype != torch.uint8 or not kv_cache.is_contiguous() or dc % 128:
-            raise ValueError("the fp8 cache must be contiguous uint8 rows with Dc a multiple of 128")
-        scales, rope = kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)  # the same bytes
+            raise ValueError(f"the {kv_format} cache must be contiguous uint8 rows with Dc a multiple of 128")
+        # the same bytes viewed three ways: codes (uint8), fp8 scales (fp32) / tbq4 norms (fp16), rope (bf16)
+        scales, rope = kv_cache.view(torch.float32 if fp8 else torch.float16), kv_cache.view(torch.bfloat16)
     elif kv_format not in ("auto", "native", "bf16", "fp16", "fp32"):
-        raise NotImplementedError(f"kv_format {kv_format!r} is not in the Triton kernel yet")
+        raise ValueError(f"unknown kv_format {kv_format!r}")
     else:
         scales = rope = kv_cache
+    if tbq:  # attention runs in the rotated domain: rotate q's latent part once (and the output back)
+        q = torch.cat([tbq4.rotate_blocks(q[..., :dc].float()).to(q.dtype), q[..., dc:]], dim=-1)
+        cent = tbq4.centroids(q.device)
     _mla_decode_split_kernel[grid](
-        q, kv_cache, scales, rope, block_table, seq_lens, mid_o, mid_lse, out, lse,
+        q, kv_cache, scales, rope, cent, block_table, seq_lens, mid_o, mid_lse, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1),
         scales.stride(0), scales.stride(1), rope.stride(0), rope.stride(1),
@@ -307,10 +326,11 @@ def mla_decode_triton(
         S, H, ns,
         PAGE_SIZE=page_size, DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc), DR_PAD=triton.next_power_of_2(dr),
         BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        CAUSAL=causal, PRECISION=precision, DIRECT=direct, FP8=fp8, num_warps=warps, num_stages=stages,
+        CAUSAL=causal, PRECISION=precision, DIRECT=direct, FP8=fp8, TBQ4=tbq, num_warps=warps,
+        num_stages=stages,
     )
     if direct:
-        return (out, lse) if return_lse else out
+        return _finish(out, lse, return_lse, tbq)
     block_d = triton.next_power_of_2(dc)  # one program per row, unless rows are too few for the SMs
     while block_d > 128 and B * S * H * (dc // block_d) < 4 * _sm_count(q.device) and dc % (block_d // 2) == 0:
         block_d //= 2
@@ -325,6 +345,12 @@ def mla_decode_triton(
         SPLIT_CHUNK=max(2, min(triton.next_power_of_2(ns), 4096 // block_d)),  # few, wide steps
         num_warps=4,
     )
+    return _finish(out, lse, return_lse, tbq)
+
+
+def _finish(out, lse, return_lse, rotated):
+    if rotated:  # tbq4: the output was accumulated in the rotated domain
+        out.copy_(tbq4.rotate_blocks(out.float()).to(out.dtype))
     return (out, lse) if return_lse else out
 
 
