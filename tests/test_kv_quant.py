@@ -4,11 +4,13 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from mla_cases import rel_err
 
 from specmla import LLM, SamplingParams
 from specmla.ops import tbq4
-from specmla.ops.kv_cache import decode_rows, encode_rows, row_spec, write_kv_cache
+from specmla.ops.kv_cache import _bf16_rne, _e4m3_rne, decode_rows, encode_rows, row_spec, write_kv_cache
 from specmla.ops.mla_decode import mla_decode
 
 
@@ -196,21 +198,17 @@ def test_gpu_fused_write_is_byte_exact(fmt):
     assert diff < 1e-3  # tbq4 codes may flip where the GPU's FWHT matmul rounds differently
 
 
+@triton.jit
+def _cast_kernel(X, Y, Z, N: tl.constexpr):
+    o = tl.arange(0, N)
+    x = tl.load(X + o)
+    tl.store(Y + o, _e4m3_rne(x))
+    tl.store(Z + o, _bf16_rne(x))
+
+
 def test_kernel_roundings_equal_torch_casts():
     """The fused write's integer-arithmetic RNE casts (fp32 → e4m3fn, fp32 → bf16) equal torch's on
     every e4m3 value, every midpoint between neighbours (ties), and random values."""
-    import triton
-    import triton.language as tl
-
-    from specmla.ops.kv_cache import _bf16_rne, _e4m3_rne
-
-    @triton.jit
-    def cast(X, Y, Z, N: tl.constexpr):
-        o = tl.arange(0, N)
-        x = tl.load(X + o)
-        tl.store(Y + o, _e4m3_rne(x))
-        tl.store(Z + o, _bf16_rne(x))
-
     v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     v = torch.sort(v[torch.isfinite(v)].unique()).values
     g = torch.Generator().manual_seed(0)
@@ -218,7 +216,7 @@ def test_kernel_roundings_equal_torch_casts():
                    torch.randn(2000, generator=g) * 0.01])
     x = torch.cat([x, torch.ones(8192 - len(x))])
     y, z = torch.empty(8192, dtype=torch.uint8), torch.empty(8192, dtype=torch.bfloat16)
-    cast[(1,)](x, y, z, N=8192)
+    _cast_kernel[(1,)](x, y, z, N=8192)
     nonzero = x != 0
     assert torch.equal(y[nonzero], x.to(torch.float8_e4m3fn).view(torch.uint8)[nonzero])
     assert torch.equal(z, x.to(torch.bfloat16))
