@@ -45,11 +45,106 @@ def mla_prefill(
     *, causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None, backend: str = "auto",
 ):
     """Contract C2. Returns out [Σq, H, Dv] (and lse [Σq, H] fp32 when return_lse)."""
-    if backend in ("auto", "torch"):
-        return mla_prefill_torch(
-            q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
-            causal=causal, return_lse=return_lse, out=out,
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "torch"
+    fn = {"torch": mla_prefill_torch, "triton": mla_prefill_triton}.get(backend)
+    if fn is None:
+        raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
+    return fn(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+              causal=causal, return_lse=return_lse, out=out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: ragged (varlen) flash attention, bottom-right causal, LSE
+# ---------------------------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, O, LSE, CU_Q, CU_K,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
+    scale_log2,
+    DQK: tl.constexpr, DV: tl.constexpr, DQK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per (query block, request, head): online softmax over the request's keys up to
+    each row's bottom-right causal limit (kv_len − q_len + t)."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q0 = tl.load(CU_Q + b)
+    q_len = tl.load(CU_Q + b + 1) - q0
+    k0 = tl.load(CU_K + b)
+    k_len = tl.load(CU_K + b + 1) - k0
+    start_m = pid_m * BLOCK_M
+    if start_m < q_len:
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        dq = tl.arange(0, DQK_PAD)
+        dv = tl.arange(0, DV_PAD)
+        q = tl.load(Q + (q0 + rows)[:, None] * stride_qt + h * stride_qh + dq[None, :],
+                    mask=row_ok[:, None] & (dq < DQK)[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+        limit = k_len - q_len + rows  # row t sees keys j <= limit
+        end = k_len
+        if CAUSAL:
+            end = tl.minimum(k_len, k_len - q_len + start_m + BLOCK_M)
+        for n0 in range(0, end, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < k_len
+            k = tl.load(K + (k0 + cols)[:, None] * stride_kt + h * stride_kh + dq[None, :],
+                        mask=col_ok[:, None] & (dq < DQK)[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            visible = col_ok[None, :] & row_ok[:, None]
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= limit[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + (k0 + cols)[:, None] * stride_vt + h * stride_vh + dv[None, :],
+                        mask=col_ok[:, None] & (dv < DV)[None, :], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        tl.store(O + (q0 + rows)[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv < DV)[None, :])
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+        tl.store(LSE + (q0 + rows) * stride_lt + h, lse, mask=row_ok)
+
+
+def mla_prefill_triton(
+    q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+    *, causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
+    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+):
+    """Same contract as `mla_prefill_torch`. Grid: (query blocks of the longest request, B, H)."""
+    T, H, dqk = q.shape
+    dv = v.shape[-1]
+    B = cu_seqlens_q.shape[0] - 1
+    if k.shape[1] != H or v.shape[1] != H or k.shape[-1] != dqk:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if min(q.stride(-1), k.stride(-1), v.stride(-1)) != 1:
+        raise ValueError("q, k, v must be contiguous in their last dimension")
+    o = out if out is not None else q.new_empty(T, H, dv)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T and B and max_seqlen_q:
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        grid = (triton.cdiv(max_seqlen_q, block_m), B, H)
+        _prefill_kernel[grid](
+            q, k, v, o, lse, cu_seqlens_q, cu_seqlens_kv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            o.stride(0), o.stride(1), lse.stride(0),
+            softmax_scale * 1.4426950408889634,
+            DQK=dqk, DV=dv, DQK_PAD=triton.next_power_of_2(dqk), DV_PAD=triton.next_power_of_2(dv),
+            BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PRECISION=precision,
+            num_warps=num_warps, num_stages=num_stages,
         )
-    if backend == "triton":
-        raise NotImplementedError("the Triton MLA prefill kernel is not built yet; use backend='torch'")
-    raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
+    return (o, lse) if return_lse else o
