@@ -24,7 +24,8 @@ from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.mla_decode import mla_decode
 from specmla.ops.mla_prefill import mla_prefill
-from specmla.ops.rope import apply_rope
+from specmla.ops.norm import rms_norm
+from specmla.ops.rope import apply_rope, apply_rope_
 
 
 class RMSNorm(nn.Module):
@@ -34,9 +35,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
 
 
 class MLP(nn.Module):
@@ -223,8 +222,12 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        q_pe = apply_rope(q_pe, meta.positions, cos_sin, cfg.rope_interleave)
-        k_pe = apply_rope(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
+        if torch.is_grad_enabled():  # training: out of place, so autograd sees it
+            q_pe = apply_rope(q_pe, meta.positions, cos_sin, cfg.rope_interleave)
+            k_pe = apply_rope(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
+        else:  # inference: in place on the views of q / the latent (one Triton kernel each on CUDA)
+            apply_rope_(q_pe, meta.positions, cos_sin, cfg.rope_interleave)
+            apply_rope_(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
         if kv_cache is not None:
             write_kv_cache(kv_cache, c_kv, k_pe, meta.slot_mapping, meta.kv_format)
 
@@ -273,8 +276,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, meta, cos_sin, kv_cache, force_naive=False):
-        x = x + self.self_attn(self.input_layernorm(x), meta, cos_sin, kv_cache, force_naive)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), meta, cos_sin, kv_cache, force_naive)
+        post = self.post_attention_layernorm
+        normed, x = rms_norm(h, post.weight, post.eps, residual=x)  # residual add fused into the norm
+        return x + self.mlp(normed)
 
 
 class SharedHead(nn.Module):

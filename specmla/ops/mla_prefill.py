@@ -46,7 +46,7 @@ def mla_prefill(
 ):
     """Contract C2. Returns out [Σq, H, Dv] (and lse [Σq, H] fp32 when return_lse)."""
     if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
+        backend = "triton" if q.is_cuda and not _needs_grad(q) else "torch"  # kernels have no backward
     fn = {"torch": mla_prefill_torch, "triton": mla_prefill_triton}.get(backend)
     if fn is None:
         raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
@@ -148,3 +148,7 @@ def mla_prefill_triton(
             num_warps=num_warps, num_stages=num_stages,
         )
     return (o, lse) if return_lse else o
+
+
+def _needs_grad(t: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and t.requires_grad
