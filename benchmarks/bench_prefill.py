@@ -1,0 +1,184 @@
+"""Prefill benchmarks (issue 8), all against peers measured in the same run:
+
+1. causal prefill, one 8k sequence, H ∈ {128, 16}, d_qk 192 / d_v 128: `mla_prefill` (Triton) vs
+   torch `scaled_dot_product_attention` (TFLOP/s = H·S²·(192+128) / time, causal half counted as
+   the anchors do);
+2. a ragged batch (16 requests, 128 … 8192 tokens): ours on the packed batch vs SDPA on the padded
+   batch (with its mask);
+3. the ShallowMLA-style module benchmark: the MLA attention module forward (B ∈ {4, 8},
+   L ∈ {512 … 4096}, d=2048, 16 heads, Dc=512, Dr=64) — specmla's module vs a plain PyTorch module of
+   the DeepSeek-V3 reference style (absorbed einsums, explicit masked softmax), tokens/s, plus an
+   ablation with each fused kernel (norm, rope, prefill attention) switched back to torch.
+
+    PYTHONPATH=. python3 benchmarks/bench_prefill.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import specmla.model.deepseek as ds
+from specmla.config import ModelConfig
+from specmla.model.metadata import AttentionMetadata
+from specmla.ops import mla_prefill as prefill_ops
+from specmla.ops import norm as norm_ops
+from specmla.ops import rope as rope_ops
+
+
+def timeit(fn, reps=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def single_sequence(H, S, dev, dtype):
+    q = torch.randn(S, H, 192, device=dev, dtype=dtype)
+    k = torch.randn(S, H, 192, device=dev, dtype=dtype)
+    v = torch.randn(S, H, 128, device=dev, dtype=dtype)
+    cu = torch.tensor([0, S], dtype=torch.int32, device=dev)
+    flops = H * S * S * (192 + 128)  # causal: half of 2·S²·H·(dqk+dv)
+    ours = timeit(lambda: prefill_ops.mla_prefill(q, k, v, cu, cu, S, S, 0.072))
+    qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
+    sdpa = timeit(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.072))
+    return {"H": H, "S": S, "ours_TFLOPs": flops / ours / 1e12, "sdpa_TFLOPs": flops / sdpa / 1e12,
+            "ratio": sdpa / ours}
+
+
+def ragged_batch(H, lens, dev, dtype):
+    T, L = sum(lens), max(lens)
+    q = torch.randn(T, H, 192, device=dev, dtype=dtype)
+    k = torch.randn(T, H, 192, device=dev, dtype=dtype)
+    v = torch.randn(T, H, 128, device=dev, dtype=dtype)
+    cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+    ours = timeit(lambda: prefill_ops.mla_prefill(q, k, v, cu, cu, L, L, 0.072))
+    B = len(lens)
+    qp = torch.zeros(B, H, L, 192, device=dev, dtype=dtype)
+    kp, vp = torch.zeros_like(qp), torch.zeros(B, H, L, 128, device=dev, dtype=dtype)
+    for i, n in enumerate(lens):
+        s = int(cu[i])
+        qp[i, :, :n], kp[i, :, :n], vp[i, :, :n] = (t[s : s + n].transpose(0, 1) for t in (q, k, v))
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    valid = torch.arange(L, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+    mask = causal[None, None] & valid[:, None, None, :]
+    sdpa = timeit(lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=0.072))
+    return {"H": H, "lens": lens, "ours_s": ours, "sdpa_padded_s": sdpa, "ratio": sdpa / ours}
+
+
+class ReferenceMLA(torch.nn.Module):
+    """DeepSeek-V3 reference-style MLA forward (absorbed, plain torch einsums and masked softmax)
+    sharing the weights of a specmla MLAttention."""
+
+    def __init__(self, attn: ds.MLAttention):
+        super().__init__()
+        self.a = attn
+
+    def forward(self, x, positions):
+        a, cfg = self.a, self.a.cfg
+        B, L, _ = x.shape
+        q = a.q_proj(x).view(B, L, a.num_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        kv = a.kv_a_proj_with_mqa(x)
+        c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        xf = c.float()
+        c = (a.kv_a_layernorm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(c.dtype))
+        cs = ds_cos_sin(cfg, L, x.device)
+        q_pe = rope_ops.apply_rope(q_pe.reshape(B * L, a.num_heads, -1), positions, cs).view_as(q_pe)
+        k_pe = rope_ops.apply_rope(k_pe.reshape(B * L, -1), positions, cs).view_as(k_pe)
+        w_uk, w_uv = a.absorbed_weights()
+        q_nope = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
+        scores = (torch.einsum("bshc,btc->bsht", q_nope, c) + torch.einsum("bshr,btr->bsht", q_pe, k_pe))
+        scores = scores * cfg.softmax_scale
+        mask = torch.full((L, L), float("-inf"), device=x.device).triu_(1)
+        scores = (scores + mask[None, :, None, :]).softmax(dim=-1, dtype=torch.float32).type_as(x)
+        o = torch.einsum("bsht,btc->bshc", scores, c)
+        o = torch.einsum("bshc,hdc->bshd", o, w_uv)
+        return a.o_proj(o.flatten(2))
+
+
+def ds_cos_sin(cfg, L, dev):
+    from specmla.model.rope import rope_cos_sin_cache
+
+    return rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, L, device=dev)
+
+
+def module_bench(B, L, dev, dtype, ablate: str | None = None):
+    cfg = ModelConfig.from_dict({
+        "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 100, "hidden_size": 2048, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": L,
+    })
+    attn = ds.MLAttention(cfg).to(dev, dtype)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.02)
+    norm = ds.RMSNorm(2048).to(dev, dtype)
+    x = torch.randn(B, L, 2048, device=dev, dtype=dtype)
+    positions = torch.arange(L, device=dev).repeat(B)
+    meta = AttentionMetadata.for_contiguous([L] * B, device=dev)
+    cs = ds_cos_sin(cfg, L, dev)
+    ref = ReferenceMLA(attn)
+    saved = (ds.rms_norm, ds.apply_rope_, ds.mla_prefill)
+    if ablate == "norm":
+        ds.rms_norm = lambda *a, **k: norm_ops.rms_norm(*a, **k, backend="torch")
+    if ablate == "rope":
+        ds.apply_rope_ = lambda *a, **k: rope_ops.apply_rope_(*a, **k, backend="torch")
+    if ablate == "attention":
+        ds.mla_prefill = lambda *a, **k: prefill_ops.mla_prefill(*a, **k, backend="torch")
+    try:
+        with torch.inference_mode():
+            ours = timeit(lambda: attn(norm(x).view(B * L, -1), meta, cs, None))
+            base = timeit(lambda: ref(norm(x), positions))
+    finally:
+        ds.rms_norm, ds.apply_rope_, ds.mla_prefill = saved
+    return {"B": B, "L": L, "ablate": ablate, "ours_tok_s": B * L / ours, "reference_tok_s": B * L / base,
+            "gain": base / ours - 1}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the code paths)")
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+    S = 256 if args.smoke else 8192
+    res["single"] = [single_sequence(H, S, dev, dtype) for H in ((2,) if args.smoke else (128, 16))]
+    lens = [64, 17, 128] if args.smoke else [128 * 2 ** (i % 7) for i in range(16)]
+    res["ragged"] = [ragged_batch(2 if args.smoke else 16, lens, dev, dtype)]
+    shapes = [(2, 64)] if args.smoke else [(b, l) for b in (4, 8) for l in (512, 1024, 2048, 4096)]
+    res["module"] = [module_bench(b, l, dev, dtype) for b, l in shapes]
+    b, l = shapes[0] if args.smoke else (4, 4096)
+    res["ablation"] = [module_bench(b, l, dev, dtype, ablate=a) for a in ("norm", "rope", "attention")]
+    for key in ("single", "ragged", "module", "ablation"):
+        for row in res[key]:
+            print(key, json.dumps(row))
+    with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
