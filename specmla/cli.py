@@ -1,4 +1,4 @@
-"""`specmla` command line: generate, bench throughput (serve arrives with the server)."""
+"""`specmla` command line: generate, serve, bench throughput, bench spec."""
 
 from __future__ import annotations
 
@@ -114,6 +114,26 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specmla import LLM
+    from specmla.server.app import create_app
+
+    model = args.model_pos or args.model
+    name = args.served_model_name or (str(model) if model else "specmla-default")
+
+    def load():
+        return LLM(model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                   **_spec_kwargs(args))
+
+    app = create_app(load, name, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def _default_model():
     from specmla.model.default import default_model_path
 
@@ -134,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="model directory")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-num-seqs", type=int, default=64)
+    sv.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp8", "tbq4"])
+    sv.add_argument("--log-level", default="warning")
+    sv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     t = bench.add_parser("throughput", help="offline throughput of N prompts: tok/s, TTFT, TPOT")

@@ -1,0 +1,310 @@
+"""OpenAI-compatible HTTP API (`specmla serve`): /v1/completions, /v1/chat/completions (SSE
+streaming, stream_options.include_usage), /v1/models, /health, /metrics (Prometheus).
+
+Errors are OpenAI-shaped JSON ({"error": {"message", "type", "param", "code"}}) with the right
+status; the server keeps serving after each. The model loads in the background: /health answers
+503 until it is ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from specmla.sampling_params import SamplingParams
+from specmla.server.async_engine import AsyncEngine
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    max_tokens: int | None = Field(default=None)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+    logprobs: int | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+class Metrics:
+    """Prometheus metrics on a registry of the app's own (several apps can live in one process)."""
+
+    def __init__(self, engine_getter):
+        self.registry = r = CollectorRegistry()
+        p = "specmla:"
+        self.requests = Counter(p + "requests", "finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "TTFT", registry=r,
+                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+        self.tpot = Histogram(p + "time_per_output_token_seconds", "TPOT", registry=r,
+                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "verify steps with drafts", registry=r)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "draft tokens", registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "accepted draft tokens", registry=r)
+        self.spec_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos", "accepted per draft position",
+                                    ["position"], registry=r)
+        get = engine_getter
+        Gauge(p + "num_requests_running", "running", registry=r).set_function(
+            lambda: len(get().running) if get() else 0)
+        Gauge(p + "num_requests_waiting", "waiting", registry=r).set_function(
+            lambda: len(get().waiting) if get() else 0)
+        Gauge(p + "kv_pages_used", "KV cache pages in use", registry=r).set_function(
+            lambda: get().pool.num_used_pages() if get() else 0)
+        Gauge(p + "kv_pages_total", "KV cache pages", registry=r).set_function(
+            lambda: get().pool.num_pages if get() else 0)
+        Gauge(p + "num_preemptions", "requests preempted so far", registry=r).set_function(
+            lambda: get().scheduler.num_preemptions if get() else 0)
+
+    def finished(self, seq, reason: str) -> None:
+        """Engine thread: count one finished (or aborted) request."""
+        self.requests.labels(reason or "unknown").inc()
+        self.prompt_tokens.inc(len(seq.prompt_ids))
+        self.generation_tokens.inc(len(seq.output_ids))
+        if seq.first_token_time is not None:
+            self.ttft.observe(seq.first_token_time - seq.arrival)
+            n = len(seq.output_ids)
+            if n > 1:
+                end = seq.finish_time or time.perf_counter()
+                self.tpot.observe((end - seq.first_token_time) / (n - 1))
+        st = seq.spec_stats
+        self.spec_drafts.inc(st.num_drafts)
+        self.spec_draft_tokens.inc(st.num_draft_tokens)
+        self.spec_accepted.inc(st.num_accepted_tokens)
+        for i, a in enumerate(st.accepted_per_position):
+            self.spec_per_pos.labels(str(i)).inc(a)
+
+
+def create_app(load_llm, model_name: str, api_key: str | None = None) -> FastAPI:
+    """`load_llm()` builds the LLM (called in a background thread, so /health can say 503 first)."""
+    state: dict[str, Any] = {"llm": None, "engine": None, "error": None}
+    metrics = Metrics(lambda: state["llm"].engine if state["llm"] else None)
+
+    def load():
+        try:
+            llm = load_llm()
+            state["engine"] = AsyncEngine(llm.engine, on_finish=metrics.finished)
+            state["llm"] = llm
+        except Exception as e:  # reported by /health
+            state["error"] = repr(e)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        threading.Thread(target=load, daemon=True).start()
+        yield
+        if state["engine"]:
+            state["engine"].shutdown()
+
+    app = FastAPI(title="specmla", lifespan=lifespan)
+    app.state.specmla = state
+    app.state.metrics = metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", []) if x != "body")
+        if first.get("type") == "json_invalid":
+            return error_response(400, "malformed JSON body")
+        return error_response(400, f"invalid request: {loc}: {first.get('msg', 'bad value')}", param=loc or None)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return error_response(401, "invalid or missing API key", "authentication_error",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    def ready():
+        if state["llm"] is None:
+            raise APIError(503, state["error"] or "the model is still loading", "server_error")
+        return state["llm"], state["engine"]
+
+    @app.get("/health")
+    async def health():
+        if state["llm"] is None:
+            return JSONResponse(status_code=503, content={"status": "error" if state["error"] else "loading",
+                                                          "error": state["error"]})
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        ready()
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specmla"}]}
+
+    def sampling(req: _Common, prompt_len: int, llm, max_tokens: int | None) -> SamplingParams:
+        if req.model != model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
+                           code="model_not_found", param="model")
+        if req.n != 1:
+            raise APIError(400, "n > 1 is not supported", param="n")
+        ctx = llm.engine.max_model_len
+        if prompt_len >= ctx:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the context is {ctx}", param="prompt")
+        if max_tokens is None:
+            max_tokens = min(16 if isinstance(req, CompletionRequest) else ctx, ctx - prompt_len - 1)
+        if max_tokens <= 0:
+            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if prompt_len + max_tokens >= ctx:
+            raise APIError(400, f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the context ({ctx})",
+                           param="max_tokens")
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+                                  logprobs=getattr(req, "logprobs", None))
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    def encode_prompt(llm, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if llm.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send token ids", param="prompt")
+            return llm.tokenizer.encode(prompt)
+        vocab = llm.model.config.vocab_size
+        if not prompt or any(t < 0 or t >= vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be a non-empty list of ints in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    def chat_prompt(llm, messages: list[ChatMessage]) -> list[int]:
+        import jinja2
+
+        if llm.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        template = llm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+        text = jinja2.Environment().from_string(template).render(
+            messages=[m.model_dump() for m in messages], add_generation_prompt=True,
+            bos_token="", eos_token="")
+        return llm.tokenizer.encode(text)
+
+    async def run(kind: str, req: _Common, prompt_ids: list[int], params: SamplingParams):
+        _, engine = ready()
+        rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        stream = engine.generate(prompt_ids, params)
+        if not req.stream:
+            text, tokens, last = [], [], None
+            async for u in stream:
+                if u.error:
+                    raise APIError(400 if u.finish_reason == "error" else 500, u.error,
+                                   "invalid_request_error" if u.finish_reason == "error" else "server_error")
+                text.append(u.text)
+                tokens += u.token_ids
+                last = u
+            usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                     "total_tokens": last.prompt_tokens + last.completion_tokens}
+            if kind == "text_completion":
+                choice = {"index": 0, "text": "".join(text), "finish_reason": last.finish_reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                          "finish_reason": last.finish_reason}
+            return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
+                    "usage": usage}
+
+        obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(delta: str | None, finish=None, role=False):
+            if kind == "text_completion":
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            else:
+                d = {"role": "assistant"} if role else {}
+                if delta:
+                    d["content"] = delta
+                choice = {"index": 0, "delta": d, "finish_reason": finish}
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
+                                          "choices": [choice]}) + "\n\n"
+
+        async def events():
+            if kind != "text_completion":
+                yield chunk(None, role=True)
+            last = None
+            async for u in stream:
+                last = u
+                if u.error:
+                    payload = {"error": {"message": u.error, "type": "server_error" if u.finish_reason != "error"
+                                         else "invalid_request_error", "param": None, "code": None}}
+                    yield "data: " + json.dumps(payload) + "\n\n"
+                    break
+                if u.text or u.finished:
+                    yield chunk(u.text, u.finish_reason if u.finished else None)
+            if include_usage and last is not None:
+                usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                         "total_tokens": last.prompt_tokens + last.completion_tokens}
+                yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
+                                             "choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        llm, _ = ready()
+        ids = encode_prompt(llm, req.prompt)
+        return await run("text_completion", req, ids, sampling(req, len(ids), llm, req.max_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        llm, _ = ready()
+        ids = chat_prompt(llm, req.messages)
+        return await run("chat.completion", req, ids,
+                         sampling(req, len(ids), llm, req.max_completion_tokens or req.max_tokens))
+
+    return app

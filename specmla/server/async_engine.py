@@ -1,0 +1,154 @@
+"""One engine loop for many clients: `LLMEngine.step()` runs in a background thread; HTTP handlers
+submit requests and receive their progress through asyncio queues.
+
+Everything that touches the engine (adding, stepping, aborting) happens on the engine thread, so
+the engine itself needs no locks. A client that goes away is aborted at once and its pages freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specmla.engine.engine import LLMEngine
+from specmla.engine.sequence import Sequence
+from specmla.sampling_params import SamplingParams
+
+
+@dataclass
+class Update:
+    """What a client receives: new text / token ids since the last update, and the end."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seq: Sequence | None = None
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    seq: Sequence | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+    done: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_finish=None, on_step=None):
+        self.engine = engine
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._active: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self._on_finish = on_finish  # callback(seq, finish_reason) on the engine thread (metrics)
+        self._on_step = on_step
+        self._thread = threading.Thread(target=self._run, name="specmla-engine", daemon=True)
+        self._thread.start()
+
+    # ---- client side (event loop) ------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams):
+        """Async iterator of `Update`s for one request; cancelling it aborts the request."""
+        req = _Request(next(self._ids), prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue())
+        self._submit(("add", req))
+        try:
+            while True:
+                update = await req.out.get()
+                yield update
+                if update.finished:
+                    return
+        finally:
+            if not req.done:
+                self._submit(("abort", req))
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _submit(self, cmd) -> None:
+        self._cmds.put(cmd)
+        self._wake.set()
+
+    # ---- engine thread -----------------------------------------------------------------------------
+    def _push(self, req: _Request, update: Update) -> None:
+        if update.finished:
+            req.done = True
+            self._active.pop(req.rid, None)
+        req.loop.call_soon_threadsafe(req.out.put_nowait, update)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, req = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    req.seq = self.engine.add_request(req.prompt, req.params)
+                    self._active[req.rid] = req
+                except ValueError as e:
+                    self._push(req, Update(finished=True, finish_reason="error", error=str(e)))
+            elif kind == "abort" and req.rid in self._active:
+                self._active.pop(req.rid)
+                req.done = True
+                self.engine.abort(req.seq)
+                if self._on_finish:
+                    self._on_finish(req.seq, "abort")
+
+    def _publish(self) -> None:
+        for req in list(self._active.values()):
+            s = req.seq
+            holdback = 0 if s.is_finished else max((len(x) for x in s.params.stop), default=1) - 1
+            safe = max(req.sent_text, len(s.text) - holdback)
+            n_tok = len(s.output_ids)
+            if safe == req.sent_text and n_tok == req.sent_tokens and not s.is_finished:
+                continue
+            update = Update(
+                text=s.text[req.sent_text : safe], token_ids=s.output_ids[req.sent_tokens :],
+                finished=s.is_finished, finish_reason=s.finish_reason, prompt_tokens=len(s.prompt_ids),
+                completion_tokens=n_tok, seq=s,
+            )
+            if s.is_finished and s.finish_reason == "error":
+                update.error, update.text = s.text, ""
+            req.sent_text, req.sent_tokens = safe, n_tok
+            if s.is_finished and self._on_finish:
+                self._on_finish(s, s.finish_reason)
+            self._push(req, update)
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as e:  # a broken step fails the requests in flight, not the server
+                for req in list(self._active.values()):
+                    self.engine.abort(req.seq)
+                    self._push(req, Update(finished=True, finish_reason="error", error=f"engine error: {e!r}"))
+                continue
+            if self._on_step:
+                self._on_step()
+            self._publish()
+        for req in list(self._active.values()):
+            self._push(req, Update(finished=True, finish_reason="abort", error="server shutting down"))
+
+
+def now() -> int:
+    return int(time.time())
