@@ -46,13 +46,17 @@ class LLM:
         enforce_eager: bool = False,
         progress: bool = False,
         tokenizer: Tokenizer | None = None,
+        _tp_rank: int | None = None,
+        _tp_world: int = 1,
     ):
         """`model`: a model directory, None (the embedded default), or an already built
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's)."""
         if speculative not in (None, "ngram", "mtp", "hybrid"):
             raise ValueError(f"speculative={speculative!r}: expected None, 'ngram', 'mtp' or 'hybrid'")
-        if tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not available yet")
+        if tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if tensor_parallel_size > 1 and isinstance(model, DeepseekForCausalLM):
+            raise ValueError("tensor parallelism needs a model directory (each rank loads its shard)")
         if isinstance(model, DeepseekForCausalLM):
             self.model_path = None
             self.model, self.tokenizer = model, tokenizer
@@ -68,6 +72,10 @@ class LLM:
                 dtype = _DTYPES[dtype]
             self.model = load_model(self.model_path, device=device, dtype=dtype, max_positions=max_model_len,
                                     progress=progress)
+            if _tp_rank is not None:  # a worker rank of a tensor-parallel LLM
+                from specmla.parallel import shard_model_
+
+                shard_model_(self.model, _tp_rank, _tp_world)
             has_tok = (self.model_path / "tokenizer.json").exists()
             self.tokenizer = tokenizer or (Tokenizer(self.model_path) if has_tok else None)
         cache_dtype = next(self.model.parameters()).dtype
@@ -93,8 +101,48 @@ class LLM:
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
-        if device.type == "cuda" and not enforce_eager and proposer is None:  # graphs: plain decode only
+        if device.type == "cuda" and not enforce_eager and proposer is None and tensor_parallel_size == 1:
             self.engine.runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, -(-max_len // page_size))
+        self._workers = []
+        if tensor_parallel_size > 1 and _tp_rank is None:
+            self._start_tensor_parallel(tensor_parallel_size, device, dict(
+                device=str(device), dtype=dtype, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
+                kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, speculative=None))
+
+    def _start_tensor_parallel(self, world: int, device, worker_kwargs: dict) -> None:
+        """Rank 0 (this process): spawn ranks 1..world-1, join the group, shard, route forwards."""
+        import atexit
+        import tempfile
+
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        from specmla.parallel import TPModel, shard_model_, worker_main
+
+        init_file = tempfile.mktemp(prefix="specmla-tp-")
+        ctx = mp.get_context("spawn")
+        for rank in range(1, world):
+            p = ctx.Process(target=worker_main, args=(rank, world, init_file, str(self.model_path), worker_kwargs),
+                            daemon=True)
+            p.start()
+            self._workers.append(p)
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"file://{init_file}",
+                                rank=0, world_size=world)
+        shard_model_(self.model, 0, world)
+        self.engine.runner.model = TPModel(self.model)
+        atexit.register(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (no-op otherwise)."""
+        if not self._workers:
+            return
+        import torch.distributed as dist
+
+        self.engine.runner.model.shutdown()
+        for p in self._workers:
+            p.join(timeout=30)
+        self._workers = []
+        dist.destroy_process_group()
 
     @property
     def kv_pool(self) -> KVPool:

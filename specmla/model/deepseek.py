@@ -25,6 +25,7 @@ from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.mla_decode import mla_decode
 from specmla.ops.mla_prefill import mla_prefill
 from specmla.ops.norm import rms_norm
+from specmla.parallel import all_reduce_
 from specmla.ops.rope import apply_rope, apply_rope_
 
 
@@ -45,8 +46,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    tp_reduce = False  # set when tensor parallelism splits this MLP (its output is a partial sum)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return all_reduce_(out) if self.tp_reduce else out
 
 
 class Router(nn.Module):
@@ -133,9 +137,15 @@ class MoE(nn.Module):
         g, u = gu.split(self.inter, dim=-1)
         return F.silu(g) * u
 
+    tp_reduce = False
+    local_experts: tuple[int, int] | None = None  # expert-parallel: the experts this rank computes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
         weights = weights.to(x.dtype)
+        if self.local_experts is not None:  # other ranks add the other experts' shares
+            e0, e1 = self.local_experts
+            weights = weights * ((idx >= e0) & (idx < e1)).to(weights.dtype)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not (capturing or self.sync_free):
             out = self._grouped(x, weights, idx)
@@ -145,7 +155,7 @@ class MoE(nn.Module):
             out = self._dense(x, weights, idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return all_reduce_(out) if self.tp_reduce else out
 
     def _grouped(self, x, weights, idx):
         out = torch.zeros_like(x)
@@ -155,8 +165,10 @@ class MoE(nn.Module):
         token_of = order // idx.shape[1]
         w_sorted = weights.reshape(-1)[order]
         start = 0
+        e0, e1 = self.local_experts or (0, len(counts))
         for e, n in enumerate(counts):
-            if n == 0:
+            if n == 0 or not e0 <= e < e1:
+                start += n
                 continue
             tok = token_of[start : start + n]
             h = self._act(x[tok] @ self.w_gate_up[e].T)
@@ -235,7 +247,8 @@ class MLAttention(nn.Module):
             o = self._absorbed(q_nope, q_pe, meta, kv_cache)
         else:
             o = self._naive(q_nope, q_pe, c_kv, k_pe, meta, kv_cache)
-        return self.o_proj(o.reshape(T, H * cfg.v_head_dim))
+        out = self.o_proj(o.reshape(T, H * cfg.v_head_dim))
+        return all_reduce_(out) if getattr(self, "tp_reduce", False) else out
 
     def _naive(self, q_nope, q_pe, c_kv, k_pe, meta, kv_cache):
         cfg, H = self.cfg, self.num_heads
