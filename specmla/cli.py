@@ -14,6 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks (spawned here, or the ranks of a torchrun launch)")
     p.add_argument("--speculative", choices=["ngram", "mtp", "hybrid"], default=None,
                    help="speculative decoding proposer (default: none)")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
@@ -22,8 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:
+    """Speculative-decoding and tensor-parallel options shared by the commands that build an LLM."""
     return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                ngram_min=args.ngram_min, ngram_max=args.ngram_max, tensor_parallel_size=args.tp)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -99,7 +102,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     def make_llm(mode, k):
         return LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                    num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=max(args.batch),
-                   speculative=mode, num_speculative_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+                   speculative=mode, num_speculative_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                   tensor_parallel_size=args.tp)
 
     vocab = make_llm(None, 1).model.config.vocab_size
     results = []
@@ -198,8 +202,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_worker(args: argparse.Namespace) -> int | None:
+    """Under torchrun, ranks > 0 do not run the command: they serve rank 0's model calls."""
+    import os
+
+    from specmla.parallel import launched_by_torchrun, worker_main
+
+    if not launched_by_torchrun() or int(os.environ["RANK"]) == 0:
+        return None
+    model = getattr(args, "model_pos", None) or args.model
+    if model is None:
+        from specmla.model.default import default_model_path
+
+        model = default_model_path()
+    kwargs = dict(device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+                  max_model_len=args.max_model_len, max_num_seqs=getattr(args, "max_num_seqs", 64),
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+    worker_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, str(model), kwargs)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from specmla.parallel import launched_by_torchrun
+
+    if launched_by_torchrun() and getattr(args, "num_pages", 0) is None:
+        print("specmla: error: under torchrun pass --num-pages, so that every rank's KV pool has the same size",
+              file=sys.stderr)
+        return 2
+    if getattr(args, "tp", 1) > 1:
+        code = _torchrun_worker(args)
+        if code is not None:
+            return code
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

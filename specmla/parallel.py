@@ -115,13 +115,29 @@ def _broadcast(obj) -> None:
     dist.broadcast_object_list(box, src=0)
 
 
-def worker_main(rank: int, world: int, init_file: str, model_path: str, llm_kwargs: dict) -> None:
-    """A worker rank: load and shard the model, mirror rank 0's KV pool, run every broadcast call."""
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def init_group(rank: int, world: int, init_file: str | None, device: str) -> None:
+    """Join the tensor-parallel group: env:// under torchrun (multi-node), else a shared file."""
+    backend = "gloo" if device == "cpu" else "nccl"
+    if device != "cpu":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    init = "env://" if init_file is None else f"file://{init_file}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+
+
+def worker_main(rank: int, world: int, init_file: str | None, model_path: str, llm_kwargs: dict) -> None:
+    """A worker rank: load and shard the model, mirror rank 0's KV pool, run every broadcast call.
+    init_file None: launched by torchrun (env:// rendezvous)."""
     from specmla.engine.llm import LLM
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo" if llm_kwargs.get("device", "cpu") == "cpu" else "nccl",
-                            init_method=f"file://{init_file}", rank=rank, world_size=world)
+    device = llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    init_group(rank, world, init_file, device)
+    if device != "cpu":
+        llm_kwargs = dict(llm_kwargs, device=f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
     llm = LLM(model_path, _tp_rank=rank, _tp_world=world, **llm_kwargs)
     model, caches = llm.model, llm.kv_pool.caches
     with torch.inference_mode():

@@ -112,22 +112,27 @@ class LLM:
     def _start_tensor_parallel(self, world: int, device, worker_kwargs: dict) -> None:
         """Rank 0 (this process): spawn ranks 1..world-1, join the group, shard, route forwards."""
         import atexit
+        import os
         import tempfile
 
-        import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        from specmla.parallel import TPModel, shard_model_, worker_main
+        from specmla.parallel import TPModel, init_group, launched_by_torchrun, shard_model_, worker_main
 
-        init_file = tempfile.mktemp(prefix="specmla-tp-")
-        ctx = mp.get_context("spawn")
-        for rank in range(1, world):
-            p = ctx.Process(target=worker_main, args=(rank, world, init_file, str(self.model_path), worker_kwargs),
-                            daemon=True)
-            p.start()
-            self._workers.append(p)
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", init_method=f"file://{init_file}",
-                                rank=0, world_size=world)
+        if launched_by_torchrun():  # the other ranks were started by torchrun and run worker_main
+            if int(os.environ["WORLD_SIZE"]) != world:
+                raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
+            init_group(0, world, None, device.type)
+            self._workers = ["torchrun"]
+        else:
+            init_file = tempfile.mktemp(prefix="specmla-tp-")
+            ctx = mp.get_context("spawn")
+            for rank in range(1, world):
+                p = ctx.Process(target=worker_main, daemon=True,
+                                args=(rank, world, init_file, str(self.model_path), worker_kwargs))
+                p.start()
+                self._workers.append(p)
+            init_group(0, world, init_file, device.type)
         shard_model_(self.model, 0, world)
         self.engine.runner.model = TPModel(self.model)
         atexit.register(self.shutdown)
@@ -140,7 +145,8 @@ class LLM:
 
         self.engine.runner.model.shutdown()
         for p in self._workers:
-            p.join(timeout=30)
+            if p != "torchrun":
+                p.join(timeout=30)
         self._workers = []
         dist.destroy_process_group()
 
