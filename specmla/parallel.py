@@ -115,6 +115,17 @@ def _broadcast(obj) -> None:
     dist.broadcast_object_list(box, src=0)
 
 
+def _to_device(obj, device):
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)})
+    return obj
+
+
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
@@ -140,6 +151,7 @@ def worker_main(rank: int, world: int, init_file: str | None, model_path: str, l
         llm_kwargs = dict(llm_kwargs, device=f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
     llm = LLM(model_path, _tp_rank=rank, _tp_world=world, **llm_kwargs)
     model, caches = llm.model, llm.kv_pool.caches
+    here = llm.kv_pool.device
     with torch.inference_mode():
         while True:
             box = [None]
@@ -147,6 +159,7 @@ def worker_main(rank: int, world: int, init_file: str | None, model_path: str, l
             op, args, kwargs = box[0]
             if op == "stop":
                 break
+            args = tuple(_to_device(a, here) for a in args)  # rank 0's tensors arrive on rank 0's device
             if op == "forward":
                 args = (args[0], args[1], caches) + tuple(args[3:])
                 model(*args, **kwargs)
