@@ -90,11 +90,18 @@ def reference_mtp_drafts(model, ids: list[int], k: int) -> list[int]:
     return drafts
 
 
-def test_mtp_drafts_equal_a_cache_free_recomputation(tiny_model_dir):
+@pytest.mark.parametrize("static_verify", [False, True])
+def test_mtp_drafts_equal_a_cache_free_recomputation(tiny_model_dir, static_verify):
     """After prefill and after every verify step, the drafts built from the paged MTP cache equal
-    the ones recomputed from scratch (so the catch-up pass fills the MTP cache right)."""
+    the ones recomputed from scratch (so the catch-up pass fills the MTP cache right), also when the
+    verify step goes through the graphed decoder's static buffers."""
+    from specmla.engine.cuda_graphs import GraphedDecoder
+
     k = 3
     llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, speculative="mtp", num_speculative_tokens=k)
+    if static_verify:
+        llm.engine.runner.graphed_verify = GraphedDecoder(llm.model, llm.kv_pool, 8, 64, use_graphs=False,
+                                                          query_len=k + 1)
     eng = llm.engine
     seqs = [eng.add_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
             for p in mixed_prompts(5, seed=4)]
@@ -163,3 +170,25 @@ def test_speculative_sampling_follows_the_target_distribution_end_to_end(tiny_mo
         counts[key] = counts.get(key, 0) + 1
     chi2 = sum((counts.get(key, 0) - N * p) ** 2 / (N * p) for key, p in expected.items())
     assert len(expected) == 9 and chi2 < 26.1
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_static_buffer_verify_path_with_padding_is_lossless(tiny_model_dir, kind):
+    """The graphed verify path (S = 1 + k static buffers, padded batches on the scratch page), run
+    eagerly on CPU, keeps speculation lossless and feeds the MTP catch-up the same hidden states."""
+    from specmla.engine.cuda_graphs import GraphedDecoder
+
+    prompts = mixed_prompts(11, seed=5)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=1024).generate(prompts, params)
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=1024, max_num_seqs=16, speculative=kind,
+              num_speculative_tokens=3)
+    runner = llm.engine.runner
+    runner.graphed_verify = GraphedDecoder(llm.model, llm.kv_pool, 16, 64, use_graphs=False, query_len=4)
+    calls = []
+    run = runner.graphed_verify.run
+    runner.graphed_verify.run = lambda **k: calls.append(len(k["seq_lens"])) or run(**k)
+    outs = llm.generate(prompts, params)
+    assert calls and max(calls) == 11  # padded to 16
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages

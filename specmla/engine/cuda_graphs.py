@@ -28,22 +28,25 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class GraphedDecoder:
+    """Static-buffer decode forward for a fixed number S of query tokens per request (S = 1 for
+    plain decode, 1 + k for speculative verification), captured per padded batch size."""
+
     def __init__(self, model: DeepseekForCausalLM, pool: KVPool, max_num_seqs: int, max_pages_per_seq: int,
-                 use_graphs: bool = True):
+                 use_graphs: bool = True, query_len: int = 1):
         if pool.scratch_page is None:
             raise ValueError("graphed decode needs a KV pool with a scratch page")
-        self.model, self.pool = model, pool
+        self.model, self.pool, self.S = model, pool, query_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.use_graphs = use_graphs
-        dev, n = pool.device, self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        dev, n, S = pool.device, self.sizes[-1], query_len
+        self.input_ids = torch.zeros(n * S, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n * S, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.zeros(n * S, dtype=torch.long, device=dev)
+        self.seq_lens = torch.full((n,), S, dtype=torch.int32, device=dev)
         self.block_table = torch.full((n, max_pages_per_seq), pool.scratch_page, dtype=torch.int32, device=dev)
-        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev) * S
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
 
     @property
@@ -54,16 +57,17 @@ class GraphedDecoder:
         return next((b for b in self.sizes if b >= batch), None)
 
     def _meta(self, b: int) -> AttentionMetadata:
+        S = self.S
         return AttentionMetadata(
-            positions=self.positions[:b], cu_seqlens_q=self.cu_seqlens[: b + 1], seq_lens=self.seq_lens[:b],
-            max_seqlen_q=1, max_seqlen_kv=self.max_pages_per_seq * self.pool.page_size,
-            slot_mapping=self.slot_mapping[:b], block_table=self.block_table[:b], decode_query_len=1,
+            positions=self.positions[: b * S], cu_seqlens_q=self.cu_seqlens[: b + 1], seq_lens=self.seq_lens[:b],
+            max_seqlen_q=S, max_seqlen_kv=self.max_pages_per_seq * self.pool.page_size,
+            slot_mapping=self.slot_mapping[: b * S], block_table=self.block_table[:b], decode_query_len=S,
             kv_format=self.pool.kv_format,
         )
 
-    def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:b], self._meta(b), self.pool.caches)
-        return self.model.compute_logits(hidden)
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model(self.input_ids[: b * self.S], self._meta(b), self.pool.caches)
+        return hidden, self.model.compute_logits(hidden)
 
     def _capture(self, b: int) -> None:
         torch.cuda.synchronize()
@@ -76,18 +80,19 @@ class GraphedDecoder:
 
     def load(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
              tables: list[list[int]]) -> int:
-        """Copy one decode batch into the static buffers; returns the padded size."""
-        B = len(input_ids)
+        """Copy one batch (S tokens per request, flattened) into the static buffers; returns the
+        padded size. Padded requests write only the scratch page and read only it."""
+        B, S = len(seq_lens), self.S
         b = self.padded_size(B)
-        if b is None or any(len(t) > self.max_pages_per_seq for t in tables):
+        if b is None or len(input_ids) != B * S or any(len(t) > self.max_pages_per_seq for t in tables):
             raise ValueError("batch does not fit the graphed decoder")
         pool = self.pool
-        scratch_slot = pool.scratch_page * pool.page_size
         pad = b - B
-        self.input_ids[:b].copy_(torch.tensor(input_ids + [0] * pad))
-        self.positions[:b].copy_(torch.tensor(positions + [0] * pad))
-        self.slot_mapping[:b].copy_(torch.tensor(slots + [scratch_slot] * pad))
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32))
+        scratch = [pool.scratch_page * pool.page_size + s % pool.page_size for s in range(S)] * pad
+        self.input_ids[: b * S].copy_(torch.tensor(input_ids + [0] * (pad * S)))
+        self.positions[: b * S].copy_(torch.tensor(positions + list(range(S)) * pad))
+        self.slot_mapping[: b * S].copy_(torch.tensor(slots + scratch))
+        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [S] * pad, dtype=torch.int32))
         table = torch.full((b, self.max_pages_per_seq), pool.scratch_page, dtype=torch.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -95,13 +100,15 @@ class GraphedDecoder:
         return b
 
     @torch.inference_mode()
-    def run(self, input_ids, positions, slots, seq_lens, tables) -> torch.Tensor:
-        """Logits [B, V] of one decode step for the given batch (replayed from a graph on CUDA)."""
-        B = len(input_ids)
+    def run(self, input_ids, positions, slots, seq_lens, tables) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [B·S, hidden], logits [B·S, V]) of one step (replayed from a graph on CUDA)."""
+        n = len(seq_lens) * self.S
         b = self.load(input_ids, positions, slots, seq_lens, tables)
-        if not self.use_graphs:
-            return self._forward(b)[:B]
-        if b not in self.graphs:
-            self._capture(b)
-        self.graphs[b].replay()
-        return self.outputs[b][:B]
+        if self.use_graphs:
+            if b not in self.graphs:
+                self._capture(b)
+            self.graphs[b].replay()
+            hidden, logits = self.outputs[b]
+        else:
+            hidden, logits = self._forward(b)
+        return hidden[:n], logits[:n]

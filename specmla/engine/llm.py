@@ -101,8 +101,13 @@ class LLM:
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
-        if device.type == "cuda" and not enforce_eager and proposer is None and tensor_parallel_size == 1:
-            self.engine.runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, -(-max_len // page_size))
+        if device.type == "cuda" and not enforce_eager and tensor_parallel_size == 1:
+            pages = -(-max_len // page_size)
+            if proposer is None:
+                self.engine.runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, pages)
+            else:  # every decode step is a verify step with S = 1 + k query tokens
+                self.engine.runner.graphed_verify = GraphedDecoder(self.model, pool, max_num_seqs, pages,
+                                                                   query_len=1 + proposer.k)
         self._workers = []
         if tensor_parallel_size > 1 and _tp_rank is None:
             self._start_tensor_parallel(tensor_parallel_size, device, dict(

@@ -22,6 +22,7 @@ class ModelRunner:
         self.model, self.pool = model, pool
         self.device = pool.device
         self.graphed = graphed  # decode steps through static buffers / CUDA graphs when set
+        self.graphed_verify: GraphedDecoder | None = None  # the same for speculative verify steps (S = 1 + k)
 
     def build_metadata(
         self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False, starts: list[int] | None = None
@@ -90,13 +91,14 @@ class ModelRunner:
 
     def _graphed_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         pool = self.pool
-        return self.graphed.run(
+        _, logits = self.graphed.run(
             input_ids=[s.all_ids[s.num_cached] for s in seqs],
             positions=[s.num_cached for s in seqs],
             slots=[pool.slots(s.seq_id, s.num_cached, s.num_cached + 1)[0] for s in seqs],
             seq_lens=[s.num_cached + 1 for s in seqs],
             tables=[pool.pages_of(s.seq_id) for s in seqs],
         )
+        return logits
 
     @torch.inference_mode()
     def forward_verify(self, seqs: list[Sequence], drafts: torch.Tensor) -> torch.Tensor:
@@ -104,12 +106,25 @@ class ModelRunner:
         S = 1 + k; returns logits [B, S, V]. Cache slots for all S tokens are written; the engine
         moves num_cached past the accepted ones only."""
         B, S = drafts.shape[0], drafts.shape[1] + 1
-        _, meta = self.build_metadata(seqs, [S] * B)
-        last = torch.tensor([s.all_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
-        ids = torch.cat([last[:, None], drafts.to(self.device)], 1).reshape(-1)
-        hidden = self.model(ids, meta, self.pool.caches)
+        g = self.graphed_verify
+        if g is not None and g.padded_size(B) is not None and all(
+                len(self.pool.pages_of(s.seq_id)) <= g.max_pages_per_seq for s in seqs):
+            pool, d = self.pool, drafts.tolist()
+            hidden, logits = g.run(
+                input_ids=[t for s, row in zip(seqs, d) for t in [s.all_ids[-1]] + row],
+                positions=[p for s in seqs for p in range(s.num_cached, s.num_cached + S)],
+                slots=[x for s in seqs for x in pool.slots(s.seq_id, s.num_cached, s.num_cached + S)],
+                seq_lens=[s.num_cached + S for s in seqs],
+                tables=[pool.pages_of(s.seq_id) for s in seqs],
+            )
+        else:
+            _, meta = self.build_metadata(seqs, [S] * B)
+            last = torch.tensor([s.all_ids[-1] for s in seqs], dtype=torch.long, device=self.device)
+            ids = torch.cat([last[:, None], drafts.to(self.device)], 1).reshape(-1)
+            hidden = self.model(ids, meta, self.pool.caches)
+            logits = self.model.compute_logits(hidden)
         self.last_hidden = (hidden, [s.num_cached for s in seqs], [S] * B)
-        return self.model.compute_logits(hidden).view(B, S, -1)
+        return logits.view(B, S, -1)
 
     @torch.inference_mode()
     def mtp_catch_up_and_draft(self, items: list[tuple[Sequence, int, torch.Tensor]], k: int) -> None:
