@@ -62,9 +62,7 @@ def write_byte_tokenizer(path: Path) -> None:
     """A byte-level tokenizer with no merges: 256 byte tokens + 3 specials (ids 256..258)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_to_char = sorted(alphabet, key=lambda c: _char_byte(c))
-    vocab = {c: i for i, c in enumerate(byte_to_char)}
+    vocab = {c: i for i, c in enumerate(_chars_in_byte_order())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -75,8 +73,8 @@ def write_byte_tokenizer(path: Path) -> None:
                    "add_bos_token": True, "add_eos_token": False, "model_max_length": 2048}, f, indent=1)
 
 
-def _char_byte(c: str) -> int:
-    """Inverse of GPT-2's bytes_to_unicode for one character."""
+def _chars_in_byte_order() -> list[str]:
+    """GPT-2's bytes_to_unicode characters, listed by the byte each one stands for."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
@@ -85,7 +83,7 @@ def _char_byte(c: str) -> int:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(map(chr, cs), bs))[c]
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
 def build_random_model_dir(path: Path, config: dict | None = None, seed: int = 0) -> Path:
