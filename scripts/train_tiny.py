@@ -119,7 +119,7 @@ def model_card(out: Path, cfg: dict, stats: dict, result: dict, args, train_s: f
 - Data: the Python standard library's own *.py files (see files_train.txt / files_heldout.txt next
   to the data: {stats['train']['files']} train files, {stats['train']['tokens']} tokens;
   {stats['heldout']['files']} held-out files), byte-level BPE, vocab {stats['vocab_size']}.
-- Training: {result['steps']} steps of {args.batch} × {args.seq} tokens, AdamW lr {args.lr}, MTP loss weight
+- Training: {result['steps']} steps (weights of step {result['kept_step']}, the best quick held-out check) of {args.batch} × {args.seq} tokens, AdamW lr {args.lr}, MTP loss weight
   {MTP_WEIGHT}, bf16 autocast, seed {args.seed}, {train_s / 60:.1f} min on {result['device']}.
 - Held-out ({result['heldout_tokens']} tokens): perplexity **{result['heldout_ppl']:.2f}**, MTP top-1 acceptance
   (MTP's next-next token == the trunk's greedy token) **{100 * result['mtp_acceptance']:.1f} %**.
@@ -139,6 +139,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-every", type=float, default=60.0, help="seconds between quick held-out checks")
     ap.add_argument("--smoke", action="store_true", help="tiny dims, a few steps, CPU")
     args = ap.parse_args()
     if args.smoke:
@@ -157,7 +158,9 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     budget_s, warmup = args.minutes * 60, 200
-    history = []
+    history, evals = [], []
+    best = (float("inf"), None, 0)  # (held-out ppl, weights, step): the corpus repeats for several epochs
+    next_eval = args.eval_every
     t0 = time.perf_counter()
     step = 0
     for step, tokens in enumerate(batches(train, args.batch, args.seq, args.seed), start=1):
@@ -165,6 +168,16 @@ def main() -> None:
         if step > args.max_steps or elapsed > budget_s:
             step -= 1
             break
+        if elapsed > next_eval:  # a quick held-out check; keep the best weights seen
+            next_eval += args.eval_every
+            model.eval()
+            quick = evaluate(model, heldout, min(args.seq, 512), max_windows=24)
+            model.train()
+            evals.append((step, elapsed, quick["heldout_ppl"], quick["mtp_acceptance"]))
+            print(f"eval step {step}: held-out ppl {quick['heldout_ppl']:.2f} mtp {quick['mtp_acceptance']:.3f}",
+                  flush=True)
+            if quick["heldout_ppl"] < best[0]:
+                best = (quick["heldout_ppl"], {k: v.detach().clone() for k, v in model.state_dict().items()}, step)
         frac = min(1.0, elapsed / budget_s)  # schedule by wall time: the run must fit its budget
         lr = args.lr * min(1.0, step / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
@@ -182,15 +195,23 @@ def main() -> None:
                   flush=True)
     train_s = time.perf_counter() - t0
     model.eval()
+    kept = step
+    if best[1] is not None:
+        final = evaluate(model, heldout, min(args.seq, 512), max_windows=24)["heldout_ppl"]
+        if best[0] < final:
+            print(f"held-out ppl {final:.2f} at the end > {best[0]:.2f} at step {best[2]}: keeping step {best[2]}")
+            model.load_state_dict(best[1])
+            kept = best[2]
     result = evaluate(model, heldout, min(args.seq, 512), max_windows=4 if args.smoke else 256)
-    result.update(steps=step, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
+    result.update(steps=step, kept_step=kept,
+                  device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     print(json.dumps(result))
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model.to(torch.bfloat16), out)
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=1))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(data_dir / name, out / name)
-    (out / "training.json").write_text(json.dumps({"result": result, "history": history, "args": vars(args)}, indent=1))
+    (out / "training.json").write_text(json.dumps({"result": result, "history": history, "evals": evals, "args": vars(args)}, indent=1))
     model_card(out, cfg_dict, stats, result, args, train_s, n_params)
     try:
         import matplotlib

@@ -63,3 +63,64 @@ def test_trained_directory_loads_in_specmla_and_transformers(pipeline):
         want = hf(ids).logits[0]
         got = llm.model.compute_logits(llm.model(ids[0], AttentionMetadata.for_contiguous([ids.shape[1]])))
     assert ((got - want).norm() / want.norm()).item() <= 1e-4
+
+
+def test_shipped_model_matches_transformers_and_card():
+    """The embedded model in specmla/assets: transformers loads it (MTP layer ignored) with the same
+    logits as specmla, and its card carries the held-out figures."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from specmla import LLM
+    from specmla.model.default import ASSETS
+    from specmla.model.metadata import AttentionMetadata
+
+    card = (ASSETS / "MODEL_CARD.md").read_text()
+    assert "perplexity" in card and "MTP top-1 acceptance" in card
+    total = sum(f.stat().st_size for f in ASSETS.iterdir())
+    assert total <= 40e6, f"assets are {total / 1e6:.1f} MB"
+    llm = LLM(ASSETS, device="cpu", dtype="float32")
+    assert len(llm.model.mtp) == 1
+    hf = DeepseekV3ForCausalLM.from_pretrained(ASSETS, dtype=torch.float32).eval()
+    ids = torch.tensor([llm.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")])
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+        got = llm.model.compute_logits(llm.model(ids[0], AttentionMetadata.for_contiguous([ids.shape[1]])))
+    assert ((got - want).norm() / want.norm()).item() <= 1e-4
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.99
+
+
+def test_training_attention_path_equals_reference_forward_and_grad():
+    """Training batches (equal lengths, grad on) take one batched causal SDPA; it must give the
+    reference loop's outputs and gradients."""
+    from specmla.config import ModelConfig
+    from specmla.model.deepseek import DeepseekForCausalLM
+    from specmla.model.default import TINY_RANDOM_CONFIG
+    from specmla.model.metadata import AttentionMetadata
+
+    cfg = ModelConfig.from_dict(dict(TINY_RANDOM_CONFIG, hidden_size=64, kv_lora_rank=32, qk_nope_head_dim=16,
+                                     qk_rope_head_dim=16, v_head_dim=24, intermediate_size=96,
+                                     moe_intermediate_size=32))
+    torch.manual_seed(0)
+    model = DeepseekForCausalLM(cfg, max_positions=64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 if p.dim() > 1 else 1 + 0.1 * torch.randn_like(p))
+    tokens = torch.randint(0, cfg.vocab_size, (3, 13))
+    meta = AttentionMetadata.for_contiguous([13] * 3)
+    assert meta.uniform_len == 13 and AttentionMetadata.for_contiguous([13, 12]).uniform_len == 0
+
+    def loss_and_grads(batched: bool):
+        model.zero_grad()
+        m = meta if batched else AttentionMetadata.for_contiguous([13] * 3)
+        if not batched:
+            m.uniform_len = 0  # force the per-request reference
+        loss = model.compute_logits(model(tokens.reshape(-1), m)).logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    l1, g1 = loss_and_grads(True)
+    l0, g0 = loss_and_grads(False)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)

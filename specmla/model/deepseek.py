@@ -263,6 +263,8 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, H, -1)], dim=-1)
         qf = torch.cat([q_nope, q_pe], dim=-1)
+        if meta.uniform_len and meta.context_slots is None and torch.is_grad_enabled():
+            return _batched_causal_sdpa(qf, k, v, meta.uniform_len, cfg.softmax_scale)
         return mla_prefill(
             qf, k, v, meta.cu_seqlens_q, cu_kv, meta.max_seqlen_q, meta.max_seqlen_kv, cfg.softmax_scale, causal=True
         )
@@ -278,6 +280,15 @@ class MLAttention(nn.Module):
             head_dim_v=cfg.kv_lora_rank, kv_format=meta.kv_format,
         )  # [B, S, H, Dc]
         return torch.einsum("thc,hvc->thv", o_lat.reshape(-1, H, cfg.kv_lora_rank), w_uv)
+
+
+def _batched_causal_sdpa(q, k, v, L, scale):
+    """Training: equal-length sequences as one [B, H, L, D] causal SDPA (flash / memory-efficient
+    kernels with a backward) instead of the per-request reference loop."""
+    T, H = q.shape[:2]
+    to_bhld = lambda t: t.view(T // L, L, H, t.shape[-1]).transpose(1, 2)  # noqa: E731
+    o = F.scaled_dot_product_attention(to_bhld(q), to_bhld(k), to_bhld(v), is_causal=True, scale=scale)
+    return o.transpose(1, 2).reshape(T, H, v.shape[-1])
 
 
 class DecoderLayer(nn.Module):

@@ -23,6 +23,8 @@ class AttentionMetadata:
       prefix-cache hit), the cache slots of every context token, request after request;
       None when each request's context is exactly its new tokens.
     - kv_format: how cache rows are stored (ops.kv_cache): writes quantise, reads dequantise.
+    - uniform_len > 0: cache-free batch of equal-length sequences (training); attention may then run
+      as one batched causal SDPA instead of per-request.
     """
 
     positions: torch.Tensor
@@ -36,6 +38,7 @@ class AttentionMetadata:
     context_slots: torch.Tensor | None = None
     cu_seqlens_kv: torch.Tensor | None = None
     kv_format: str = "auto"  # the cache's row format: auto (the model dtype) | fp8 | tbq4
+    uniform_len: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -54,4 +57,5 @@ class AttentionMetadata:
             max_seqlen_q=max(lengths, default=0),
             max_seqlen_kv=max(lengths, default=0),
             cu_seqlens_kv=cu.to(device),
+            uniform_len=lengths[0] if lengths and min(lengths) == max(lengths) else 0,
         )
