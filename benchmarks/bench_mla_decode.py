@@ -6,7 +6,16 @@ with the device-to-device copy bandwidth measured in the same run (bytes read + 
 timing reads HBM, not L2. Our kernel is timed inside a CUDA graph of ≥ 16 back-to-back calls (as
 the engine's decode graph runs it), divided per call. Prints a table, writes JSON and a PNG plot.
 
-    PYTHONPATH=. python3 benchmarks/bench_mla_decode.py --out DIR [--quick]
+--kv bf16,fp8,tbq4 (repeatable or a comma list; default bf16) runs every case on each cache format:
+fp8 / tbq4 caches are uint8 rows (656 / 392 bytes, ops.kv_cache) quantised from the same random
+bf16 latents, and their bytes count the rows at their real size (Σ seq_len·row_bytes +
+B·S·H·(576+512)·2). rel_err is against the torch reference on the dequantised cache; with bf16 in
+the run, quantised rows get speedup_vs_bf16 (bf16 time / format time). The naive torch timing is
+bf16 only. --cases HxBxTxS[,...] runs a subset of CASES; --variants N tries only the first N tile
+variants (to fit limited device time).
+
+    PYTHONPATH=. python3 benchmarks/bench_mla_decode.py --out DIR [--quick] [--kv bf16,fp8,tbq4]
+        [--cases 16x32x32768x1,16x4x81920x4] [--variants N]
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import statistics
 import torch
 from limits import copy_bandwidth
 
+from specmla.ops.kv_cache import QUANTIZED, row_spec, write_kv_cache
 from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
 
@@ -26,19 +36,43 @@ CASES = [  # (H, B, T, S)
     (16, 128, 4096, 1), (16, 32, 32768, 1), (16, 1, 8192, 1), (16, 4, 81920, 1),
     (16, 64, 8192, 1), (16, 64, 8192, 2), (16, 64, 8192, 4),
     (128, 64, 8192, 1), (128, 64, 8192, 2), (64, 128, 4096, 1),
-    (16, 4, 81920, 4),
+    (16, 4, 81920, 4), (16, 32, 32768, 4),
 ]
+FORMATS = ("bf16",) + QUANTIZED
 PAGE = 64
 SCALE = 0.1352
 
 
-def make_problem(H, B, T, S, copies):
+def row_bytes(kv: str) -> int:
+    """Bytes of one cached token: 1152 (bf16), 656 (fp8), 392 (tbq4)."""
+    width, dtype = row_spec(kv, 512, 64, torch.bfloat16)
+    return width * dtype.itemsize
+
+
+def kv_decode_bytes(kv: str, seq_lens_sum: int, B: int, S: int, H: int) -> int:
+    """decode_bytes with the cache counted at its real row size (equal to it for bf16)."""
+    return seq_lens_sum * row_bytes(kv) + B * S * H * (576 + 512) * 2
+
+
+def make_cache(kv: str, latent: torch.Tensor) -> torch.Tensor:
+    """bf16 latents [num_pages, PAGE, 576] → the cache in format kv (the latents themselves for bf16)."""
+    if kv == "bf16":
+        return latent
+    n = latent.shape[0] * latent.shape[1]
+    flat = latent.view(n, 576)
+    cache = torch.empty(*latent.shape[:2], row_bytes(kv), dtype=torch.uint8, device=latent.device)
+    write_kv_cache(cache, flat[:, :512], flat[:, 512:], torch.arange(n, device=latent.device), kv)
+    return cache
+
+
+def make_problem(H, B, T, S, copies, kv="bf16", device="cuda"):
     pages_per = T // PAGE
     num_pages = B * pages_per
-    caches = [torch.randn(num_pages, PAGE, 576, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
-    table = torch.randperm(num_pages, device="cuda", dtype=torch.int32).view(B, pages_per)
-    seq = torch.full((B,), T, dtype=torch.int32, device="cuda")
-    qs = [torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    caches = [make_cache(kv, torch.randn(num_pages, PAGE, 576, device=device, dtype=torch.bfloat16))
+              for _ in range(copies)]
+    table = torch.randperm(num_pages, device=device, dtype=torch.int32).view(B, pages_per)
+    seq = torch.full((B,), T, dtype=torch.int32, device=device)
+    qs = [torch.randn(B, S, H, 576, device=device, dtype=torch.bfloat16) for _ in range(copies)]
     return caches, table, seq, qs
 
 
@@ -74,16 +108,20 @@ def time_fn(fn, copies: int, iters: int = 30, warmup: int = 5, graph: bool = Fal
     return statistics.median(times)
 
 
-def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict]):
-    kv_bytes = B * T * 576 * 2
+def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], kv: str = "bf16",
+             max_variants: int | None = None):
+    kv_bytes = B * T * row_bytes(kv)
     copies = max(1, min(8, -(-4 * l2_bytes // kv_bytes)))
-    caches, table, seq, qs = make_problem(H, B, T, S, copies)
-    nbytes, flops = decode_bytes(B * T, B, S, H), decode_flops(B * T, S, H)
-    # correctness on this very problem (a slice of the batch against the fp64-free fp32 reference)
-    ref = mla_decode_torch(qs[0][:2].float(), caches[0].float(), table[:2], seq[:2], SCALE, head_dim_v=512)
-    got = mla_decode_triton(qs[0][:2], caches[0], table[:2], seq[:2], SCALE)
+    caches, table, seq, qs = make_problem(H, B, T, S, copies, kv)
+    nbytes, flops = kv_decode_bytes(kv, B * T, B, S, H), decode_flops(B * T, S, H)
+    assert kv != "bf16" or nbytes == decode_bytes(B * T, B, S, H)
+    # correctness on this very problem (a slice of the batch against the fp32 reference on the
+    # same, dequantised, cache)
+    ref = mla_decode_torch(qs[0][:2].float(), caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
+    got = mla_decode_triton(qs[0][:2], caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
     err = ((got.float() - ref).norm() / ref.norm()).item()
-    row = {"H": H, "B": B, "T": T, "S": S, "bytes": nbytes, "flops": flops, "rel_err": err,
+    del ref, got
+    row = {"H": H, "B": B, "T": T, "S": S, "kv": kv, "bytes": nbytes, "flops": flops, "rel_err": err,
            "plan": plan(B, S, H, T, torch.device("cuda"))}
     def timed(v):
         out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
@@ -91,8 +129,8 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict]):
                                          v.get("max_rows", 64))["num_splits"]
         ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
         try:
-            t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws, **v),
-                        copies, graph=True)
+            t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
+                                                    head_dim_v=512, kv_format=kv, **v), copies, graph=True)
         except Exception as e:  # a variant that does not compile (e.g. out of shared memory)
             row[f"ours{v}"] = str(e)[:200]
             return None
@@ -104,7 +142,7 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict]):
         variants = variants + [dict(num_warps=4, num_stages=5, block_n=32, max_rows=32),
                                dict(num_warps=4, num_stages=3, block_n=32, max_rows=32),
                                dict(num_warps=4, num_stages=5, block_n=32, max_rows=16)]
-    for v in variants:  # tile/pipeline variants with the planned split count
+    for v in variants[:max_variants]:  # tile/pipeline variants with the planned split count
         t = timed(v)
         if t is not None and (best is None or t < best[0]):
             best = (t, v)
@@ -122,23 +160,54 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict]):
     row["ours_GBps"] = nbytes / best[0] / 1e9
     row["ours_pct_copy"] = 100 * nbytes / best[0] / copy_bw
     row["ours_TFLOPs"] = flops / best[0] / 1e12
-    if naive:
+    row["naive_s"] = None
+    if naive and kv == "bf16":  # quantised: dequantise-then-torch would time the dequantisation, skipped
         try:
             t = time_fn(lambda i: mla_decode_torch(qs[i], caches[i], table, seq, SCALE, head_dim_v=512), copies,
                         iters=5, warmup=1)
             row["naive_s"] = t
             row["naive_pct_copy"] = 100 * nbytes / t / copy_bw
         except torch.OutOfMemoryError:
-            row["naive_s"] = None
-    torch.cuda.empty_cache()
+            pass
     return row
 
 
-def main():
+def parse_case(text: str) -> tuple[int, int, int, int]:
+    H, B, T, S = (int(x) for x in text.lower().split("x"))
+    if T % PAGE:
+        raise argparse.ArgumentTypeError(f"T={T} must be a multiple of the page size {PAGE}")
+    return H, B, T, S
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="first variant only, no naive torch")
-    args = ap.parse_args()
+    ap.add_argument("--kv", action="append", default=None,
+                    help="cache format(s): bf16, fp8, tbq4; repeatable or comma-separated (default bf16)")
+    ap.add_argument("--cases", action="append", default=None,
+                    help="HxBxTxS[,HxBxTxS...] to run instead of the default CASES (repeatable)")
+    ap.add_argument("--variants", type=int, default=None,
+                    help="try only the first N tile variants (default all; for S > 1 the fold variants come last)")
+    args = ap.parse_args(argv)
+    kvs = [k for a in args.kv or ["bf16"] for k in a.split(",") if k]
+    bad = [k for k in kvs if k not in FORMATS]
+    if bad:
+        ap.error(f"unknown --kv {bad}; choose from {FORMATS}")
+    args.kv = sorted(dict.fromkeys(kvs), key=FORMATS.index)  # bf16 first: the speedup baseline
+    try:
+        args.cases = [parse_case(c) for a in args.cases for c in a.split(",") if c] if args.cases else list(CASES)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        ap.error(f"--cases: {e} (want HxBxTxS, e.g. 16x32x32768x1)")
+    if args.quick:
+        args.variants = 1
+    if args.variants is not None and args.variants < 1:
+        ap.error("--variants must be ≥ 1")
+    return args
+
+
+def main():
+    args = parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     copy_bw = copy_bandwidth()
@@ -147,18 +216,25 @@ def main():
                 dict(num_warps=4, num_stages=3, block_n=32), dict(num_warps=4, num_stages=4, block_n=32),
                 dict(num_warps=8, num_stages=3, block_n=32), dict(num_warps=4, num_stages=2, block_n=64),
                 dict(num_warps=4, num_stages=5, block_n=32), dict(num_warps=4, num_stages=6, block_n=16)]
-    if args.quick:
-        variants = variants[:1]
     rows = []
-    for H, B, T, S in CASES:
-        row = run_case(H, B, T, S, copy_bw, l2, naive=not args.quick, variants=variants)
-        rows.append(row)
-        naive = f"{row['naive_pct_copy']:.1f}%" if row.get("naive_s") else "-"
-        print(f"H={H:3d} B={B:3d} T={T:6d} S={S}  {row['ours_s'] * 1e3:8.4f} ms  {row['ours_GBps']:7.0f} GB/s "
-              f"{row['ours_pct_copy']:5.1f}% copy  {row['ours_TFLOPs']:6.1f} TFLOP/s  naive {naive}  "
-              f"err {row['rel_err']:.1e}  planned {row['planned_s'] * 1e3:.4f} ms  best {row['ours_variant']}  "
-              f"plan splits {row['plan']['num_splits']}",
-              flush=True)
+    for H, B, T, S in args.cases:
+        base = None
+        for kv in args.kv:
+            row = run_case(H, B, T, S, copy_bw, l2, naive=not args.quick, variants=variants, kv=kv,
+                           max_variants=args.variants)
+            if kv == "bf16":
+                base = row["ours_s"]
+            elif base is not None:
+                row["speedup_vs_bf16"] = base / row["ours_s"]
+            rows.append(row)
+            torch.cuda.empty_cache()  # run_case's caches are gone now
+            naive = f"{row['naive_pct_copy']:.1f}%" if row.get("naive_s") else "-"
+            speedup = f"{row['speedup_vs_bf16']:5.2f}x bf16  " if "speedup_vs_bf16" in row else ""
+            print(f"H={H:3d} B={B:3d} T={T:6d} S={S} {kv:>4}  {row['ours_s'] * 1e3:8.4f} ms  {speedup}"
+                  f"{row['ours_GBps']:7.0f} GB/s {row['ours_pct_copy']:5.1f}% copy  {row['ours_TFLOPs']:6.1f} TFLOP/s  "
+                  f"naive {naive}  err {row['rel_err']:.1e}  planned {row['planned_s'] * 1e3:.4f} ms  "
+                  f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}",
+                  flush=True)
     result = {"device": props.name, "copy_GBps": copy_bw / 1e9, "torch": torch.__version__, "rows": rows}
     with open(os.path.join(args.out, "bench_mla_decode.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
@@ -168,16 +244,16 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        labels = [f"H{r['H']} B{r['B']}\nT{r['T'] // 1024}k S{r['S']}" for r in rows]
+        labels = [f"H{r['H']} B{r['B']}\nT{r['T'] // 1024}k S{r['S']}\n{r['kv']}" for r in rows]
         x = range(len(rows))
-        fig, ax = plt.subplots(figsize=(12, 4.5))
+        fig, ax = plt.subplots(figsize=(max(12, 0.6 * len(rows)), 4.5))
         ax.bar([i - 0.2 for i in x], [r["ours_GBps"] for r in rows], width=0.4, label="specmla Triton")
         ax.bar([i + 0.2 for i in x], [r["naive_pct_copy"] * copy_bw / 1e11 if r.get("naive_s") else 0 for r in rows],
                width=0.4, label="naive torch")
         ax.axhline(copy_bw / 1e9, color="k", linestyle="--", label="copy bandwidth")
         ax.set_xticks(list(x), labels, fontsize=7)
-        ax.set_ylabel("GB/s (FlashMLA count)")
-        ax.set_title(f"MLA decode, bf16 latent cache, page {PAGE} — {props.name}")
+        ax.set_ylabel("GB/s (FlashMLA count, cache at its row size)")
+        ax.set_title(f"MLA decode, {'/'.join(args.kv)} latent cache, page {PAGE} — {props.name}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "bench_mla_decode.png"), dpi=120)
