@@ -4,6 +4,9 @@ the prompt — the case where n-gram drafts shine.
 
     python benchmarks/code_edit_prompts.py --out data/code_edit.jsonl [--n 64]
     specmla bench spec --dataset data/code_edit.jsonl --modes none ngram mtp hybrid --output-len 256
+
+`--task complete --files data/stdlib/files_heldout.txt` writes the other workload: the first lines of
+functions from the embedded model's held-out files, to be completed (plain code generation).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ EDITS = [
 ]
 
 
-def functions(root: Path, rng: random.Random, n: int, max_lines: int = 40) -> list[tuple[str, str]]:
-    files = sorted(root.glob("*.py"))
+def functions(root: Path, rng: random.Random, n: int, max_lines: int = 40,
+              only: list[str] | None = None) -> list[tuple[str, str]]:
+    files = sorted(root / f for f in only) if only else sorted(root.glob("*.py"))
     rng.shuffle(files)
     out = []
     for f in files:
@@ -46,15 +50,27 @@ def main() -> None:
     ap.add_argument("--out", default="data/code_edit.jsonl")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", choices=["edit", "complete"], default="edit")
+    ap.add_argument("--files", help="a file list (one stdlib-relative path per line, # comments), e.g. "
+                    "data/stdlib/files_heldout.txt")
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    fns = functions(Path(sysconfig.get_paths()["stdlib"]), rng, args.n)
+    only = None
+    if args.files:
+        only = [ln.strip() for ln in Path(args.files).read_text().splitlines() if ln.strip() and ln[0] != "#"]
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if only:
+        only = [f for f in only if (root / f).exists()]  # another Python's stdlib may lack a few
+    fns = functions(root, rng, args.n, only=only)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
         for name, code in fns:
-            edit = rng.choice(EDITS).format(name=name)
-            prompt = f"# {edit}\n{code}\n\n# The edited version:\n"
+            if args.task == "complete":
+                prompt = "\n".join(code.splitlines()[:3]) + "\n"
+            else:
+                edit = rng.choice(EDITS).format(name=name)
+                prompt = f"# {edit}\n{code}\n\n# The edited version:\n"
             f.write(json.dumps({"prompt": prompt}) + "\n")
     print(f"{len(fns)} prompts → {out}")
 

@@ -103,8 +103,10 @@ def format_report(r: dict, label: str = "specmla") -> str:
     )
 
 
-def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], ks: list[int]) -> list[dict]:
-    """Decode tok/s and acceptance for each speculative mode and draft length, same prompts (greedy)."""
+def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], ks: list[int],
+                   batch: int | None = None) -> list[dict]:
+    """Decode tok/s and acceptance for each speculative mode and draft length, same prompts (greedy);
+    `batch` requests run at a time (the LLM's max_num_seqs), default all prompts at once."""
     from specmla import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -112,14 +114,17 @@ def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], k
     for mode in modes:
         for k in ([0] if mode == "none" else ks):
             llm = make_llm(None if mode == "none" else mode, max(k, 1))
-            llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm up
+            # warm up on the same workload: every kernel variant the growing lengths and the varying
+            # accepted counts reach is compiled (and the graphs captured) before the timed run
+            llm.generate(prompts, params)
             llm.engine.spec_stats.__init__()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t0
             decode_s = sum((o.metrics["e2e_s"] - (o.metrics["ttft_s"] or 0)) for o in outs) / len(outs)
             n = sum(len(o.token_ids) for o in outs)
-            row = {"mode": mode, "k": k, "batch": len(prompts), "output_tok_per_s": n / wall,
+            row = {"mode": mode, "k": k, "batch": batch or len(prompts), "prompts": len(prompts),
+                   "output_tok_per_s": n / wall,
                    "decode_tok_per_s_per_request": (output_len - 1) / decode_s if decode_s > 0 else None,
                    "spec": llm.engine.spec_stats.as_dict(), "token_ids": [o.token_ids for o in outs]}
             if base is None and mode == "none":

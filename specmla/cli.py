@@ -99,17 +99,18 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     from specmla import LLM
     from specmla.bench import format_spec_rows, load_prompts, run_spec_sweep
 
-    def make_llm(mode, k):
+    def make_llm(mode, k, batch):
         return LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                   num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=max(args.batch),
+                   num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=batch,
                    speculative=mode, num_speculative_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                    tensor_parallel_size=args.tp)
 
-    vocab = make_llm(None, 1).model.config.vocab_size
+    vocab = make_llm(None, 1, 1).model.config.vocab_size
     results = []
-    for B in args.batch:
-        prompts = load_prompts(args.dataset, B, args.input_len, vocab, args.seed)
-        rows = run_spec_sweep(make_llm, prompts, args.output_len, args.modes, args.k)
+    for B in args.batch:  # B requests at a time (max_num_seqs), over max(B, --num-prompts) prompts
+        prompts = load_prompts(args.dataset, max(B, args.num_prompts or B), args.input_len, vocab, args.seed)
+        rows = run_spec_sweep(lambda mode, k, B=B: make_llm(mode, k, B), prompts, args.output_len, args.modes,
+                              args.k, batch=B)
         print(f"batch {B}:\n{format_spec_rows(rows)}")
         results += rows
     if args.json:
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="draft lengths")
     sp.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     sp.add_argument("--input-len", type=int, default=128)
+    sp.add_argument("--num-prompts", type=int, default=None, help="prompts in all (default: the batch size)")
     sp.add_argument("--output-len", type=int, default=128)
     sp.add_argument("--dataset", default=None, help="prompts file (e.g. code-editing prompts)")
     sp.add_argument("--seed", type=int, default=0)

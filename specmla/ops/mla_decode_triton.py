@@ -272,7 +272,9 @@ def mla_decode_triton(
     page_size = kv_cache.shape[1]
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache must be contiguous in their last dimension")
-    max_seq = block_table.shape[1] * page_size
+    # the table's width grows with the longest request in eager steps; a power-of-two bucket keeps
+    # the split count (and the compiled combine variant) stable instead of changing every few pages
+    max_seq = triton.next_power_of_2(block_table.shape[1]) * page_size
     block_h = min(max_rows, triton.next_power_of_2(H))
     block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
     tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()))

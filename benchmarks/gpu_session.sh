@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU benchmark runs behind docs/benchmarks.md, one stage per device call (each fits 10 min).
+#   OUT=dir bash benchmarks/gpu_session.sh kernels   # issues 6 (n-gram kernel), 7 (quantised decode), 8 (prefill)
+#   OUT=dir bash benchmarks/gpu_session.sh engine    # issues 4 (engine vs transformers) and 6 (bench spec)
+# Prompt files: python benchmarks/code_edit_prompts.py --out data/bench/code_edit.jsonl
+#               python benchmarks/code_edit_prompts.py --task complete --files data/stdlib/files_heldout.txt \
+#                      --out data/bench/code_complete.jsonl
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+stage=${1:-kernels}
+spec() {  # label dataset batch ks
+  timeout 200 python3 -m specmla.cli bench spec --dataset "$2" --batch $3 --num-prompts 32 --k $4 --output-len 128 \
+    --modes none mtp ngram hybrid --json "$OUT/spec_$1_b$3.json" 2>&1 | grep -v Warning
+}
+case $stage in
+  kernels)
+    timeout 60 python3 benchmarks/bench_ngram.py --out "$OUT" 2>&1
+    timeout 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" --kv bf16,fp8,tbq4 --variants 3 \
+      --cases 16x32x32768x1,16x4x81920x1,16x32x32768x4 2>&1
+    timeout 200 python3 benchmarks/bench_prefill.py --out "$OUT" 2>&1
+    ;;
+  engine)
+    spec complete data/bench/code_complete.jsonl 1 "1 2 3 4"
+    spec edit data/bench/code_edit.jsonl 1 "2 4"
+    spec complete data/bench/code_complete.jsonl 32 "2 4"
+    timeout 280 python3 benchmarks/bench_engine.py --layers 12 --out "$OUT" 2>&1
+    ;;
+esac
