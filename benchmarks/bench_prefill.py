@@ -63,8 +63,21 @@ def single_sequence(H, S, dev, dtype):
     ours = timeit(lambda: prefill_ops.mla_prefill(q, k, v, cu, cu, S, S, 0.072))
     qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
     sdpa = timeit(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.072))
-    return {"H": H, "S": S, "ours_TFLOPs": flops / ours / 1e12, "sdpa_TFLOPs": flops / sdpa / 1e12,
-            "ratio": sdpa / ours}
+    row = {"H": H, "S": S, "ours_TFLOPs": flops / ours / 1e12, "sdpa_TFLOPs": flops / sdpa / 1e12,
+           "ratio": sdpa / ours}
+    if dev == "cuda":  # tile variants around the default (the default is the first)
+        for bm, bn, w, st in VARIANTS:
+            try:
+                t = timeit(lambda: prefill_ops.mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, block_m=bm,
+                                                                  block_n=bn, num_warps=w, num_stages=st))
+                row[f"variant_{bm}_{bn}_{w}_{st}_TFLOPs"] = flops / t / 1e12
+            except Exception as e:  # out of shared memory / registers
+                row[f"variant_{bm}_{bn}_{w}_{st}_TFLOPs"] = str(e)[:80]
+    return row
+
+
+VARIANTS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2),
+            (128, 64, 4, 3), (128, 128, 8, 1)]  # (block_m, block_n, warps, stages)
 
 
 def ragged_batch(H, lens, dev, dtype):

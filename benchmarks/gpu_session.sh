@@ -16,6 +16,8 @@ spec() {  # label dataset batch ks
 }
 case $stage in
   kernels)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_prefill_triton.py tests/test_kv_quant.py \
+      tests/test_ngram.py tests/test_mla_decode_triton.py 2>&1 | tail -15
     timeout 60 python3 benchmarks/bench_ngram.py --out "$OUT" 2>&1
     timeout 240 python3 benchmarks/bench_mla_decode.py --out "$OUT" --kv bf16,fp8,tbq4 --variants 3 \
       --cases 16x32x32768x1,16x4x81920x1,16x32x32768x4 2>&1

@@ -26,6 +26,12 @@ MAX_ROWS = 64  # rows (folded tokens × heads) per program
 
 
 @triton.jit
+def _per_block(x, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """[BLOCK_N, NB] per-block scalars → [BLOCK_N, NB·128], each repeated over its block's columns."""
+    return tl.reshape(tl.broadcast_to(tl.expand_dims(x, 2), (BLOCK_N, NB, 128)), (BLOCK_N, NB * 128))
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     Q, KV, KVS, KVR, CENT, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
     stride_qb, stride_qs, stride_qh,
@@ -71,6 +77,8 @@ def _mla_decode_split_kernel(
     offs_r = tl.arange(0, DR_PAD)
     c_ok = offs_c < DC
     r_ok = offs_r < DR
+    offs_b = tl.arange(0, DC_PAD // 128 if DC_PAD >= 128 else 1)  # quantised formats: per-128-block scalars
+    b_ok = offs_b < DC // 128
     q_row = Q + b * stride_qb + s_idx * stride_qs + h_idx * stride_qh
     q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
     q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
@@ -92,8 +100,10 @@ def _mla_decode_split_kernel(
         if FP8:  # e4m3 codes × the fp32 scale of their 128-block, bf16 rope: dequantised in registers
             codes = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0)
             s_row = KVS + page * stride_ksp + tok * stride_kst + DC // 4
-            scale = tl.load(s_row[:, None] + offs_c[None, :] // 128, mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-            k_c = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(Q.dtype.element_ty)
+            # one load per (token, block), broadcast over the block's 128 columns in registers
+            scale = tl.load(s_row[:, None] + offs_b[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
+            k_c = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                   * _per_block(scale, BLOCK_N, DC_PAD // 128)).to(Q.dtype.element_ty)
             r_row = KVR + page * stride_krp + tok * stride_krt + (DC + 4 * (DC // 128)) // 2
             k_r = tl.load(r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                           other=0.0).to(Q.dtype.element_ty)
@@ -104,8 +114,9 @@ def _mla_decode_split_kernel(
                            other=0).to(tl.int32)
             code = (byte >> (4 * (w % 2))[None, :]) & 0xF
             n_row = KVS + page * stride_ksp + tok * stride_kst
-            norm = tl.load(n_row[:, None] + (blk * 33)[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-            k_c = (tl.load(CENT + code) * norm.to(tl.float32)).to(Q.dtype.element_ty)
+            norm = tl.load(n_row[:, None] + (offs_b * 33)[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
+            k_c = (tl.load(CENT + code) * _per_block(norm.to(tl.float32), BLOCK_N, DC_PAD // 128)).to(
+                Q.dtype.element_ty)
             r_row = KVR + page * stride_krp + tok * stride_krt + (DC // 128) * 33
             k_r = tl.load(r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                           other=0.0).to(Q.dtype.element_ty)

@@ -96,8 +96,7 @@ def _ngram_search_kernel(
     NONE = 2147483647
     best_start = tl.full([], -1, tl.int32)  # scalar tensors: the same type on every path (compiled mode)
     best_n = tl.full([], 0, tl.int32)
-    for k in tl.static_range(0, MAX_NGRAM - MIN_NGRAM + 1):
-        n: tl.constexpr = MAX_NGRAM - k
+    for n in tl.static_range(MAX_NGRAM, MIN_NGRAM - 1, -1):  # longest n-gram first
         if (best_n == 0) & (n < seq_len) & (act != 0) & (cap > 0):
             limit = seq_len - n  # starts i < limit, i.e. i + n < seq_len
             found = tl.full([], NONE, tl.int32)

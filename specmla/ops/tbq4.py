@@ -43,8 +43,16 @@ def lloyd_max_centroids(levels: int = LEVELS, sigma: float = 1 / math.sqrt(BLOCK
     return tuple((c * sigma).tolist())
 
 
+_CENTROIDS: dict = {}
+
+
 def centroids(device=None, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(lloyd_max_centroids(), device=device, dtype=dtype)
+    """The 16 centroids as a tensor, made once per (device, dtype): a fresh host→device copy on
+    every call could not be captured in a CUDA graph."""
+    key = (str(torch.device(device) if device is not None else "cpu"), dtype)
+    if key not in _CENTROIDS:
+        _CENTROIDS[key] = torch.tensor(lloyd_max_centroids(), device=device, dtype=dtype)
+    return _CENTROIDS[key]
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
