@@ -289,6 +289,8 @@ def mla_decode_triton(
     block_h = min(max_rows, triton.next_power_of_2(H))
     block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
     tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()))
+    if kv_format == "tbq4" and block_m >= 64:  # the in-register dequantisation needs its own shared memory
+        tiles["block_n"] = min(tiles["block_n"], 32)  # (64 × 576 at 2 stages asked for 272 KiB on H100)
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
     if num_splits is not None:
