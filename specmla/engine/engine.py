@@ -134,11 +134,15 @@ class LLMEngine:
         drafts, num = self.proposer.propose_for(seqs, caps, self.pool.device)
         logits = self.runner.forward_verify(seqs, drafts)
         verify_hidden, starts, _ = self.runner.last_hidden
-        st = self.runner.sampling_tensors(seqs, logits.device)
-        tokens, emitted = verify(drafts, num, logits, st, all_greedy=all(s.params.temperature < 1e-5 for s in seqs))
+        all_greedy = all(s.params.temperature < 1e-5 for s in seqs)  # then no sampling tensors (host → device copies)
+        st = None if all_greedy else self.runner.sampling_tensors(seqs, logits.device)
+        tokens, emitted = verify(drafts, num, logits, st, all_greedy=all_greedy)
         want_lp = any(s.params.logprobs is not None for s in seqs)
         logp = logits.float().log_softmax(-1) if want_lp else None
         tokens_l, emitted_l, num_l = tokens.tolist(), emitted.tolist(), num.tolist()
+        launched = None  # the graphed MTP drafter starts now; the bookkeeping below overlaps its replay
+        if self.proposer.uses_mtp:
+            launched = self.runner.mtp_launch_after_verify(seqs, tokens_l, emitted_l, verify_hidden, k)
         now = time.perf_counter()
         for i, s in enumerate(seqs):
             accepted = emitted_l[i] - 1
@@ -156,11 +160,7 @@ class LLMEngine:
                 self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
                 self.pool.trim(s.seq_id, s.num_cached)
         if self.proposer.uses_mtp:  # the MTP module catches up on the verified positions, then drafts
-            S = k + 1
-            items = [(s, starts[i], verify_hidden[i * S : i * S + emitted_l[i]])
-                     for i, s in enumerate(seqs) if not s.is_finished]
-            if items:
-                self.runner.mtp_catch_up_and_draft(items, k)
+            self.runner.mtp_draft_after_verify(seqs, starts, emitted_l, verify_hidden, k, launched)
 
     @staticmethod
     def _logprob_entry(s: Sequence, token: int, logp_row: torch.Tensor) -> dict:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
+from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.loader import load_model
@@ -108,6 +109,9 @@ class LLM:
             else:  # every decode step is a verify step with S = 1 + k query tokens
                 self.engine.runner.graphed_verify = GraphedDecoder(self.model, pool, max_num_seqs, pages,
                                                                    query_len=1 + proposer.k)
+                if proposer.uses_mtp:  # the MTP catch-up + k drafts after each verify step: one more replay
+                    self.engine.runner.graphed_mtp = GraphedMtpDrafter(self.model, pool, max_num_seqs, pages,
+                                                                       proposer.k)
         self._workers = []
         if tensor_parallel_size > 1 and _tp_rank is None:
             self._start_tensor_parallel(tensor_parallel_size, device, dict(

@@ -11,6 +11,7 @@ import torch
 
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.kv_pool import KVPool
+from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.sequence import Sequence
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
@@ -23,6 +24,7 @@ class ModelRunner:
         self.device = pool.device
         self.graphed = graphed  # decode steps through static buffers / CUDA graphs when set
         self.graphed_verify: GraphedDecoder | None = None  # the same for speculative verify steps (S = 1 + k)
+        self.graphed_mtp: GraphedMtpDrafter | None = None  # MTP catch-up + drafts after a verify step, one replay
 
     def build_metadata(
         self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False, starts: list[int] | None = None
@@ -125,6 +127,64 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         self.last_hidden = (hidden, [s.num_cached for s in seqs], [S] * B)
         return logits.view(B, S, -1)
+
+    @torch.inference_mode()
+    def mtp_launch_after_verify(self, seqs: list[Sequence], tokens: list[list[int]], emitted: list[int],
+                                verify_hidden: torch.Tensor, k: int) -> torch.Tensor | None:
+        """Start the graphed MTP catch-up + k drafts right after a verify step, before the engine
+        appends the emitted tokens (its host work then overlaps the replay). seqs[i] is decoding
+        (num_cached = total_len - 1 = the step's first position), verified S = 1 + k rows (trunk
+        states verify_hidden[i·S : (i+1)·S]) and emits tokens[i][:emitted[i]]. Returns the drafts
+        [B, k] on the device, for `mtp_draft_after_verify`, or None (nothing done) when the graphed
+        drafter does not take the batch: every request must be able to hold total_len + k tokens
+        (after the emitted ones) within the static table. Requests that finish while their tokens
+        are appended simply drop their drafts."""
+        g, pool = self.graphed_mtp, self.pool
+        S, B = k + 1, len(seqs)
+        if g is None or g.k != k or g.padded_size(B) is None or verify_hidden.shape[0] != B * S:
+            return None
+        need = 0
+        for s, e in zip(seqs, emitted):
+            total = s.total_len + e  # the length once the emitted tokens are appended
+            if not (s.num_cached == s.total_len - 1 and not s.is_finished and 1 <= e <= S
+                    and -(-(total + k) // pool.page_size) <= g.max_pages_per_seq
+                    and total + k - 2 < self.model.max_positions):
+                return None
+            need += pool.pages_needed(s.seq_id, total + k)
+        if need > pool.num_free_pages():
+            return None
+        ids, positions, slots, seq_lens, dpos, dslots, tables = [], [], [], [], [], [], []
+        for s, toks, e in zip(seqs, tokens, emitted):
+            st, total = s.num_cached, s.total_len + e
+            pool.allocate(s.seq_id, total + k)
+            ids += toks[:e] + [0] * (S - e)  # row j takes token st + j + 1; rows past the emitted ones are garbage
+            positions += range(st, st + S)
+            slots += pool.slots(s.seq_id, st, st + S)  # allocated: total + k > st + k
+            seq_lens.append(st + S)
+            p = list(range(total - 1, total + k - 2))  # draft step j at total - 2 + j
+            dpos.append(p)
+            dslots.append(pool.slots(s.seq_id, p[0], p[-1] + 1) if p else [])
+            tables.append(pool.pages_of(s.seq_id))
+        return g.run(hidden=verify_hidden, input_ids=ids, positions=positions, slots=slots, seq_lens=seq_lens,
+                     last=[e - 1 for e in emitted], draft_positions=dpos, draft_slots=dslots, tables=tables)
+
+    @torch.inference_mode()
+    def mtp_draft_after_verify(self, seqs: list[Sequence], starts: list[int], emitted: list[int],
+                               verify_hidden: torch.Tensor, k: int, launched: torch.Tensor | None = None) -> None:
+        """The MTP proposer after a verify step whose emitted tokens are appended: seqs[i] verified
+        S = 1 + k rows from position starts[i] (trunk states verify_hidden[i·S : (i+1)·S]) and
+        emitted emitted[i] tokens. `launched`: the device drafts of `mtp_launch_after_verify`, read
+        here; without them the unfinished requests catch up and draft eagerly."""
+        if launched is not None:
+            for s, d in zip(seqs, launched.tolist()):
+                if not s.is_finished:
+                    s.drafts = d
+            return
+        S = k + 1
+        items = [(s, starts[i], verify_hidden[i * S : i * S + emitted[i]]) for i, s in enumerate(seqs)
+                 if not s.is_finished]
+        if items:
+            self.mtp_catch_up_and_draft(items, k)
 
     @torch.inference_mode()
     def mtp_catch_up_and_draft(self, items: list[tuple[Sequence, int, torch.Tensor]], k: int) -> None:

@@ -36,11 +36,12 @@ def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return apply_top_k_top_p(flat, rep(st.top_k), rep(st.top_p)).softmax(-1).view(B, S, V)
 
 
-def verify(drafts: torch.Tensor, num_drafts: torch.Tensor, logits: torch.Tensor, st: SamplingTensors,
+def verify(drafts: torch.Tensor, num_drafts: torch.Tensor, logits: torch.Tensor, st: SamplingTensors | None,
            all_greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """drafts int64 [B, k], num_drafts int [B], target logits [B, k+1, V] (position j scores the
     token after the j-th input) → (tokens int64 [B, k+1], emitted int32 [B]): request b emits
-    tokens[b, :emitted[b]] = its accepted drafts followed by one target token."""
+    tokens[b, :emitted[b]] = its accepted drafts followed by one target token. `st` is unused (may be
+    None) when all_greedy."""
     B, S, V = logits.shape
     k = S - 1
     j = torch.arange(k, device=logits.device)[None, :]

@@ -1,0 +1,182 @@
+"""The MTP catch-up and k-draft loop of a speculative step, replayed from one CUDA graph.
+
+After a verify step (S = 1 + k query rows per request) the MTP module must (A) catch up on the
+positions the step verified — emitted_i = accepted + 1 rows, which varies per request and per step —
+and (B) draft k tokens by applying itself recursively k - 1 more times. Run eagerly this is k
+module forwards of a few dozen small kernels each plus host syncs; here it is one graph replay:
+
+- Stage A always runs S rows per request, as a decode-shaped step (decode_query_len = S, positions
+  start_i .. start_i + S - 1, seq_len start_i + S). The decode kernel's bottom-right causal mask lets
+  row j see positions < start_i + j + 1, exactly what the eager catch-up over emitted_i rows gives
+  its rows. Rows j >= emitted_i are garbage (token 0) but are written to their real cache slots:
+  those positions are >= the request's last token, so the next catch-up rewrites them before any
+  valid row reads them; leaving them unwritten would let stale (possibly non-finite) cache rows
+  inside seq_len reach the valid rows of the same kernel tile through 0 · NaN.
+- The MTP state at row emitted_i - 1 is gathered on the device (a static index buffer) and gives
+  draft 1; stage B's k - 1 single-token steps each have their own static positions / slots / lengths.
+
+The runner launches it as soon as a verify step's tokens are on the host, before the engine appends
+them, and reads the drafts after that bookkeeping, which so overlaps the replay
+(`ModelRunner.mtp_launch_after_verify` / `mtp_draft_after_verify`).
+
+Graphs are captured lazily per padded batch size (`graph_batch_sizes`); padded requests use only
+the scratch page. With `use_graphs=False` (CPU) the same static-buffer code runs eagerly, so tests
+can check it against the eager proposer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmla.engine.cuda_graphs import graph_batch_sizes
+from specmla.engine.kv_pool import KVPool
+from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.model.metadata import AttentionMetadata
+
+
+class GraphedMtpDrafter:
+    """Static-buffer MTP catch-up (S = 1 + k rows per request) + k - 1 recursive draft steps."""
+
+    def __init__(self, model: DeepseekForCausalLM, pool: KVPool, max_num_seqs: int, max_pages_per_seq: int,
+                 k: int, use_graphs: bool = True):
+        if pool.scratch_page is None:
+            raise ValueError("graphed MTP drafting needs a KV pool with a scratch page")
+        if not len(model.mtp):
+            raise ValueError("graphed MTP drafting needs a model with MTP layers")
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        self.model, self.pool, self.k, self.S = model, pool, k, k + 1
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.use_graphs = use_graphs
+        dev, n, S, P = pool.device, self.sizes[-1], k + 1, max_pages_per_seq
+        self.max_pages_per_seq = P
+        # int64 inputs in one flat buffer and int32 ones in another, laid out per padded size b (see
+        # `_views`), so a step writes one prefix of each: two host-to-device copies a step
+        pin = dev.type == "cuda"
+        self._long_host = torch.zeros(n * (3 * S + 1 + 2 * (k - 1)), dtype=torch.long, pin_memory=pin)
+        self._int_host = torch.zeros(n * (k + P), dtype=torch.int32, pin_memory=pin)
+        self._long = torch.zeros_like(self._long_host, device=dev)
+        self._int = torch.zeros_like(self._int_host, device=dev)
+        self.hidden = torch.zeros(n * S, model.config.hidden_size, dtype=model.model.embed_tokens.weight.dtype,
+                                  device=dev)
+        self.cu_a = torch.arange(n + 1, dtype=torch.int32, device=dev) * S
+        self.cu_b = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._copied = None  # CUDA event after the last step's copies out of the pinned staging buffers
+
+    def padded_size(self, batch: int) -> int | None:
+        return next((b for b in self.sizes if b >= batch), None)
+
+    def _views(self, b: int) -> dict[str, torch.Tensor]:
+        """The inputs of padded size b as views of the flat device buffers (prefixes, in `load`'s order)."""
+        S, k, P = self.S, self.k, self.max_pages_per_seq
+        d, off = {}, 0
+        for name, m in (("ids", b * S), ("pos", b * S), ("slots", b * S), ("last", b), ("draft_pos", (k - 1) * b),
+                        ("draft_slots", (k - 1) * b)):
+            d[name], off = self._long[off : off + m], off + m
+        off = 0
+        for name, m in (("seq_lens", b), ("draft_seq_lens", (k - 1) * b), ("table", b * P)):
+            d[name], off = self._int[off : off + m], off + m
+        for name in ("draft_pos", "draft_slots", "draft_seq_lens"):
+            d[name] = d[name].view(k - 1, b)
+        d["table"] = d["table"].view(b, P)
+        return d
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _forward(self, b: int) -> torch.Tensor:
+        model, pool, S, P = self.model, self.pool, self.S, self.max_pages_per_seq
+        d = self._views(b)
+        table = d["table"]
+        meta = AttentionMetadata(
+            positions=d["pos"], cu_seqlens_q=self.cu_a[: b + 1], seq_lens=d["seq_lens"], max_seqlen_q=S,
+            max_seqlen_kv=P * pool.page_size, slot_mapping=d["slots"], block_table=table, decode_query_len=S,
+            kv_format=pool.kv_format,
+        )
+        h = model.mtp_forward(0, d["ids"], self.hidden[: b * S], meta, pool.caches)
+        h = h.index_select(0, d["last"])
+        tok = model.mtp_logits(0, h).argmax(-1)
+        out = [tok]
+        n_mtp = len(model.mtp)
+        for j in range(1, self.k):  # position total_len - 2 + j takes (previous MTP state, previous draft)
+            m = AttentionMetadata(
+                positions=d["draft_pos"][j - 1], cu_seqlens_q=self.cu_b[: b + 1],
+                seq_lens=d["draft_seq_lens"][j - 1], max_seqlen_q=1, max_seqlen_kv=P * pool.page_size,
+                slot_mapping=d["draft_slots"][j - 1], block_table=table, decode_query_len=1,
+                kv_format=pool.kv_format,
+            )
+            h = model.mtp_forward(j % n_mtp, tok, h, m, pool.caches)
+            tok = model.mtp_logits(j % n_mtp, h).argmax(-1)
+            out.append(tok)
+        return torch.stack(out, 1)  # [b, k]
+
+    def _capture(self, b: int) -> None:
+        torch.cuda.synchronize()
+        self._forward(b)  # warm-up: compile kernels, settle allocations outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            self.outputs[b] = self._forward(b)
+        self.graphs[b] = graph
+
+    def load(self, hidden: torch.Tensor, input_ids: list[int], positions: list[int], slots: list[int],
+             seq_lens: list[int], last: list[int], draft_positions: list[list[int]], draft_slots: list[list[int]],
+             tables: list[list[int]]) -> int:
+        """Copy one batch into the static buffers; returns the padded size.
+
+        hidden [B·S, hidden]: the verify step's trunk states (S rows per request); input_ids /
+        positions / slots: S per request, flattened; seq_lens: start + S per request; last: the row
+        (0..S-1) of each request whose MTP state drafts; draft_positions / draft_slots: k - 1 per
+        request (draft step j at position total_len - 2 + j); tables: each request's pages."""
+        B, S, k, P = len(seq_lens), self.S, self.k, self.max_pages_per_seq
+        b = self.padded_size(B)
+        if (b is None or len(input_ids) != B * S or hidden.shape[0] != B * S
+                or any(len(t) > P for t in tables)):
+            raise ValueError("batch does not fit the graphed MTP drafter")
+        if self._copied is not None:  # the previous step's copies have read the staging buffers
+            self._copied.synchronize()
+        ps, scratch = self.pool.page_size, self.pool.scratch_page
+        pad = b - B
+        # one list per flat buffer, in `_views`' order; padded requests use positions 0.. and the scratch page
+        longs = (input_ids + [0] * (pad * S)
+                 + positions + list(range(S)) * pad
+                 + slots + [scratch * ps + j % ps for j in range(S)] * pad
+                 + [i * S + r for i, r in enumerate(last)] + [i * S for i in range(B, b)])
+        ints = seq_lens + [S] * pad
+        draft_pos_rows = list(zip(*draft_positions))  # [k - 1][B]: draft step j's positions
+        for j, row in enumerate(draft_pos_rows, 1):
+            longs += [*row, *[j] * pad]
+        for j, row in enumerate(zip(*draft_slots), 1):
+            longs += [*row, *[scratch * ps + j % ps] * pad]
+        for j, row in enumerate(draft_pos_rows, 1):
+            ints += [p + 1 for p in row] + [j + 1] * pad
+        for t in tables:
+            ints += t + [scratch] * (P - len(t))
+        ints += [scratch] * (P * pad)
+        nl, ni = len(longs), len(ints)
+        self._long_host[:nl] = torch.tensor(longs, dtype=torch.long)
+        self._int_host[:ni] = torch.tensor(ints, dtype=torch.int32)
+        nb = self._long.device.type == "cuda"  # from pinned staging buffers, asynchronously
+        self._long[:nl].copy_(self._long_host[:nl], non_blocking=nb)
+        self._int[:ni].copy_(self._int_host[:ni], non_blocking=nb)
+        if nb:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.hidden[: B * S].copy_(hidden)
+        return b
+
+    @torch.inference_mode()
+    def run(self, hidden, input_ids, positions, slots, seq_lens, last, draft_positions, draft_slots,
+            tables) -> torch.Tensor:
+        """Drafts [B, k] (int64, on the device) of one step, replayed from a graph on CUDA."""
+        B = len(seq_lens)
+        b = self.load(hidden, input_ids, positions, slots, seq_lens, last, draft_positions, draft_slots, tables)
+        if self.use_graphs:
+            if b not in self.graphs:
+                self._capture(b)
+            self.graphs[b].replay()
+            drafts = self.outputs[b]
+        else:
+            drafts = self._forward(b)
+        return drafts[:B]
