@@ -24,9 +24,13 @@ case $stage in
     timeout 200 python3 benchmarks/bench_prefill.py --out "$OUT" 2>&1
     ;;
   engine)
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_kv_quant.py tests/test_mla_prefill_triton.py \
+      tests/test_ngram.py tests/test_mtp_graph.py > "$OUT/gputests.log" 2>&1; grep -E "FAILED|passed|failed|rror" "$OUT/gputests.log" | tail -12
     spec complete data/bench/code_complete.jsonl 1 "1 2 3 4"
+    timeout 200 python3 benchmarks/bench_engine.py --layers 12 --out "$OUT" 2>&1 | grep -v -i warn
     spec edit data/bench/code_edit.jsonl 1 "2 4"
     spec complete data/bench/code_complete.jsonl 32 "2 4"
-    timeout 280 python3 benchmarks/bench_engine.py --layers 12 --out "$OUT" 2>&1
+    timeout 40 python3 benchmarks/bench_mla_decode.py --out "$OUT/q" --kv bf16,tbq4 --variants 1 --cases 16x32x32768x4 2>&1 \
+      | grep "^H="
     ;;
 esac
