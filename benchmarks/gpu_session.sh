@@ -30,7 +30,7 @@ case $stage in
     timeout 200 python3 benchmarks/bench_engine.py --layers 12 --out "$OUT" 2>&1 | grep -v -i warn
     spec edit data/bench/code_edit.jsonl 1 "2 4"
     spec complete data/bench/code_complete.jsonl 32 "2 4"
-    timeout 40 python3 benchmarks/bench_mla_decode.py --out "$OUT/q" --kv bf16,tbq4 --variants 1 --cases 16x32x32768x4 2>&1 \
+    mkdir -p "$OUT/q"; timeout 40 python3 benchmarks/bench_mla_decode.py --out "$OUT/q" --kv bf16,tbq4 --variants 1 --cases 16x32x32768x4 2>&1 \
       | grep "^H="
     ;;
 esac
