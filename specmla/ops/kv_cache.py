@@ -174,8 +174,10 @@ def _write_quantized_kernel(
             tl.store(OUT_U8 + slot[:, None] * row_u8 + blk * 66 + 2 + half[None, :], packed, mask=t_ok[:, None])
             tl.store(OUT_W + slot * row_w + blk * 33, corrected.to(tl.float16), mask=t_ok)
         else:
-            scale = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1e-12)
-            codes = _e4m3_rne(x / scale[:, None])
+            # IEEE round-to-nearest divisions (Triton's fp32 `/` is approximate on the GPU), so the
+            # codes are the torch writer's byte for byte
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), tl.full([BLOCK_T], 448.0, tl.float32)), 1e-12)
+            codes = _e4m3_rne(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
             tl.store(OUT_U8 + slot[:, None] * row_u8 + blk * 128 + offs[None, :], codes, mask=t_ok[:, None])
             tl.store(OUT_W + slot * row_w + DC // 4 + blk, scale, mask=t_ok)
     r = tl.arange(0, DR)
