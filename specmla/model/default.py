@@ -1,10 +1,10 @@
 """The default model for `LLM()` / `specmla generate` when no model is named.
 
-The trained embedded model lives in `specmla/assets/` once it exists. Until then a tiny *randomly
-initialised* DeepSeek-V3-shaped model (production latent shapes: kv_lora_rank 512, rope dims 64,
-one MoE layer, one MTP layer) with a byte-level tokenizer is written once to
-`$SPECMLA_CACHE` (default ~/.cache/specmla) and used instead: it runs every code path but its text
-is noise.
+The trained embedded model ships in `specmla/assets/` (scripts/train_tiny.py). If those files are
+missing (e.g. a trimmed install), a tiny *randomly initialised* DeepSeek-V3-shaped model
+(production latent shapes: kv_lora_rank 512, rope dims 64, one MoE layer, one MTP layer) with a
+byte-level tokenizer is written once to `$SPECMLA_CACHE` (default ~/.cache/specmla) and used
+instead: it runs every code path but its text is noise. Tests use it as a small fixture.
 """
 
 from __future__ import annotations
