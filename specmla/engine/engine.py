@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specmla.engine.detokenizer import IncrementalDetokenizer
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner
 from specmla.engine.scheduler import Scheduler
@@ -198,14 +199,16 @@ class LLMEngine:
     def _check_finish(self, s: Sequence, token: int) -> None:
         p = s.params
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(s.output_ids)
-            if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                s.text = text
-            for stop in p.stop:
-                idx = text.find(stop)
-                if idx != -1:
-                    s.text = text[:idx]
-                    return self._finish(s, "stop")
+            if s.detok is None:
+                s.detok = IncrementalDetokenizer(self.tokenizer)
+            old_len = len(s.detok.text)
+            if s.detok.update(s.output_ids):  # a partial UTF-8 character waits for its next token
+                s.text = s.detok.text
+                for stop in p.stop:  # earlier text held none of them: search only where a new one can end
+                    idx = s.text.find(stop, max(0, old_len - len(stop) + 1))
+                    if idx != -1:
+                        s.text = s.text[:idx]
+                        return self._finish(s, "stop")
         if not p.ignore_eos and token in self.eos_ids:
             return self._finish(s, "stop")
         if len(s.output_ids) >= p.max_tokens or s.total_len >= self.max_model_len:

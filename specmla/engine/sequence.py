@@ -37,6 +37,7 @@ class Sequence:
     finish_time: float | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)  # speculative decoding counters
     drafts: list[int] = field(default_factory=list)  # the MTP proposer's drafts for the next step
+    detok: object | None = None  # the engine's IncrementalDetokenizer for `text`
 
     def __post_init__(self):
         # A seed per request makes sampling reproducible and independent of batch composition.
