@@ -174,7 +174,7 @@ class LLMEngine:
     def _append(self, s: Sequence, token: int, logprob_entry: dict | None, now: float) -> None:
         if s.first_token_time is None:
             s.first_token_time = now
-        s.output_ids.append(token)
+        s.append_token(token)
         if logprob_entry is not None:
             s.logprobs.append(logprob_entry)
         self._check_finish(s, token)

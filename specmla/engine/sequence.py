@@ -42,10 +42,17 @@ class Sequence:
     def __post_init__(self):
         # A seed per request makes sampling reproducible and independent of batch composition.
         self.seed = self.params.seed if self.params.seed is not None else random.randrange(2**31)
+        self._all_ids = list(self.prompt_ids) + list(self.output_ids)
+
+    def append_token(self, token: int) -> None:
+        self.output_ids.append(token)
+        self._all_ids.append(token)
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt then output tokens, kept up to date by `append_token` (read-only: it is not a copy,
+        so the per-step callers do not rebuild an O(length) list)."""
+        return self._all_ids
 
     @property
     def total_len(self) -> int:
