@@ -1,5 +1,6 @@
 """Verification of drafts: greedy prefix acceptance and lossless rejection sampling."""
 
+import pytest
 import torch
 
 from specmla.engine.spec import SpecStats, verify
@@ -80,3 +81,21 @@ def test_spec_stats():
     s.add(2, 0)
     assert s.as_dict() == {"num_drafts": 2, "num_draft_tokens": 5, "num_accepted_tokens": 2,
                            "accepted_per_position": [1, 1, 0], "mean_acceptance_length": 2.0}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_host_greedy_accept_equals_verify(seed):
+    """The engine's host path for all-greedy batches gives verify()'s tokens and emitted counts."""
+    from specmla.engine.spec import greedy_accept
+
+    g = torch.Generator().manual_seed(seed)
+    B, k, V = 32, 4, 6  # a small vocabulary: drafts often match the argmax
+    logits = torch.randn(B, k + 1, V, generator=g)
+    am = logits.argmax(-1)
+    drafts = torch.where(torch.rand(B, k, generator=g) < 0.6, am[:, :k], torch.randint(0, V, (B, k), generator=g))
+    num = torch.randint(0, k + 1, (B,), generator=g).to(torch.int32)
+    tokens, emitted = verify(drafts, num, logits, None, all_greedy=True)
+    h_tokens, h_emitted = greedy_accept(drafts.tolist(), num.tolist(), am.tolist())
+    assert h_emitted == emitted.tolist()
+    assert [t[:e] for t, e in zip(tokens.tolist(), h_emitted)] == h_tokens
+    assert any(e > 1 for e in h_emitted) and any(e < n + 1 for e, n in zip(h_emitted, num.tolist()))

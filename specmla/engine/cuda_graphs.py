@@ -12,6 +12,7 @@ be tested without a GPU.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specmla.engine.kv_pool import KVPool
@@ -38,13 +39,22 @@ class GraphedDecoder:
         self.model, self.pool, self.S = model, pool, query_len
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.use_graphs = use_graphs
-        dev, n, S = pool.device, self.sizes[-1], query_len
-        self.input_ids = torch.zeros(n * S, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n * S, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.zeros(n * S, dtype=torch.long, device=dev)
-        self.seq_lens = torch.full((n,), S, dtype=torch.int32, device=dev)
-        self.block_table = torch.full((n, max_pages_per_seq), pool.scratch_page, dtype=torch.int32, device=dev)
+        dev, n, S, P = pool.device, self.sizes[-1], query_len, max_pages_per_seq
+        # The step's inputs live in two flat device buffers (int64: ids | positions | slots; int32:
+        # lengths | page table) filled from two pinned host twins, so loading a batch is two copies
+        # instead of one per tensor; the graph reads the views below.
+        pin = dev.type == "cuda"
+        self._long_host = torch.zeros(3 * n * S, dtype=torch.long, pin_memory=pin)
+        self._int_host = torch.zeros(n + n * P, dtype=torch.int32, pin_memory=pin)
+        self._long = torch.zeros(3 * n * S, dtype=torch.long, device=dev)
+        self._int = torch.zeros(n + n * P, dtype=torch.int32, device=dev)
+        self.input_ids, self.positions, self.slot_mapping = self._long.view(3, n * S).unbind(0)
+        self.seq_lens = self._int[:n]
+        self.block_table = self._int[n:].view(n, P)
+        self.seq_lens.fill_(S)
+        self.block_table.fill_(pool.scratch_page)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev) * S
+        self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -87,16 +97,25 @@ class GraphedDecoder:
         if b is None or len(input_ids) != B * S or any(len(t) > self.max_pages_per_seq for t in tables):
             raise ValueError("batch does not fit the graphed decoder")
         pool = self.pool
-        pad = b - B
-        scratch = [pool.scratch_page * pool.page_size + s % pool.page_size for s in range(S)] * pad
-        self.input_ids[: b * S].copy_(torch.tensor(input_ids + [0] * (pad * S)))
-        self.positions[: b * S].copy_(torch.tensor(positions + list(range(S)) * pad))
-        self.slot_mapping[: b * S].copy_(torch.tensor(slots + scratch))
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens + [S] * pad, dtype=torch.int32))
-        table = torch.full((b, self.max_pages_per_seq), pool.scratch_page, dtype=torch.int32)
+        n, P, m = self.sizes[-1], self.max_pages_per_seq, B * S
+        if self._copied is not None:  # the previous step's copies have finished reading the pinned twins
+            self._copied.synchronize()
+        scratch = pool.scratch_page * pool.page_size
+        longs = self._long_host.numpy().reshape(3, n * S)
+        longs[0, :m], longs[1, :m], longs[2, :m] = input_ids, positions, slots
+        pad = np.arange(m, b * S) % S  # padded requests: token 0 at positions 0..S-1 of the scratch page
+        longs[0, m : b * S], longs[1, m : b * S], longs[2, m : b * S] = 0, pad, scratch + pad % pool.page_size
+        ints = self._int_host.numpy()
+        ints[:B], ints[B:b] = seq_lens, S
+        table = ints[n:].reshape(n, P)
+        table[:b] = pool.scratch_page
         for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.block_table[:b].copy_(table)
+            table[i, : len(t)] = t
+        self._long.copy_(self._long_host, non_blocking=True)
+        self._int.copy_(self._int_host, non_blocking=True)
+        if self._long.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return b
 
     @torch.inference_mode()

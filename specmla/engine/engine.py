@@ -17,7 +17,7 @@ from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner
 from specmla.engine.scheduler import Scheduler
 from specmla.engine.sequence import Sequence, Status
-from specmla.engine.spec import SpecStats, verify
+from specmla.engine.spec import SpecStats, greedy_accept, verify
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.ops.kv_cache import row_spec
 from specmla.sampling_params import SamplingParams
@@ -133,14 +133,21 @@ class LLMEngine:
         caps = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.total_len - 1))
                 for s in seqs]
         drafts, num = self.proposer.propose_for(seqs, caps, self.pool.device)
+        all_greedy = all(s.params.temperature < 1e-5 for s in seqs)  # then no sampling tensors (host → device copies)
+        want_lp = any(s.params.logprobs is not None for s in seqs)
+        host_accept = all_greedy and not want_lp
+        if host_accept:  # read the (already computed) drafts before the verify pass, so this waits on nothing
+            drafts_l, num_l = drafts.tolist(), num.tolist()
         logits = self.runner.forward_verify(seqs, drafts)
         verify_hidden, starts, _ = self.runner.last_hidden
-        all_greedy = all(s.params.temperature < 1e-5 for s in seqs)  # then no sampling tensors (host → device copies)
-        st = None if all_greedy else self.runner.sampling_tensors(seqs, logits.device)
-        tokens, emitted = verify(drafts, num, logits, st, all_greedy=all_greedy)
-        want_lp = any(s.params.logprobs is not None for s in seqs)
-        logp = logits.float().log_softmax(-1) if want_lp else None
-        tokens_l, emitted_l, num_l = tokens.tolist(), emitted.tolist(), num.tolist()
+        logp = None
+        if host_accept:  # greedy: one [B, S] argmax comes back and the prefix match runs on the host
+            tokens_l, emitted_l = greedy_accept(drafts_l, num_l, logits.argmax(-1).tolist())
+        else:
+            st = None if all_greedy else self.runner.sampling_tensors(seqs, logits.device)
+            tokens, emitted = verify(drafts, num, logits, st, all_greedy=all_greedy)
+            logp = logits.float().log_softmax(-1) if want_lp else None
+            tokens_l, emitted_l, num_l = tokens.tolist(), emitted.tolist(), num.tolist()
         launched = None  # the graphed MTP drafter starts now; the bookkeeping below overlaps its replay
         if self.proposer.uses_mtp:
             launched = self.runner.mtp_launch_after_verify(seqs, tokens_l, emitted_l, verify_hidden, k)

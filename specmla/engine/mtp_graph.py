@@ -129,7 +129,7 @@ class GraphedMtpDrafter:
         positions / slots: S per request, flattened; seq_lens: start + S per request; last: the row
         (0..S-1) of each request whose MTP state drafts; draft_positions / draft_slots: k - 1 per
         request (draft step j at position total_len - 2 + j); tables: each request's pages."""
-        B, S, k, P = len(seq_lens), self.S, self.k, self.max_pages_per_seq
+        B, S, P = len(seq_lens), self.S, self.max_pages_per_seq
         b = self.padded_size(B)
         if (b is None or len(input_ids) != B * S or hidden.shape[0] != B * S
                 or any(len(t) > P for t in tables)):

@@ -15,7 +15,7 @@ from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.sequence import Sequence
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
-from specmla.ops.sampling import SamplingTensors, sample
+from specmla.ops.sampling import SampleOutput, SamplingTensors, sample
 
 
 class ModelRunner:
@@ -234,11 +234,14 @@ class ModelRunner:
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor):
         p = [s.params for s in seqs]
+        all_greedy = all(x.temperature < 1e-5 for x in p)
+        if all_greedy and all(x.logprobs is None for x in p):  # argmax only: no per-request tensors to upload
+            return SampleOutput(logits.argmax(-1), None, None, None)
         st = self.sampling_tensors(seqs, logits.device)
         n_logprobs = max((x.logprobs or 0) for x in p)
         return sample(
             logits, st, num_logprobs=n_logprobs,
-            all_greedy=all(x.temperature < 1e-5 for x in p),
+            all_greedy=all_greedy,
             filtering=any(0 < x.top_k < logits.shape[-1] or x.top_p < 1.0 for x in p),
             with_logprobs=any(x.logprobs is not None for x in p),
         )

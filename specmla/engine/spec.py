@@ -76,6 +76,21 @@ def verify(drafts: torch.Tensor, num_drafts: torch.Tensor, logits: torch.Tensor,
     return tokens, emitted.to(torch.int32)
 
 
+def greedy_accept(drafts: list[list[int]], num_drafts: list[int], argmax: list[list[int]]
+                  ) -> tuple[list[list[int]], list[int]]:
+    """`verify`'s all-greedy case on host lists: (tokens, emitted) per request, tokens = the longest
+    prefix of drafts equal to the target's argmax followed by the argmax after it. For all-greedy
+    batches the engine takes this path: one small [B, S] argmax copy instead of a verify pass."""
+    tokens, emitted = [], []
+    for d, n, am in zip(drafts, num_drafts, argmax):
+        a = 0
+        while a < n and d[a] == am[a]:
+            a += 1
+        tokens.append(d[:a] + [am[a]])
+        emitted.append(a + 1)
+    return tokens, emitted
+
+
 @dataclass
 class SpecStats:
     """Counters in vLLM's terms: drafts (verify steps with ≥ 1 draft), draft tokens, accepted tokens,
