@@ -20,7 +20,8 @@ def spec_llm(model_dir, kind, k, static_mtp=True, static_verify=True, max_num_se
         runner.graphed_verify = GraphedDecoder(llm.model, llm.kv_pool, max_num_seqs, 64, use_graphs=False,
                                                query_len=k + 1)
     if static_mtp:
-        runner.graphed_mtp = GraphedMtpDrafter(llm.model, llm.kv_pool, max_num_seqs, mtp_pages, k, use_graphs=False)
+        runner.graphed_mtp = GraphedMtpDrafter(llm.model, llm.kv_pool, max_num_seqs, mtp_pages, k, use_graphs=False,
+                                               num_draft=llm.engine.proposer.num_mtp_drafts)
     return llm
 
 

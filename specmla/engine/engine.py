@@ -124,7 +124,7 @@ class LLMEngine:
             rows = hidden.split(q_lens)
             items = [(s, st, h) for (s, _), st, h in zip(batch.prefill, starts, rows) if not s.is_finished]
             if items:
-                self.runner.mtp_catch_up_and_draft(items, self.proposer.k)
+                self.runner.mtp_catch_up_and_draft(items, self.proposer.num_mtp_drafts)
         return batch.decode + ready + [s for s, _ in batch.rejected]
 
     def _speculative_decode(self, seqs: list[Sequence]) -> None:
@@ -150,7 +150,8 @@ class LLMEngine:
             tokens_l, emitted_l, num_l = tokens.tolist(), emitted.tolist(), num.tolist()
         launched = None  # the graphed MTP drafter starts now; the bookkeeping below overlaps its replay
         if self.proposer.uses_mtp:
-            launched = self.runner.mtp_launch_after_verify(seqs, tokens_l, emitted_l, verify_hidden, k)
+            launched = self.runner.mtp_launch_after_verify(seqs, tokens_l, emitted_l, verify_hidden, k,
+                                                           self.proposer.num_mtp_drafts)
         now = time.perf_counter()
         for i, s in enumerate(seqs):
             accepted = emitted_l[i] - 1
@@ -168,7 +169,8 @@ class LLMEngine:
                 self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
                 self.pool.trim(s.seq_id, s.num_cached)
         if self.proposer.uses_mtp:  # the MTP module catches up on the verified positions, then drafts
-            self.runner.mtp_draft_after_verify(seqs, starts, emitted_l, verify_hidden, k, launched)
+            self.runner.mtp_draft_after_verify(seqs, starts, emitted_l, verify_hidden, k, launched,
+                                               self.proposer.num_mtp_drafts)
 
     @staticmethod
     def _logprob_entry(s: Sequence, token: int, logp_row: torch.Tensor) -> dict:

@@ -111,7 +111,7 @@ class LLM:
                                                                    query_len=1 + proposer.k)
                 if proposer.uses_mtp:  # the MTP catch-up + k drafts after each verify step: one more replay
                     self.engine.runner.graphed_mtp = GraphedMtpDrafter(self.model, pool, max_num_seqs, pages,
-                                                                       proposer.k)
+                                                                       proposer.k, num_draft=proposer.num_mtp_drafts)
         self._workers = []
         if tensor_parallel_size > 1 and _tp_rank is None:
             self._start_tensor_parallel(tensor_parallel_size, device, dict(

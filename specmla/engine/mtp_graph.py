@@ -35,10 +35,11 @@ from specmla.model.metadata import AttentionMetadata
 
 
 class GraphedMtpDrafter:
-    """Static-buffer MTP catch-up (S = 1 + k rows per request) + k - 1 recursive draft steps."""
+    """Static-buffer MTP catch-up (S = 1 + k rows per request) + num_draft - 1 recursive draft steps
+    (num_draft = k for MTP; hybrid drafts only its MTP share and lets the n-gram proposer extend)."""
 
     def __init__(self, model: DeepseekForCausalLM, pool: KVPool, max_num_seqs: int, max_pages_per_seq: int,
-                 k: int, use_graphs: bool = True):
+                 k: int, use_graphs: bool = True, num_draft: int | None = None):
         if pool.scratch_page is None:
             raise ValueError("graphed MTP drafting needs a KV pool with a scratch page")
         if not len(model.mtp):
@@ -46,6 +47,9 @@ class GraphedMtpDrafter:
         if k < 1:
             raise ValueError("k must be >= 1")
         self.model, self.pool, self.k, self.S = model, pool, k, k + 1
+        self.num_draft = nd = k if num_draft is None else num_draft
+        if not 1 <= nd <= k:
+            raise ValueError(f"num_draft must be in 1..k={k}, got {nd}")
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.use_graphs = use_graphs
         dev, n, S, P = pool.device, self.sizes[-1], k + 1, max_pages_per_seq
@@ -53,8 +57,8 @@ class GraphedMtpDrafter:
         # int64 inputs in one flat buffer and int32 ones in another, laid out per padded size b (see
         # `_views`), so a step writes one prefix of each: two host-to-device copies a step
         pin = dev.type == "cuda"
-        self._long_host = torch.zeros(n * (3 * S + 1 + 2 * (k - 1)), dtype=torch.long, pin_memory=pin)
-        self._int_host = torch.zeros(n * (k + P), dtype=torch.int32, pin_memory=pin)
+        self._long_host = torch.zeros(n * (3 * S + 1 + 2 * (nd - 1)), dtype=torch.long, pin_memory=pin)
+        self._int_host = torch.zeros(n * (nd + P), dtype=torch.int32, pin_memory=pin)
         self._long = torch.zeros_like(self._long_host, device=dev)
         self._int = torch.zeros_like(self._int_host, device=dev)
         self.hidden = torch.zeros(n * S, model.config.hidden_size, dtype=model.model.embed_tokens.weight.dtype,
@@ -71,16 +75,16 @@ class GraphedMtpDrafter:
 
     def _views(self, b: int) -> dict[str, torch.Tensor]:
         """The inputs of padded size b as views of the flat device buffers (prefixes, in `load`'s order)."""
-        S, k, P = self.S, self.k, self.max_pages_per_seq
+        S, nd, P = self.S, self.num_draft, self.max_pages_per_seq
         d, off = {}, 0
-        for name, m in (("ids", b * S), ("pos", b * S), ("slots", b * S), ("last", b), ("draft_pos", (k - 1) * b),
-                        ("draft_slots", (k - 1) * b)):
+        for name, m in (("ids", b * S), ("pos", b * S), ("slots", b * S), ("last", b), ("draft_pos", (nd - 1) * b),
+                        ("draft_slots", (nd - 1) * b)):
             d[name], off = self._long[off : off + m], off + m
         off = 0
-        for name, m in (("seq_lens", b), ("draft_seq_lens", (k - 1) * b), ("table", b * P)):
+        for name, m in (("seq_lens", b), ("draft_seq_lens", (nd - 1) * b), ("table", b * P)):
             d[name], off = self._int[off : off + m], off + m
         for name in ("draft_pos", "draft_slots", "draft_seq_lens"):
-            d[name] = d[name].view(k - 1, b)
+            d[name] = d[name].view(nd - 1, b)
         d["table"] = d["table"].view(b, P)
         return d
 
@@ -99,7 +103,7 @@ class GraphedMtpDrafter:
         tok = model.mtp_logits(0, h).argmax(-1)
         out = [tok]
         n_mtp = len(model.mtp)
-        for j in range(1, self.k):  # position total_len - 2 + j takes (previous MTP state, previous draft)
+        for j in range(1, self.num_draft):  # position total_len - 2 + j takes (previous MTP state, previous draft)
             m = AttentionMetadata(
                 positions=d["draft_pos"][j - 1], cu_seqlens_q=self.cu_b[: b + 1],
                 seq_lens=d["draft_seq_lens"][j - 1], max_seqlen_q=1, max_seqlen_kv=P * pool.page_size,
@@ -127,7 +131,7 @@ class GraphedMtpDrafter:
 
         hidden [B·S, hidden]: the verify step's trunk states (S rows per request); input_ids /
         positions / slots: S per request, flattened; seq_lens: start + S per request; last: the row
-        (0..S-1) of each request whose MTP state drafts; draft_positions / draft_slots: k - 1 per
+        (0..S-1) of each request whose MTP state drafts; draft_positions / draft_slots: num_draft - 1 per
         request (draft step j at position total_len - 2 + j); tables: each request's pages."""
         B, S, P = len(seq_lens), self.S, self.max_pages_per_seq
         b = self.padded_size(B)
@@ -144,7 +148,7 @@ class GraphedMtpDrafter:
                  + slots + [scratch * ps + j % ps for j in range(S)] * pad
                  + [i * S + r for i, r in enumerate(last)] + [i * S for i in range(B, b)])
         ints = seq_lens + [S] * pad
-        draft_pos_rows = list(zip(*draft_positions))  # [k - 1][B]: draft step j's positions
+        draft_pos_rows = list(zip(*draft_positions))  # [num_draft - 1][B]: draft step j's positions
         for j, row in enumerate(draft_pos_rows, 1):
             longs += [*row, *[j] * pad]
         for j, row in enumerate(zip(*draft_slots), 1):
@@ -169,7 +173,7 @@ class GraphedMtpDrafter:
     @torch.inference_mode()
     def run(self, hidden, input_ids, positions, slots, seq_lens, last, draft_positions, draft_slots,
             tables) -> torch.Tensor:
-        """Drafts [B, k] (int64, on the device) of one step, replayed from a graph on CUDA."""
+        """Drafts [B, num_draft] (int64, on the device) of one step, replayed from a graph on CUDA."""
         B = len(seq_lens)
         b = self.load(hidden, input_ids, positions, slots, seq_lens, last, draft_positions, draft_slots, tables)
         if self.use_graphs:

@@ -130,7 +130,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def mtp_launch_after_verify(self, seqs: list[Sequence], tokens: list[list[int]], emitted: list[int],
-                                verify_hidden: torch.Tensor, k: int) -> torch.Tensor | None:
+                                verify_hidden: torch.Tensor, k: int, num_draft: int | None = None
+                                ) -> torch.Tensor | None:
         """Start the graphed MTP catch-up + k drafts right after a verify step, before the engine
         appends the emitted tokens (its host work then overlaps the replay). seqs[i] is decoding
         (num_cached = total_len - 1 = the step's first position), verified S = 1 + k rows (trunk
@@ -140,8 +141,9 @@ class ModelRunner:
         (after the emitted ones) within the static table. Requests that finish while their tokens
         are appended simply drop their drafts."""
         g, pool = self.graphed_mtp, self.pool
-        S, B = k + 1, len(seqs)
-        if g is None or g.k != k or g.padded_size(B) is None or verify_hidden.shape[0] != B * S:
+        S, B, nd = k + 1, len(seqs), k if num_draft is None else num_draft
+        if (g is None or g.k != k or g.num_draft != nd or g.padded_size(B) is None
+                or verify_hidden.shape[0] != B * S):
             return None
         need = 0
         for s, e in zip(seqs, emitted):
@@ -161,7 +163,7 @@ class ModelRunner:
             positions += range(st, st + S)
             slots += pool.slots(s.seq_id, st, st + S)  # allocated: total + k > st + k
             seq_lens.append(st + S)
-            p = list(range(total - 1, total + k - 2))  # draft step j at total - 2 + j
+            p = list(range(total - 1, total + nd - 2))  # draft step j at total - 2 + j
             dpos.append(p)
             dslots.append(pool.slots(s.seq_id, p[0], p[-1] + 1) if p else [])
             tables.append(pool.pages_of(s.seq_id))
@@ -170,7 +172,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def mtp_draft_after_verify(self, seqs: list[Sequence], starts: list[int], emitted: list[int],
-                               verify_hidden: torch.Tensor, k: int, launched: torch.Tensor | None = None) -> None:
+                               verify_hidden: torch.Tensor, k: int, launched: torch.Tensor | None = None,
+                               num_draft: int | None = None) -> None:
         """The MTP proposer after a verify step whose emitted tokens are appended: seqs[i] verified
         S = 1 + k rows from position starts[i] (trunk states verify_hidden[i·S : (i+1)·S]) and
         emitted emitted[i] tokens. `launched`: the device drafts of `mtp_launch_after_verify`, read
@@ -184,7 +187,7 @@ class ModelRunner:
         items = [(s, starts[i], verify_hidden[i * S : i * S + emitted[i]]) for i, s in enumerate(seqs)
                  if not s.is_finished]
         if items:
-            self.mtp_catch_up_and_draft(items, k)
+            self.mtp_catch_up_and_draft(items, k if num_draft is None else num_draft)
 
     @torch.inference_mode()
     def mtp_catch_up_and_draft(self, items: list[tuple[Sequence, int, torch.Tensor]], k: int) -> None:

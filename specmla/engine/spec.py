@@ -159,6 +159,11 @@ class MtpProposer:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.k = num_speculative_tokens
 
+    @property
+    def num_mtp_drafts(self) -> int:
+        """Tokens the MTP module drafts per step (all k here)."""
+        return self.k
+
     def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
         drafts = torch.zeros(len(seqs), self.k, dtype=torch.long)
         num = []
@@ -177,6 +182,10 @@ class HybridProposer(MtpProposer):
         super().__init__(num_speculative_tokens)
         self.mtp_tokens = max(1, min(mtp_tokens, num_speculative_tokens))
         self.ngram = NgramProposer(num_speculative_tokens, ngram_min, ngram_max)
+
+    @property
+    def num_mtp_drafts(self) -> int:
+        return self.mtp_tokens  # the n-gram proposer extends the rest: no MTP work spent on it
 
     def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
         mtp = [s.drafts[: min(cap, self.mtp_tokens)] for s, cap in zip(seqs, caps)]
