@@ -71,12 +71,11 @@ class LLM:
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             if isinstance(dtype, str):
                 dtype = _DTYPES[dtype]
+            # tensor parallelism: every rank (this one is rank 0 unless it is a worker) loads its shard only
+            shard = (_tp_rank, _tp_world) if _tp_rank is not None else (
+                (0, tensor_parallel_size) if tensor_parallel_size > 1 else None)
             self.model = load_model(self.model_path, device=device, dtype=dtype, max_positions=max_model_len,
-                                    progress=progress)
-            if _tp_rank is not None:  # a worker rank of a tensor-parallel LLM
-                from specmla.parallel import shard_model_
-
-                shard_model_(self.model, _tp_rank, _tp_world)
+                                    progress=progress, shard=shard)
             has_tok = (self.model_path / "tokenizer.json").exists()
             self.tokenizer = tokenizer or (Tokenizer(self.model_path) if has_tok else None)
         cache_dtype = next(self.model.parameters()).dtype
@@ -115,8 +114,10 @@ class LLM:
         self._workers = []
         if tensor_parallel_size > 1 and _tp_rank is None:
             self._start_tensor_parallel(tensor_parallel_size, device, dict(
-                device=str(device), dtype=dtype, page_size=page_size, num_pages=num_pages, max_model_len=max_model_len,
-                kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs, speculative=None))
+                # the workers mirror rank 0's pool page for page (sizing from their own free memory could differ)
+                device=str(device), dtype=dtype, page_size=page_size, num_pages=pool.num_pages,
+                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                speculative=None))
 
     def _start_tensor_parallel(self, world: int, device, worker_kwargs: dict) -> None:
         """Rank 0 (this process): spawn ranks 1..world-1, join the group, shard, route forwards."""
@@ -126,7 +127,7 @@ class LLM:
 
         import torch.multiprocessing as mp
 
-        from specmla.parallel import TPModel, init_group, launched_by_torchrun, shard_model_, worker_main
+        from specmla.parallel import TPModel, init_group, launched_by_torchrun, worker_main
 
         if launched_by_torchrun():  # the other ranks were started by torchrun and run worker_main
             if int(os.environ["WORLD_SIZE"]) != world:
@@ -142,8 +143,7 @@ class LLM:
                 p.start()
                 self._workers.append(p)
             init_group(0, world, init_file, device.type)
-        shard_model_(self.model, 0, world)
-        self.engine.runner.model = TPModel(self.model)
+        self.engine.runner.model = TPModel(self.model)  # the model was loaded as rank 0's shard
         atexit.register(self.shutdown)
 
     def shutdown(self) -> None:

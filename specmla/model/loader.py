@@ -113,10 +113,14 @@ def load_model(
     dtype: torch.dtype | None = None,
     max_positions: int | None = None,
     progress: bool = True,
+    shard: tuple[int, int] | None = None,
 ) -> DeepseekForCausalLM:
     """Build the model for the directory `path` and load its weights.
 
     dtype defaults to the checkpoint's (bf16 for real checkpoints) on CUDA and to fp32 on CPU.
+    shard=(rank, world): a tensor-parallel rank's part only. The full weights are staged in host
+    memory, cut to the shard there, and only the shard goes to `device`: the point of tensor
+    parallelism is a model larger than one GPU.
     """
     path = Path(path)
     cfg = _drop_absent_mtp_layers(ModelConfig.from_file(path), path)
@@ -126,6 +130,12 @@ def load_model(
             dtype = torch.float32
         else:
             dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.bfloat16)
+    if shard is not None:
+        from specmla.parallel import shard_model_
+
+        model = load_model(path, device="cpu", dtype=dtype, max_positions=max_positions, progress=progress)
+        shard_model_(model, *shard)
+        return model.to(device)
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, max_positions=max_positions).to(dtype)
     model = model.to_empty(device=device)
