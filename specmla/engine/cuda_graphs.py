@@ -28,43 +28,89 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-class GraphedDecoder:
+class BatchGraphs:
+    """What every static-buffer step shares: padded batch sizes, one CUDA graph per padded size
+    (captured lazily, replayed; run eagerly on CPU), and the step's integer inputs in two flat
+    device buffers (int64 and int32) uploaded from pinned host twins: two copies per step."""
+
+    def __init__(self, pool: KVPool, max_num_seqs: int, use_graphs: bool, n_long: int, n_int: int):
+        """n_long / n_int: the buffers' lengths per request of the largest padded size."""
+        if pool.scratch_page is None:
+            raise ValueError(f"{type(self).__name__} needs a KV pool with a scratch page")
+        self.pool = pool
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.use_graphs = use_graphs
+        n, dev, pin = self.sizes[-1], pool.device, pool.device.type == "cuda"
+        self._long_host = torch.zeros(n * n_long, dtype=torch.long, pin_memory=pin)
+        self._int_host = torch.zeros(n * n_int, dtype=torch.int32, pin_memory=pin)
+        self._long = torch.zeros_like(self._long_host, device=dev)
+        self._int = torch.zeros_like(self._int_host, device=dev)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last upload
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, object] = {}
+        self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
+
+    def padded_size(self, batch: int) -> int | None:
+        return next((b for b in self.sizes if b >= batch), None)
+
+    def _forward(self, b: int):
+        raise NotImplementedError
+
+    def _staging(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pinned host twins, once the previous step's copies have finished reading them."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._long_host, self._int_host
+
+    def _upload(self, n_long: int | None = None, n_int: int | None = None) -> None:
+        """Copy the first n_long / n_int entries (default all) of the host twins to the device."""
+        nb = self._long.is_cuda  # from pinned memory, asynchronously
+        self._long[:n_long].copy_(self._long_host[:n_long], non_blocking=nb)
+        self._int[:n_int].copy_(self._int_host[:n_int], non_blocking=nb)
+        if nb:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _capture(self, b: int) -> None:
+        torch.cuda.synchronize()
+        self._forward(b)  # warm-up: compile kernels, settle allocations outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            self.outputs[b] = self._forward(b)
+        self.graphs[b] = graph
+
+    def _replay(self, b: int):
+        """The outputs of padded size b for the loaded inputs: a graph replay, or eager on CPU."""
+        if not self.use_graphs:
+            return self._forward(b)
+        if b not in self.graphs:
+            self._capture(b)
+        self.graphs[b].replay()
+        return self.outputs[b]
+
+
+class GraphedDecoder(BatchGraphs):
     """Static-buffer decode forward for a fixed number S of query tokens per request (S = 1 for
     plain decode, 1 + k for speculative verification), captured per padded batch size."""
 
     def __init__(self, model: DeepseekForCausalLM, pool: KVPool, max_num_seqs: int, max_pages_per_seq: int,
                  use_graphs: bool = True, query_len: int = 1):
-        if pool.scratch_page is None:
-            raise ValueError("graphed decode needs a KV pool with a scratch page")
-        self.model, self.pool, self.S = model, pool, query_len
-        self.sizes = graph_batch_sizes(max_num_seqs)
-        self.use_graphs = use_graphs
-        dev, n, S, P = pool.device, self.sizes[-1], query_len, max_pages_per_seq
-        # The step's inputs live in two flat device buffers (int64: ids | positions | slots; int32:
-        # lengths | page table) filled from two pinned host twins, so loading a batch is two copies
-        # instead of one per tensor; the graph reads the views below.
-        pin = dev.type == "cuda"
-        self._long_host = torch.zeros(3 * n * S, dtype=torch.long, pin_memory=pin)
-        self._int_host = torch.zeros(n + n * P, dtype=torch.int32, pin_memory=pin)
-        self._long = torch.zeros(3 * n * S, dtype=torch.long, device=dev)
-        self._int = torch.zeros(n + n * P, dtype=torch.int32, device=dev)
+        S, P = query_len, max_pages_per_seq
+        # int64: ids | positions | slots; int32: lengths | page table
+        super().__init__(pool, max_num_seqs, use_graphs, n_long=3 * S, n_int=1 + P)
+        self.model, self.S = model, S
+        n, dev = self.sizes[-1], pool.device
         self.input_ids, self.positions, self.slot_mapping = self._long.view(3, n * S).unbind(0)
         self.seq_lens = self._int[:n]
         self.block_table = self._int[n:].view(n, P)
         self.seq_lens.fill_(S)
         self.block_table.fill_(pool.scratch_page)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev) * S
-        self._copied: torch.cuda.Event | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
 
     @property
     def max_pages_per_seq(self) -> int:
         return self.block_table.shape[1]
-
-    def padded_size(self, batch: int) -> int | None:
-        return next((b for b in self.sizes if b >= batch), None)
 
     def _meta(self, b: int) -> AttentionMetadata:
         S = self.S
@@ -79,15 +125,6 @@ class GraphedDecoder:
         hidden = self.model(self.input_ids[: b * self.S], self._meta(b), self.pool.caches)
         return hidden, self.model.compute_logits(hidden)
 
-    def _capture(self, b: int) -> None:
-        torch.cuda.synchronize()
-        self._forward(b)  # warm-up: compile kernels, settle allocations outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            self.outputs[b] = self._forward(b)
-        self.graphs[b] = graph
-
     def load(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
              tables: list[list[int]]) -> int:
         """Copy one batch (S tokens per request, flattened) into the static buffers; returns the
@@ -98,36 +135,24 @@ class GraphedDecoder:
             raise ValueError("batch does not fit the graphed decoder")
         pool = self.pool
         n, P, m = self.sizes[-1], self.max_pages_per_seq, B * S
-        if self._copied is not None:  # the previous step's copies have finished reading the pinned twins
-            self._copied.synchronize()
+        long_host, int_host = self._staging()
         scratch = pool.scratch_page * pool.page_size
-        longs = self._long_host.numpy().reshape(3, n * S)
+        longs = long_host.numpy().reshape(3, n * S)
         longs[0, :m], longs[1, :m], longs[2, :m] = input_ids, positions, slots
         pad = np.arange(m, b * S) % S  # padded requests: token 0 at positions 0..S-1 of the scratch page
         longs[0, m : b * S], longs[1, m : b * S], longs[2, m : b * S] = 0, pad, scratch + pad % pool.page_size
-        ints = self._int_host.numpy()
+        ints = int_host.numpy()
         ints[:B], ints[B:b] = seq_lens, S
         table = ints[n:].reshape(n, P)
         table[:b] = pool.scratch_page
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
-        self._long.copy_(self._long_host, non_blocking=True)
-        self._int.copy_(self._int_host, non_blocking=True)
-        if self._long.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._upload()
         return b
 
     @torch.inference_mode()
     def run(self, input_ids, positions, slots, seq_lens, tables) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden [B·S, hidden], logits [B·S, V]) of one step (replayed from a graph on CUDA)."""
         n = len(seq_lens) * self.S
-        b = self.load(input_ids, positions, slots, seq_lens, tables)
-        if self.use_graphs:
-            if b not in self.graphs:
-                self._capture(b)
-            self.graphs[b].replay()
-            hidden, logits = self.outputs[b]
-        else:
-            hidden, logits = self._forward(b)
+        hidden, logits = self._replay(self.load(input_ids, positions, slots, seq_lens, tables))
         return hidden[:n], logits[:n]

@@ -28,50 +28,34 @@ from __future__ import annotations
 
 import torch
 
-from specmla.engine.cuda_graphs import graph_batch_sizes
+from specmla.engine.cuda_graphs import BatchGraphs
 from specmla.engine.kv_pool import KVPool
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
 
 
-class GraphedMtpDrafter:
+class GraphedMtpDrafter(BatchGraphs):
     """Static-buffer MTP catch-up (S = 1 + k rows per request) + num_draft - 1 recursive draft steps
     (num_draft = k for MTP; hybrid drafts only its MTP share and lets the n-gram proposer extend)."""
 
     def __init__(self, model: DeepseekForCausalLM, pool: KVPool, max_num_seqs: int, max_pages_per_seq: int,
                  k: int, use_graphs: bool = True, num_draft: int | None = None):
-        if pool.scratch_page is None:
-            raise ValueError("graphed MTP drafting needs a KV pool with a scratch page")
         if not len(model.mtp):
             raise ValueError("graphed MTP drafting needs a model with MTP layers")
         if k < 1:
             raise ValueError("k must be >= 1")
-        self.model, self.pool, self.k, self.S = model, pool, k, k + 1
-        self.num_draft = nd = k if num_draft is None else num_draft
+        nd = k if num_draft is None else num_draft
         if not 1 <= nd <= k:
             raise ValueError(f"num_draft must be in 1..k={k}, got {nd}")
-        self.sizes = graph_batch_sizes(max_num_seqs)
-        self.use_graphs = use_graphs
-        dev, n, S, P = pool.device, self.sizes[-1], k + 1, max_pages_per_seq
-        self.max_pages_per_seq = P
-        # int64 inputs in one flat buffer and int32 ones in another, laid out per padded size b (see
-        # `_views`), so a step writes one prefix of each: two host-to-device copies a step
-        pin = dev.type == "cuda"
-        self._long_host = torch.zeros(n * (3 * S + 1 + 2 * (nd - 1)), dtype=torch.long, pin_memory=pin)
-        self._int_host = torch.zeros(n * (nd + P), dtype=torch.int32, pin_memory=pin)
-        self._long = torch.zeros_like(self._long_host, device=dev)
-        self._int = torch.zeros_like(self._int_host, device=dev)
+        S, P = k + 1, max_pages_per_seq
+        # laid out per padded size b (see `_views`), so a step writes and uploads one prefix of each
+        super().__init__(pool, max_num_seqs, use_graphs, n_long=3 * S + 1 + 2 * (nd - 1), n_int=nd + P)
+        self.model, self.k, self.S, self.num_draft, self.max_pages_per_seq = model, k, S, nd, P
+        n, dev = self.sizes[-1], pool.device
         self.hidden = torch.zeros(n * S, model.config.hidden_size, dtype=model.model.embed_tokens.weight.dtype,
                                   device=dev)
         self.cu_a = torch.arange(n + 1, dtype=torch.int32, device=dev) * S
         self.cu_b = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self._copied = None  # CUDA event after the last step's copies out of the pinned staging buffers
-
-    def padded_size(self, batch: int) -> int | None:
-        return next((b for b in self.sizes if b >= batch), None)
 
     def _views(self, b: int) -> dict[str, torch.Tensor]:
         """The inputs of padded size b as views of the flat device buffers (prefixes, in `load`'s order)."""
@@ -115,15 +99,6 @@ class GraphedMtpDrafter:
             out.append(tok)
         return torch.stack(out, 1)  # [b, k]
 
-    def _capture(self, b: int) -> None:
-        torch.cuda.synchronize()
-        self._forward(b)  # warm-up: compile kernels, settle allocations outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            self.outputs[b] = self._forward(b)
-        self.graphs[b] = graph
-
     def load(self, hidden: torch.Tensor, input_ids: list[int], positions: list[int], slots: list[int],
              seq_lens: list[int], last: list[int], draft_positions: list[list[int]], draft_slots: list[list[int]],
              tables: list[list[int]]) -> int:
@@ -138,8 +113,7 @@ class GraphedMtpDrafter:
         if (b is None or len(input_ids) != B * S or hidden.shape[0] != B * S
                 or any(len(t) > P for t in tables)):
             raise ValueError("batch does not fit the graphed MTP drafter")
-        if self._copied is not None:  # the previous step's copies have read the staging buffers
-            self._copied.synchronize()
+        long_host, int_host = self._staging()
         ps, scratch = self.pool.page_size, self.pool.scratch_page
         pad = b - B
         # one list per flat buffer, in `_views`' order; padded requests use positions 0.. and the scratch page
@@ -159,14 +133,9 @@ class GraphedMtpDrafter:
             ints += t + [scratch] * (P - len(t))
         ints += [scratch] * (P * pad)
         nl, ni = len(longs), len(ints)
-        self._long_host[:nl] = torch.tensor(longs, dtype=torch.long)
-        self._int_host[:ni] = torch.tensor(ints, dtype=torch.int32)
-        nb = self._long.device.type == "cuda"  # from pinned staging buffers, asynchronously
-        self._long[:nl].copy_(self._long_host[:nl], non_blocking=nb)
-        self._int[:ni].copy_(self._int_host[:ni], non_blocking=nb)
-        if nb:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        long_host[:nl] = torch.tensor(longs, dtype=torch.long)
+        int_host[:ni] = torch.tensor(ints, dtype=torch.int32)
+        self._upload(nl, ni)
         self.hidden[: B * S].copy_(hidden)
         return b
 
@@ -175,12 +144,6 @@ class GraphedMtpDrafter:
             tables) -> torch.Tensor:
         """Drafts [B, num_draft] (int64, on the device) of one step, replayed from a graph on CUDA."""
         B = len(seq_lens)
-        b = self.load(hidden, input_ids, positions, slots, seq_lens, last, draft_positions, draft_slots, tables)
-        if self.use_graphs:
-            if b not in self.graphs:
-                self._capture(b)
-            self.graphs[b].replay()
-            drafts = self.outputs[b]
-        else:
-            drafts = self._forward(b)
+        drafts = self._replay(self.load(hidden, input_ids, positions, slots, seq_lens, last, draft_positions,
+                                        draft_slots, tables))
         return drafts[:B]
