@@ -432,6 +432,17 @@ def _ours(family, rope_scaling, **over):
     return hf, cfg
 
 
+def _rope_inputs(cfg, rot, seed, T, H, first):
+    """Check our frequencies and scale against transformers' rotary module, then random q [T, H, d],
+    k [T, d] and positions (edge values `first`, then random below 512)."""
+    dim = cfg.qk_rope_head_dim
+    torch.testing.assert_close(rope_inv_freq(cfg.rope, dim), rot.inv_freq, rtol=1e-7, atol=0)
+    assert cfg.rope.cos_sin_scale == pytest.approx(rot.attention_scaling, rel=1e-12)
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.cat([torch.tensor(first), torch.randint(0, 512, (T - len(first),), generator=gen)])
+    return positions, torch.randn(T, H, dim, generator=gen), torch.randn(T, dim, generator=gen)
+
+
 @pytest.mark.parametrize("case", list(ROPE_CASES))
 def test_rope_v3_interleave_and_neox_match_transformers(case):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
@@ -444,14 +455,7 @@ def test_rope_v3_interleave_and_neox_match_transformers(case):
     assert cfg.model_type == "deepseek_v3" and cfg.rope.type == ("default" if ROPE_CASES[case] is None else "yarn")
     rot = DeepseekV3RotaryEmbedding(hf)
     dim = cfg.qk_rope_head_dim
-    torch.testing.assert_close(rope_inv_freq(cfg.rope, dim), rot.inv_freq, rtol=1e-7, atol=0)
-    assert cfg.rope.cos_sin_scale == pytest.approx(rot.attention_scaling, rel=1e-12)
-
-    gen = torch.Generator().manual_seed(0)
-    T, H = 37, 3
-    positions = torch.cat([torch.tensor([0, 1, 127, 128, 511]), torch.randint(0, 512, (T - 5,), generator=gen)])
-    q = torch.randn(T, H, dim, generator=gen)
-    k = torch.randn(T, dim, generator=gen)
+    positions, q, k = _rope_inputs(cfg, rot, seed=0, T=37, H=3, first=[0, 1, 127, 128, 511])
     cos_sin = rope_cos_sin_cache(cfg.rope, dim, 512)
     cos, sin = rot(q, positions[None])  # [1, T, dim]
 
@@ -476,14 +480,7 @@ def test_rope_v2_complex_form_is_our_layout_permuted(case):
     assert cfg.model_type == "deepseek_v2"
     rot = DeepseekV2RotaryEmbedding(hf)
     dim = cfg.qk_rope_head_dim
-    torch.testing.assert_close(rope_inv_freq(cfg.rope, dim), rot.inv_freq, rtol=1e-7, atol=0)
-    assert cfg.rope.cos_sin_scale == pytest.approx(rot.attention_scaling, rel=1e-12)
-
-    gen = torch.Generator().manual_seed(1)
-    T, H = 29, 4
-    positions = torch.cat([torch.tensor([0, 5, 127, 128, 511]), torch.randint(0, 512, (T - 5,), generator=gen)])
-    q = torch.randn(T, H, dim, generator=gen)
-    k = torch.randn(T, dim, generator=gen)
+    positions, q, k = _rope_inputs(cfg, rot, seed=1, T=29, H=4, first=[0, 5, 127, 128, 511])
     freqs_cis = rot(q, positions[None])  # [1, T, dim/2] complex
     hq, hk = apply_rotary_emb(q.permute(1, 0, 2)[None], k[None, None], freqs_cis)
     hq, hk = hq[0].permute(1, 0, 2), hk[0, 0]  # [T, H, dim], [T, dim], interleaved layout
