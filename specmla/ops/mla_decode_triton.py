@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from specmla.ops import tbq4
+from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
@@ -135,18 +136,11 @@ def _mla_decode_split_kernel(
         qk = qk * scale_log2
         visible = n_ok[None, :] & (offs_n[None, :] < limit[:, None])
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(k_c.dtype), k_c, acc, input_precision=PRECISION)
-        m_i = m_new
 
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    out, lse = online_softmax_finish(acc, m_i, l_i)
     if DIRECT:  # a single split: this is the final result, no combine pass
         o_ptr = OUT + b * stride_ob + s_idx * stride_os + h_idx * stride_oh
         tl.store(o_ptr[:, None] + offs_c[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])

@@ -60,6 +60,8 @@ def mla_prefill(
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step  # noqa: E402
+
 
 @triton.jit
 def _attend_block(q, q_t, acc, m_i, l_i, K, V, k_base, v_base, n0, k_len, limit, rows_ok, scale_log2,
@@ -90,11 +92,7 @@ def _attend_block(q, q_t, acc, m_i, l_i, K, V, k_base, v_base, n0, k_len, limit,
         if CAUSAL:
             visible = visible & (cols[None, :] <= limit[:, None])
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
     if MASKED or DV_PAD != DV:
         v_mask = (dv < DV)[None, :]
         if MASKED:
@@ -156,12 +154,10 @@ def _prefill_kernel(
             acc, m_i, l_i = _attend_block(q, q_t, acc, m_i, l_i, K, V, k_base, v_base, n0, k_len, limit, rows_ok,
                                           scale_log2, stride_kt, stride_vt, D1, DT, DT_PAD, DV, DV_PAD, BLOCK_N,
                                           True, CAUSAL, PRECISION)
-        has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        out, lse2 = online_softmax_finish(acc, m_i, l_i)
         tl.store(O + (q0 + rows)[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
                  mask=rows_ok[:, None] & (dv < DV)[None, :])
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-        tl.store(LSE + (q0 + rows) * stride_lt + h, lse, mask=rows_ok)
+        tl.store(LSE + (q0 + rows) * stride_lt + h, lse2 / 1.4426950408889634, mask=rows_ok)
 
 
 def head_dim_split(dqk: int) -> tuple[int, int]:

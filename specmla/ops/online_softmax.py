@@ -1,0 +1,28 @@
+"""The online-softmax update and finish shared by the Triton attention kernels (decode, prefill).
+
+Scores are in the log2 domain (already multiplied by softmax_scale·log2 e) and masked with −inf; a
+row that has seen only masked keys keeps m = −inf, and its finished output is 0 with lse −inf.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One key block: returns (p, alpha, m_new, l_new). The caller rescales its accumulator by
+    alpha and adds p @ V."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def online_softmax_finish(acc, m_i, l_i):
+    """(normalised output, log2-sum-exp) of the accumulated rows."""
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    return out, lse2
