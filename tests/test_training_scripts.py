@@ -44,11 +44,22 @@ def test_data_split_is_by_file_disjoint_and_reproducible(pipeline, tmp_path):
     assert (tmp_path / "train.bin").read_bytes() == (data / "train.bin").read_bytes()
 
 
-def test_trained_directory_loads_in_specmla_and_transformers(pipeline):
+def logits_vs_transformers(llm, model_dir, text):
+    """(specmla's, transformers') fp32 logits for `text` on the same directory."""
     from transformers import DeepseekV3ForCausalLM
 
-    from specmla import LLM, SamplingParams
     from specmla.model.metadata import AttentionMetadata
+
+    hf = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([llm.tokenizer.encode(text)])
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+        got = llm.model.compute_logits(llm.model(ids[0], AttentionMetadata.for_contiguous([ids.shape[1]])))
+    return got, want
+
+
+def test_trained_directory_loads_in_specmla_and_transformers(pipeline):
+    from specmla import LLM, SamplingParams
 
     _, model_dir = pipeline
     card = (model_dir / "MODEL_CARD.md").read_text()
@@ -57,22 +68,15 @@ def test_trained_directory_loads_in_specmla_and_transformers(pipeline):
     assert len(llm.model.mtp) == 1  # the MTP layer was saved and loaded
     out = llm.generate("def f(x):", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 5
-    hf = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([llm.tokenizer.encode("import os\nprint(os.getcwd())")])
-    with torch.no_grad():
-        want = hf(ids).logits[0]
-        got = llm.model.compute_logits(llm.model(ids[0], AttentionMetadata.for_contiguous([ids.shape[1]])))
+    got, want = logits_vs_transformers(llm, model_dir, "import os\nprint(os.getcwd())")
     assert ((got - want).norm() / want.norm()).item() <= 1e-4
 
 
 def test_shipped_model_matches_transformers_and_card():
     """The embedded model in specmla/assets: transformers loads it (MTP layer ignored) with the same
     logits as specmla, and its card carries the held-out figures."""
-    from transformers import DeepseekV3ForCausalLM
-
     from specmla import LLM
     from specmla.model.default import ASSETS
-    from specmla.model.metadata import AttentionMetadata
 
     card = (ASSETS / "MODEL_CARD.md").read_text()
     assert "perplexity" in card and "MTP top-1 acceptance" in card
@@ -80,11 +84,7 @@ def test_shipped_model_matches_transformers_and_card():
     assert total <= 40e6, f"assets are {total / 1e6:.1f} MB"
     llm = LLM(ASSETS, device="cpu", dtype="float32")
     assert len(llm.model.mtp) == 1
-    hf = DeepseekV3ForCausalLM.from_pretrained(ASSETS, dtype=torch.float32).eval()
-    ids = torch.tensor([llm.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")])
-    with torch.no_grad():
-        want = hf(ids).logits[0]
-        got = llm.model.compute_logits(llm.model(ids[0], AttentionMetadata.for_contiguous([ids.shape[1]])))
+    got, want = logits_vs_transformers(llm, ASSETS, "def fibonacci(n):\n    if n < 2:\n        return n\n")
     assert ((got - want).norm() / want.norm()).item() <= 1e-4
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.99
 
