@@ -211,11 +211,13 @@ def _sm_count(device: torch.device) -> int:
 SMEM_BUDGET = 224 * 1024  # estimate (stages·block_n·d + block_m·d)·elem overcounts Triton's use a little
 
 
-def default_tiles(block_m: int, d: int, elem: int) -> dict:
+def default_tiles(block_m: int, d: int, elem: int, kv_format: str = "auto") -> dict:
     """Tile/pipeline choice measured best on H100 for bf16 (docs/benchmarks.md), shrunk until the
-    K-tile pipeline (stages × block_n × d) plus the query tile fits the shared-memory budget."""
+    K-tile pipeline (stages × block_n × d) plus the query tile fits the shared-memory budget.
+    tbq4's in-register dequantisation needs shared memory of its own: 64-row tiles take 32-key
+    blocks (64 × 576 at 2 stages asked for 272 KiB on H100)."""
     if block_m >= 64:
-        block_n, warps, stages = 64, 8, 2
+        block_n, warps, stages = (32 if kv_format == "tbq4" else 64), 8, 2
     else:
         block_n, warps, stages = 32, 4, 5
     while stages * block_n * d * elem + block_m * d * elem > SMEM_BUDGET and (stages > 1 or block_n > 16):
@@ -282,9 +284,7 @@ def mla_decode_triton(
     max_seq = triton.next_power_of_2(block_table.shape[1]) * page_size
     block_h = min(max_rows, triton.next_power_of_2(H))
     block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
-    tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()))
-    if kv_format == "tbq4" and block_m >= 64:  # the in-register dequantisation needs its own shared memory
-        tiles["block_n"] = min(tiles["block_n"], 32)  # (64 × 576 at 2 stages asked for 272 KiB on H100)
+    tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()), kv_format)
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
     if num_splits is not None:
