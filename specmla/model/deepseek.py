@@ -24,6 +24,7 @@ from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.mla_decode import mla_decode
 from specmla.ops.mla_prefill import mla_prefill
+from specmla.ops.moe import RouteSpec, moe_experts_triton, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm
 from specmla.parallel import all_reduce_
 from specmla.ops.rope import apply_rope, apply_rope_
@@ -66,36 +67,13 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+        self.spec = RouteSpec.from_config(cfg)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
-        n_group = cfg.n_group or 1
-        if n_group > 1 and cfg.topk_method in ("noaux_tc", "group_limited_greedy"):
-            grouped = choice.view(-1, n_group, choice.shape[-1] // n_group)
-            if cfg.topk_method == "noaux_tc":
-                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-            else:
-                group_scores = grouped.max(dim=-1).values
-            group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-            score_mask = group_mask[:, :, None].expand_as(grouped).reshape(choice.shape)
-            fill = float("-inf") if cfg.topk_method == "noaux_tc" else 0.0
-            choice = choice.masked_fill(~score_mask, fill)
-        idx = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, idx)
-        if cfg.model_type == "deepseek_v2":  # original V2: normalise *or* scale
-            if cfg.num_experts_per_tok > 1 and cfg.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            else:
-                weights = weights * cfg.routed_scaling_factor
-        else:  # V3: normalise (optionally), then always scale
-            if cfg.norm_topk_prob:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            weights = weights * cfg.routed_scaling_factor
-        return weights, idx
+        """(weights fp32 [T, k], expert ids [T, k]); one Triton kernel on CUDA at inference."""
+        if torch.is_grad_enabled():  # training needs the torch ops' gradients
+            return moe_route_torch(x, self.weight, self.e_score_correction_bias, self.spec)
+        return moe_route(x, self.weight, self.e_score_correction_bias, self.spec)
 
 
 class MoE(nn.Module):
@@ -110,6 +88,8 @@ class MoE(nn.Module):
     - dense (sync-free, many tokens): every expert on every token, weighted by the (mostly zero)
       routing matrix — reads every expert once, which a large batch does anyway.
     The sync-free paths are used while a CUDA graph is being captured or when `sync_free` is set.
+    On CUDA, small batches (T·k ≤ 2E) take none of these: `ops.moe.moe_experts_triton` computes
+    routed and shared experts in two kernels (the router is one more, `ops.moe.moe_route`).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -142,11 +122,13 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
+        if self._fusable(x, idx):  # small batches on CUDA: 2 kernels, shared experts included, no sync
+            return moe_experts_triton(x, idx, weights, self.w_gate_up, self.w_down, self._shared_weights())
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         weights = weights.to(x.dtype)
         if self.local_experts is not None:  # other ranks add the other experts' shares
             e0, e1 = self.local_experts
             weights = weights * ((idx >= e0) & (idx < e1)).to(weights.dtype)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if not (capturing or self.sync_free):
             out = self._grouped(x, weights, idx)
         elif idx.numel() <= self.w_down.shape[0]:
@@ -156,6 +138,18 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return all_reduce_(out) if self.tp_reduce else out
+
+    def _fusable(self, x, idx) -> bool:
+        """The Triton small-batch path: CUDA, no tensor/expert parallelism, and few enough
+        (token, expert) pairs that reading each chosen expert per token costs at most about what the
+        dense path's one read of every expert does."""
+        shared = self.shared_experts
+        return (x.is_cuda and self.local_experts is None and not self.tp_reduce
+                and (shared is None or not shared.tp_reduce) and idx.numel() <= 2 * self.w_down.shape[0])
+
+    def _shared_weights(self):
+        s = self.shared_experts
+        return None if s is None else (s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
 
     def _grouped(self, x, weights, idx):
         out = torch.zeros_like(x)
@@ -416,3 +410,11 @@ class DeepseekForCausalLM(nn.Module):
 
     def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.mtp[k].shared_head.norm(hidden)).float()
+
+    # Greedy token ids straight from the head's output: the fp32 cast of `compute_logits` is exact,
+    # so the argmax is the same, one kernel fewer per call (it counts in a B=1 graph).
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).argmax(-1)
+
+    def mtp_greedy_tokens(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.mtp[k].shared_head.norm(hidden)).argmax(-1)
