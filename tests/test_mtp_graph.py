@@ -61,6 +61,8 @@ class OracleMtpProposer(MtpProposer):
     """Drafts a varying number of the true greedy continuation's tokens, then the MTP drafts, so
     verify steps emit anywhere from 1 to k + 1 tokens."""
 
+    whole_step_graph = False  # its drafts come from propose_for, not from the graphed step
+
     def __init__(self, k, truth):
         super().__init__(k)
         self.truth = truth  # prompt tuple → plain greedy output

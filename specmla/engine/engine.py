@@ -132,10 +132,20 @@ class LLMEngine:
         k = self.proposer.k
         caps = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.total_len - 1))
                 for s in seqs]
-        drafts, num = self.proposer.propose_for(seqs, caps, self.pool.device)
         all_greedy = all(s.params.temperature < 1e-5 for s in seqs)  # then no sampling tensors (host → device copies)
         want_lp = any(s.params.logprobs is not None for s in seqs)
         host_accept = all_greedy and not want_lp
+        if host_accept and self.proposer.whole_step_graph:  # verify, accept and next drafts: one replay
+            drafts_l = [s.drafts[:cap] for s, cap in zip(seqs, caps)]
+            step = self.runner.greedy_mtp_step(seqs, drafts_l)
+            if step is not None:
+                tokens_l, emitted_l, next_drafts = step
+                self._accept(seqs, tokens_l, emitted_l, [len(d) for d in drafts_l])
+                for s, d in zip(seqs, next_drafts):
+                    if not s.is_finished:
+                        s.drafts = d
+                return
+        drafts, num = self.proposer.propose_for(seqs, caps, self.pool.device)
         if host_accept:  # read the (already computed) drafts before the verify pass, so this waits on nothing
             drafts_l, num_l = drafts.tolist(), num.tolist()
         logits = self.runner.forward_verify(seqs, drafts)
@@ -152,6 +162,15 @@ class LLMEngine:
         if self.proposer.uses_mtp:
             launched = self.runner.mtp_launch_after_verify(seqs, tokens_l, emitted_l, verify_hidden, k,
                                                            self.proposer.num_mtp_drafts)
+        self._accept(seqs, tokens_l, emitted_l, num_l, logp)
+        if self.proposer.uses_mtp:  # the MTP module catches up on the verified positions, then drafts
+            self.runner.mtp_draft_after_verify(seqs, starts, emitted_l, verify_hidden, k, launched,
+                                               self.proposer.num_mtp_drafts)
+
+    def _accept(self, seqs: list[Sequence], tokens_l: list[list[int]], emitted_l: list[int], num_l: list[int],
+                logp: torch.Tensor | None = None) -> None:
+        """Append each request's emitted tokens (stopping at a finish), count its drafts, move its
+        cache length past the accepted ones and release pages the rejected ones held."""
         now = time.perf_counter()
         for i, s in enumerate(seqs):
             accepted = emitted_l[i] - 1
@@ -168,9 +187,6 @@ class LLMEngine:
             if not s.is_finished:
                 self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
                 self.pool.trim(s.seq_id, s.num_cached)
-        if self.proposer.uses_mtp:  # the MTP module catches up on the verified positions, then drafts
-            self.runner.mtp_draft_after_verify(seqs, starts, emitted_l, verify_hidden, k, launched,
-                                               self.proposer.num_mtp_drafts)
 
     @staticmethod
     def _logprob_entry(s: Sequence, token: int, logp_row: torch.Tensor) -> dict:

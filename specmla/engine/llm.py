@@ -12,6 +12,7 @@ from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.mtp_graph import GraphedMtpDrafter
+from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.loader import load_model
@@ -111,6 +112,9 @@ class LLM:
                 if proposer.uses_mtp:  # the MTP catch-up + k drafts after each verify step: one more replay
                     self.engine.runner.graphed_mtp = GraphedMtpDrafter(self.model, pool, max_num_seqs, pages,
                                                                        proposer.k, num_draft=proposer.num_mtp_drafts)
+                if proposer.whole_step_graph:  # greedy batches: the whole step in one replay
+                    self.engine.runner.graphed_spec = GraphedSpecStep(self.model, pool, max_num_seqs, pages,
+                                                                      proposer.k)
         self._workers = []
         if tensor_parallel_size > 1 and _tp_rank is None:
             self._start_tensor_parallel(tensor_parallel_size, device, dict(

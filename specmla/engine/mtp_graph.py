@@ -34,6 +34,23 @@ from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
 
 
+def mtp_draft_chain(model: DeepseekForCausalLM, caches, ids: torch.Tensor, hidden: torch.Tensor,
+                    meta: AttentionMetadata, last: torch.Tensor, draft_metas: list[AttentionMetadata]) -> torch.Tensor:
+    """Stage A then B on device tensors only (graph-capturable): the MTP module over the verified
+    rows (ids = the token after each row's position, hidden = the trunk's states there), the state
+    of row `last[i]` drafts request i's first token; draft_metas[j - 1] places draft step j. Returns
+    the drafts [b, 1 + len(draft_metas)]."""
+    h = model.mtp_forward(0, ids, hidden, meta, caches).index_select(0, last)
+    tok = model.mtp_greedy_tokens(0, h)
+    out = [tok]
+    for j, m in enumerate(draft_metas, 1):  # position total_len - 2 + j takes (previous MTP state, previous draft)
+        layer = j % len(model.mtp)
+        h = model.mtp_forward(layer, tok, h, m, caches)
+        tok = model.mtp_greedy_tokens(layer, h)
+        out.append(tok)
+    return torch.stack(out, 1)
+
+
 class GraphedMtpDrafter(BatchGraphs):
     """Static-buffer MTP catch-up (S = 1 + k rows per request) + num_draft - 1 recursive draft steps
     (num_draft = k for MTP; hybrid drafts only its MTP share and lets the n-gram proposer extend)."""
@@ -82,22 +99,12 @@ class GraphedMtpDrafter(BatchGraphs):
             max_seqlen_kv=P * pool.page_size, slot_mapping=d["slots"], block_table=table, decode_query_len=S,
             kv_format=pool.kv_format,
         )
-        h = model.mtp_forward(0, d["ids"], self.hidden[: b * S], meta, pool.caches)
-        h = h.index_select(0, d["last"])
-        tok = model.mtp_logits(0, h).argmax(-1)
-        out = [tok]
-        n_mtp = len(model.mtp)
-        for j in range(1, self.num_draft):  # position total_len - 2 + j takes (previous MTP state, previous draft)
-            m = AttentionMetadata(
-                positions=d["draft_pos"][j - 1], cu_seqlens_q=self.cu_b[: b + 1],
-                seq_lens=d["draft_seq_lens"][j - 1], max_seqlen_q=1, max_seqlen_kv=P * pool.page_size,
-                slot_mapping=d["draft_slots"][j - 1], block_table=table, decode_query_len=1,
-                kv_format=pool.kv_format,
-            )
-            h = model.mtp_forward(j % n_mtp, tok, h, m, pool.caches)
-            tok = model.mtp_logits(j % n_mtp, h).argmax(-1)
-            out.append(tok)
-        return torch.stack(out, 1)  # [b, k]
+        draft_metas = [AttentionMetadata(
+            positions=d["draft_pos"][j - 1], cu_seqlens_q=self.cu_b[: b + 1], seq_lens=d["draft_seq_lens"][j - 1],
+            max_seqlen_q=1, max_seqlen_kv=P * pool.page_size, slot_mapping=d["draft_slots"][j - 1],
+            block_table=table, decode_query_len=1, kv_format=pool.kv_format,
+        ) for j in range(1, self.num_draft)]
+        return mtp_draft_chain(model, pool.caches, d["ids"], self.hidden[: b * S], meta, d["last"], draft_metas)
 
     def load(self, hidden: torch.Tensor, input_ids: list[int], positions: list[int], slots: list[int],
              seq_lens: list[int], last: list[int], draft_positions: list[list[int]], draft_slots: list[list[int]],

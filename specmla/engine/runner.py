@@ -13,6 +13,7 @@ from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.sequence import Sequence
+from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
 from specmla.ops.sampling import SampleOutput, SamplingTensors, sample
@@ -25,6 +26,7 @@ class ModelRunner:
         self.graphed = graphed  # decode steps through static buffers / CUDA graphs when set
         self.graphed_verify: GraphedDecoder | None = None  # the same for speculative verify steps (S = 1 + k)
         self.graphed_mtp: GraphedMtpDrafter | None = None  # MTP catch-up + drafts after a verify step, one replay
+        self.graphed_spec: GraphedSpecStep | None = None  # greedy MTP steps: verify + accept + drafts, one replay
 
     def build_metadata(
         self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False, starts: list[int] | None = None
@@ -127,6 +129,40 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         self.last_hidden = (hidden, [s.num_cached for s in seqs], [S] * B)
         return logits.view(B, S, -1)
+
+    @torch.inference_mode()
+    def greedy_mtp_step(self, seqs: list[Sequence], drafts: list[list[int]]
+                        ) -> tuple[list[list[int]], list[int], list[list[int]]] | None:
+        """A whole greedy MTP step through `graphed_spec` (one replay, one wait): seqs[i] is decoding
+        (num_cached = total_len - 1) with drafts[i] (≤ k tokens). Returns (tokens, emitted, next
+        drafts) per request — it emits tokens[i][:emitted[i]] — or None, with nothing done, when the
+        graph does not take the batch (then the two-graph path runs)."""
+        g, pool = self.graphed_spec, self.pool
+        if g is None or g.padded_size(len(seqs)) is None:
+            return None
+        k, S = g.k, g.S
+        need = 0
+        for s in seqs:
+            reach = s.total_len - 1 + 2 * k  # positions the step may write: verify S rows, then k - 1 drafts
+            if (s.num_cached != s.total_len - 1 or -(-reach // pool.page_size) > g.max_pages_per_seq
+                    or reach > self.model.max_positions):
+                return None
+            need += pool.pages_needed(s.seq_id, reach)
+        if need > pool.num_free_pages():
+            return None
+        ids, num, positions, slots, seq_lens, tables = [], [], [], [], [], []
+        for s, d in zip(seqs, drafts):
+            st = s.num_cached
+            pool.allocate(s.seq_id, st + 2 * k)
+            ids += [s.all_ids[-1], *d] + [0] * (k - len(d))
+            num.append(len(d))
+            positions += range(st, st + S)
+            slots += pool.slots(s.seq_id, st, st + S)
+            seq_lens.append(st + S)
+            tables.append(pool.pages_of(s.seq_id))
+        rows = g.run(input_ids=ids, num_drafts=num, positions=positions, slots=slots, seq_lens=seq_lens,
+                     tables=tables)
+        return [r[:S] for r in rows], [r[S] for r in rows], [r[S + 1 :] for r in rows]
 
     @torch.inference_mode()
     def mtp_launch_after_verify(self, seqs: list[Sequence], tokens: list[list[int]], emitted: list[int],

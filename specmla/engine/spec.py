@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specmla.ops.ngram import ngram_propose
+from specmla.ops.spec_accept import greedy_verify
 from specmla.ops.sampling import GREEDY_EPS, SamplingTensors, apply_top_k_top_p, uniform_noise
 
 ACCEPT_STREAM = 0x5BD1E995  # seeds the accept/reject draws apart from the token draws
@@ -44,12 +45,8 @@ def verify(drafts: torch.Tensor, num_drafts: torch.Tensor, logits: torch.Tensor,
     None) when all_greedy."""
     B, S, V = logits.shape
     k = S - 1
-    j = torch.arange(k, device=logits.device)[None, :]
-    valid = j < num_drafts.long()[:, None]
-    argmax = logits.argmax(-1)  # [B, S]
-    accepted = ((drafts == argmax[:, :k]) & valid).long().cumprod(1).sum(1)
-    greedy_out = torch.where(torch.arange(S, device=logits.device)[None, :] < accepted[:, None],
-                             torch.cat([drafts, argmax[:, -1:]], 1), argmax)
+    valid = torch.arange(k, device=logits.device)[None, :] < num_drafts.long()[:, None]
+    greedy_out, accepted = greedy_verify(drafts, num_drafts, logits.argmax(-1))
     if all_greedy:
         return greedy_out, (accepted + 1).to(torch.int32)
 
@@ -128,6 +125,7 @@ class NgramProposer:
     """Drafts from the request's own prompt and output (ops.ngram_propose, on the device)."""
 
     uses_mtp = False
+    whole_step_graph = False  # its drafts come from host-side token lists
 
     def __init__(self, num_speculative_tokens: int, ngram_min: int = 1, ngram_max: int = 3):
         if num_speculative_tokens < 1:
@@ -153,6 +151,7 @@ class MtpProposer:
     (`ModelRunner.mtp_catch_up_and_draft`), and the drafts wait on the request for its next step."""
 
     uses_mtp = True
+    whole_step_graph = True  # greedy steps may run as one graph (ModelRunner.greedy_mtp_step)
 
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
@@ -177,6 +176,8 @@ class MtpProposer:
 class HybridProposer(MtpProposer):
     """FastDeploy's hybrid_mtp_ngram: the MTP module drafts the first `mtp_tokens`, then the n-gram
     proposer extends the draft up to k, matching over the tokens including the MTP drafts."""
+
+    whole_step_graph = False  # the n-gram extension runs between the MTP drafts and the verify
 
     def __init__(self, num_speculative_tokens: int, mtp_tokens: int = 1, ngram_min: int = 1, ngram_max: int = 3):
         super().__init__(num_speculative_tokens)

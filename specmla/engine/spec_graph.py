@@ -1,0 +1,116 @@
+"""A whole greedy MTP speculative step as one CUDA-graph replay, with one host wait.
+
+The two-graph step (verify graph → host reads the argmax and accepts → MTP graph → host reads the
+drafts) pays two waits and two rounds of input building per step; for a small model at B=1 that
+host work, not the GPU, sets the speed. For all-greedy batches everything between the inputs and
+the next step's drafts can stay on the device:
+
+1. verify: the trunk over S = 1 + k rows per request (the last token and k drafts, padded);
+2. `accept_and_place` (one kernel) on the argmax: accepted drafts + one target token per request,
+   and the positions / slots of the draft steps below;
+3. MTP catch-up over the same S rows (row j takes the emitted token after it; rows past the emitted
+   ones compute garbage that the next step overwrites), the state of the last emitted row drafts;
+4. k - 1 recursive draft steps at those positions (start + accepted + j), their slots looked up
+   in the request's page table on the device.
+
+The host uploads one set of inputs, replays, and reads one [B, S + 1 + k] int64 tensor back: the
+tokens, the emitted count and the next drafts. The request's pages must already hold every
+position step 4 can write (start + k + k - 1), which the runner allocates before the replay.
+Sampled or logprob requests keep the two-graph path (`ModelRunner.forward_verify` + the MTP drafter).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specmla.engine.cuda_graphs import BatchGraphs
+from specmla.engine.kv_pool import KVPool
+from specmla.engine.mtp_graph import mtp_draft_chain
+from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.model.metadata import AttentionMetadata
+from specmla.ops.spec_accept import accept_and_place
+
+
+class GraphedSpecStep(BatchGraphs):
+    """Static-buffer greedy MTP step for k drafts per request, captured per padded batch size."""
+
+    def __init__(self, model: DeepseekForCausalLM, pool: KVPool, max_num_seqs: int, max_pages_per_seq: int,
+                 k: int, use_graphs: bool = True):
+        if not len(model.mtp):
+            raise ValueError("a graphed MTP step needs a model with MTP layers")
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        S, P = k + 1, max_pages_per_seq
+        # int64: ids | positions | slots (S each) | num_drafts; int32: seq_lens | page table
+        super().__init__(pool, max_num_seqs, use_graphs, n_long=3 * S + 1, n_int=1 + P)
+        self.model, self.k, self.S, self.max_pages_per_seq = model, k, S, P
+        n, dev = self.sizes[-1], pool.device
+        self.cu_a = torch.arange(n + 1, dtype=torch.int32, device=dev) * S
+        self.cu_b = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.row_start = torch.arange(n, device=dev) * S
+
+    def _views(self, b: int) -> dict[str, torch.Tensor]:
+        """Inputs of padded size b: views of the flat buffers, laid out per padded size (see `load`)."""
+        S, P = self.S, self.max_pages_per_seq
+        longs, ints = self._long, self._int
+        return dict(ids=longs[: b * S], pos=longs[b * S : 2 * b * S], slots=longs[2 * b * S : 3 * b * S],
+                    num_drafts=longs[3 * b * S : 3 * b * S + b], seq_lens=ints[:b],
+                    table=ints[b : b + b * P].view(b, P))
+
+    def _forward(self, b: int) -> torch.Tensor:
+        model, pool, S, k, P = self.model, self.pool, self.S, self.k, self.max_pages_per_seq
+        d = self._views(b)
+        table, ps = d["table"], pool.page_size
+        meta = AttentionMetadata(
+            positions=d["pos"], cu_seqlens_q=self.cu_a[: b + 1], seq_lens=d["seq_lens"], max_seqlen_q=S,
+            max_seqlen_kv=P * ps, slot_mapping=d["slots"], block_table=table, decode_query_len=S,
+            kv_format=pool.kv_format,
+        )
+        hidden = model(d["ids"], meta, pool.caches)
+        argmax = model.greedy_tokens(hidden).view(b, S)
+        # accepted drafts, and where draft step j sits (start + accepted + j) with its cache slot
+        tokens, accepted, pos, slots, lens = accept_and_place(
+            d["ids"].view(b, S), d["num_drafts"], argmax, d["pos"].view(b, S)[:, 0], table, ps, k - 1)
+        draft_metas = [AttentionMetadata(
+            positions=pos[j], cu_seqlens_q=self.cu_b[: b + 1], seq_lens=lens[j], max_seqlen_q=1, max_seqlen_kv=P * ps,
+            slot_mapping=slots[j], block_table=table, decode_query_len=1, kv_format=pool.kv_format,
+        ) for j in range(k - 1)]
+        drafts = mtp_draft_chain(model, pool.caches, tokens.reshape(-1), hidden, meta,
+                                 self.row_start[:b] + accepted, draft_metas)
+        return torch.cat([tokens, (accepted + 1)[:, None], drafts], 1)  # [b, S + 1 + k]
+
+    def load(self, input_ids: list[int], num_drafts: list[int], positions: list[int], slots: list[int],
+             seq_lens: list[int], tables: list[list[int]]) -> int:
+        """Copy one batch into the static buffers; returns the padded size. input_ids / positions /
+        slots: S per request, flattened (the last token, then k drafts padded with any token);
+        seq_lens: start + S; tables: each request's pages, covering start + 2k positions."""
+        B, S, P = len(seq_lens), self.S, self.max_pages_per_seq
+        b = self.padded_size(B)
+        if b is None or len(input_ids) != B * S or any(len(t) > P for t in tables):
+            raise ValueError("batch does not fit the graphed MTP step")
+        long_host, int_host = self._staging()
+        pool, m = self.pool, B * S
+        scratch = pool.scratch_page
+        longs = long_host.numpy()[: 3 * b * S + b]
+        ids, pos, slot, nd = longs[: b * S], longs[b * S : 2 * b * S], longs[2 * b * S : 3 * b * S], longs[3 * b * S :]
+        pad = np.arange(m, b * S) % S  # padded requests: token 0 at positions 0..S-1 of the scratch page
+        ids[:m], ids[m:] = input_ids, 0
+        pos[:m], pos[m:] = positions, pad
+        slot[:m], slot[m:] = slots, scratch * pool.page_size + pad % pool.page_size
+        nd[:B], nd[B:] = num_drafts, 0
+        ints = int_host.numpy()[: b + b * P]
+        ints[:B], ints[B:b] = seq_lens, S
+        table = ints[b:].reshape(b, P)
+        table[:] = scratch
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        self._upload(3 * b * S + b, b + b * P)
+        return b
+
+    @torch.inference_mode()
+    def run(self, input_ids, num_drafts, positions, slots, seq_lens, tables) -> list[list[int]]:
+        """One step: per request [tokens (S) | emitted | next drafts (k)], read back with one wait."""
+        B = len(seq_lens)
+        out = self._replay(self.load(input_ids, num_drafts, positions, slots, seq_lens, tables))
+        return out[:B].tolist()
