@@ -26,6 +26,7 @@ case $stage in
   engine)
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_spec_graph.py tests/test_mla_decode_triton.py \
       tests/test_ngram.py tests/test_mtp_graph.py > "$OUT/gputests.log" 2>&1; grep -E "FAILED|passed|failed|rror" "$OUT/gputests.log" | tail -12
+    timeout 120 python3 benchmarks/profile_spec_step.py --out "$OUT" 2>&1 | grep -E "^none|^mtp" | cut -c1-200
     spec complete data/bench/code_complete.jsonl 1 "1 2 3 4"
     timeout 200 python3 benchmarks/bench_engine.py --layers 12 --out "$OUT" 2>&1 | grep -v -i warn
     spec edit data/bench/code_edit.jsonl 1 "2 4"
