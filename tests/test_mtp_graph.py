@@ -57,6 +57,28 @@ def test_static_mtp_drafter_is_lossless_and_drafts_like_the_eager_one(tiny_model
     assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
 
 
+def run_in_lockstep(engines, prompts, max_tokens, k, max_checks=None):
+    """Step two engines side by side over the same greedy requests; after every step each request's
+    tokens, cache length and next drafts must be equal, and (up to max_checks times) the drafts
+    must equal a cache-free recomputation. Returns (the first engine's and the second's requests,
+    the number of recomputations checked)."""
+    seqs = [[llm.engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+             for p, m in zip(prompts, max_tokens)] for llm in engines]
+    checked = 0
+    while engines[0].engine.has_unfinished():
+        for llm in engines:
+            llm.engine.step()
+        for a, b in zip(*seqs):
+            assert a.output_ids == b.output_ids and a.num_cached == b.num_cached
+            if not a.is_finished:
+                assert a.drafts == b.drafts
+                if a.drafts and (max_checks is None or checked < max_checks):
+                    assert a.drafts == reference_mtp_drafts(engines[0].model, a.all_ids, k)
+                    checked += 1
+    assert not engines[1].engine.has_unfinished()
+    return seqs, checked
+
+
 class OracleMtpProposer(MtpProposer):
     """Drafts a varying number of the true greedy continuation's tokens, then the MTP drafts, so
     verify steps emit anywhere from 1 to k + 1 tokens."""
@@ -95,20 +117,7 @@ def test_static_mtp_drafts_equal_eager_drafts_every_step(tiny_model_dir, k):
         llm.engine.proposer = OracleMtpProposer(k, truth)
         engines.append(llm)
     sizes, _ = count_calls(engines[0])
-    seqs = [[llm.engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
-             for p, m in zip(prompts, max_tokens)] for llm in engines]
-    checked = 0
-    while engines[0].engine.has_unfinished():
-        for llm in engines:
-            llm.engine.step()
-        for a, b in zip(*seqs):
-            assert a.output_ids == b.output_ids and a.num_cached == b.num_cached
-            if not a.is_finished:
-                assert a.drafts == b.drafts
-                if a.drafts:
-                    assert a.drafts == reference_mtp_drafts(engines[0].model, a.all_ids, k)
-                    checked += 1
-    assert not engines[1].engine.has_unfinished()
+    seqs, checked = run_in_lockstep(engines, prompts, max_tokens, k)
     for a, p, m in zip(seqs[0], prompts, max_tokens):
         assert a.output_ids == truth[tuple(p)][:m]
     acc = engines[0].engine.spec_stats.accepted_per_position

@@ -6,8 +6,8 @@ import inspect
 import json.encoder
 
 import pytest
-from test_mtp_graph import spec_llm
-from test_spec_engine import mixed_prompts, reference_mtp_drafts
+from test_mtp_graph import run_in_lockstep, spec_llm
+from test_spec_engine import mixed_prompts
 
 from specmla import LLM, SamplingParams
 from specmla.engine.spec_graph import GraphedSpecStep
@@ -44,21 +44,7 @@ def test_one_replay_step_equals_the_two_graph_step_every_step(k):
         prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens])
     fused, two = spec_llm(ASSETS, "mtp", k), spec_llm(ASSETS, "mtp", k)
     sizes = with_spec_step(fused, k)
-    engines = (fused, two)
-    seqs = [[llm.engine.add_request(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
-             for p, m in zip(prompts, max_tokens)] for llm in engines]
-    checked = 0
-    while fused.engine.has_unfinished():
-        for llm in engines:
-            llm.engine.step()
-        for a, b in zip(*seqs):
-            assert a.output_ids == b.output_ids and a.num_cached == b.num_cached
-            if not a.is_finished:
-                assert a.drafts == b.drafts
-                if a.drafts and checked < 12:  # the recomputation is slow: a dozen suffice
-                    assert a.drafts == reference_mtp_drafts(fused.model, a.all_ids, k)
-                    checked += 1
-    assert not two.engine.has_unfinished()
+    seqs, checked = run_in_lockstep((fused, two), prompts, max_tokens, k, max_checks=12)  # recomputing is slow
     assert [s.output_ids for s in seqs[0]] == [o.token_ids for o in plain]
     assert fused.engine.spec_stats.as_dict() == two.engine.spec_stats.as_dict()
     stats = fused.engine.spec_stats

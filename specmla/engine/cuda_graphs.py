@@ -71,6 +71,23 @@ class BatchGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
+    def _fill_queries(self, ids, pos, slot, input_ids: list[int], positions: list[int], slots: list[int],
+                      S: int) -> None:
+        """Write a batch's query rows (S per request) into host views of padded length b·S; padded
+        requests take token 0 at positions 0..S-1 of the scratch page, which no request owns."""
+        m, ps = len(input_ids), self.pool.page_size
+        pad = np.arange(m, len(ids)) % S
+        ids[:m], ids[m:] = input_ids, 0
+        pos[:m], pos[m:] = positions, pad
+        slot[:m], slot[m:] = slots, self.pool.scratch_page * ps + pad % ps
+
+    def _fill_tables(self, table, tables: list[list[int]]) -> None:
+        """Write the requests' page lists into the host view `table` [b, P], the rest pointing at the
+        scratch page."""
+        table[:] = self.pool.scratch_page
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+
     def _capture(self, b: int) -> None:
         torch.cuda.synchronize()
         self._forward(b)  # warm-up: compile kernels, settle allocations outside the capture
@@ -133,20 +150,13 @@ class GraphedDecoder(BatchGraphs):
         b = self.padded_size(B)
         if b is None or len(input_ids) != B * S or any(len(t) > self.max_pages_per_seq for t in tables):
             raise ValueError("batch does not fit the graphed decoder")
-        pool = self.pool
-        n, P, m = self.sizes[-1], self.max_pages_per_seq, B * S
+        n, P = self.sizes[-1], self.max_pages_per_seq
         long_host, int_host = self._staging()
-        scratch = pool.scratch_page * pool.page_size
-        longs = long_host.numpy().reshape(3, n * S)
-        longs[0, :m], longs[1, :m], longs[2, :m] = input_ids, positions, slots
-        pad = np.arange(m, b * S) % S  # padded requests: token 0 at positions 0..S-1 of the scratch page
-        longs[0, m : b * S], longs[1, m : b * S], longs[2, m : b * S] = 0, pad, scratch + pad % pool.page_size
+        longs = long_host.numpy().reshape(3, n * S)[:, : b * S]
+        self._fill_queries(longs[0], longs[1], longs[2], input_ids, positions, slots, S)
         ints = int_host.numpy()
         ints[:B], ints[B:b] = seq_lens, S
-        table = ints[n:].reshape(n, P)
-        table[:b] = pool.scratch_page
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
+        self._fill_tables(ints[n:].reshape(n, P)[:b], tables)
         self._upload()
         return b
 

@@ -21,7 +21,6 @@ Sampled or logprob requests keep the two-graph path (`ModelRunner.forward_verify
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from specmla.engine.cuda_graphs import BatchGraphs
@@ -90,21 +89,14 @@ class GraphedSpecStep(BatchGraphs):
         if b is None or len(input_ids) != B * S or any(len(t) > P for t in tables):
             raise ValueError("batch does not fit the graphed MTP step")
         long_host, int_host = self._staging()
-        pool, m = self.pool, B * S
-        scratch = pool.scratch_page
-        longs = long_host.numpy()[: 3 * b * S + b]
-        ids, pos, slot, nd = longs[: b * S], longs[b * S : 2 * b * S], longs[2 * b * S : 3 * b * S], longs[3 * b * S :]
-        pad = np.arange(m, b * S) % S  # padded requests: token 0 at positions 0..S-1 of the scratch page
-        ids[:m], ids[m:] = input_ids, 0
-        pos[:m], pos[m:] = positions, pad
-        slot[:m], slot[m:] = slots, scratch * pool.page_size + pad % pool.page_size
+        longs = long_host.numpy()[: 3 * b * S + b]  # laid out as `_views` reads them
+        self._fill_queries(longs[: b * S], longs[b * S : 2 * b * S], longs[2 * b * S : 3 * b * S], input_ids,
+                           positions, slots, S)
+        nd = longs[3 * b * S :]
         nd[:B], nd[B:] = num_drafts, 0
         ints = int_host.numpy()[: b + b * P]
         ints[:B], ints[B:b] = seq_lens, S
-        table = ints[b:].reshape(b, P)
-        table[:] = scratch
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
+        self._fill_tables(ints[b:].reshape(b, P), tables)
         self._upload(3 * b * S + b, b + b * P)
         return b
 
