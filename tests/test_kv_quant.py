@@ -18,6 +18,8 @@ def test_row_layouts():
     assert row_spec("fp8", 512, 64, torch.bfloat16) == (656, torch.uint8)  # FlashMLA's 656-byte row
     assert row_spec("tbq4", 512, 64, torch.bfloat16) == (4 * 66 + 128, torch.uint8)  # 392 bytes
     assert row_spec("auto", 512, 64, torch.bfloat16) == (576, torch.bfloat16)
+    # tbq4 rows are padded to whole 32-bit words (the decode kernel reads the codes as words)
+    assert row_spec("tbq4", 128, 64, torch.bfloat16) == (196, torch.uint8)  # 66 + 128 → 196
     with pytest.raises(ValueError):
         row_spec("fp8", 100, 64, torch.bfloat16)
     with pytest.raises(ValueError):
@@ -63,18 +65,18 @@ def test_tbq4_rotated_domain_scores_equal_original_domain_scores():
     assert torch.allclose(tbq4.rotate_blocks(p @ rot), p @ orig, atol=1e-5)
 
 
-def decode_case(fmt, seed, B=4, S=2, H=16, T=300, page=16, scale=1.0):
+def decode_case(fmt, seed, B=4, S=2, H=16, T=300, page=16, scale=1.0, dc=512, dr=64):
     g = torch.Generator().manual_seed(seed)
     pages = B * (-(-T // page))
-    c_kv = torch.randn(B * T, 512, generator=g) * scale
-    k_pe = torch.randn(B * T, 64, generator=g)
-    width, dtype = row_spec(fmt, 512, 64, torch.float32)
+    c_kv = torch.randn(B * T, dc, generator=g) * scale
+    k_pe = torch.randn(B * T, dr, generator=g)
+    width, dtype = row_spec(fmt, dc, dr, torch.float32)
     cache = torch.zeros(pages, page, width, dtype=dtype)
     perm = torch.randperm(pages, generator=g)
     table = perm.view(B, -1).to(torch.int32)
     slots = torch.cat([(table[b].long()[:, None] * page + torch.arange(page)).flatten()[:T] for b in range(B)])
     write_kv_cache(cache, c_kv, k_pe, slots, fmt)
-    q = torch.randn(B, S, H, 576, generator=g)
+    q = torch.randn(B, S, H, dc + dr, generator=g)
     return q, cache, table, torch.full((B,), T, dtype=torch.int32)
 
 
@@ -142,6 +144,43 @@ def test_triton_decode_reads_quantised_rows_directly(fmt, S, H, page):
                               return_lse=True)
     assert rel_err(got, want) < 1e-4
     assert (got_lse - want_lse).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "tbq4"])
+@pytest.mark.parametrize("dc,dr,page", [(128, 32, 16), (384, 64, 8), (256, 16, 5)])
+def test_triton_decode_quantised_other_latent_widths(fmt, dc, dr, page):
+    """Other latent widths: 1 or 3 blocks of 128 (a block count that is not a power of two is
+    padded and masked), padded tbq4 rows, rows whose stride allows no vector loads; with and
+    without the next-block prefetch, both equal to the reference."""
+    from specmla.ops.mla_decode_triton import mla_decode_triton
+
+    q, cache, table, seq = decode_case(fmt, seed=dc + page, B=3, S=2, H=4, T=45, page=page, dc=dc, dr=dr)
+    seq = torch.tensor([45, 1, 17], dtype=torch.int32)
+    want, want_lse = mla_decode(q, cache, table, seq, 0.09, backend="torch", head_dim_v=dc, kv_format=fmt,
+                                return_lse=True)
+    for prefetch in (True, False):
+        got, got_lse = mla_decode_triton(q, cache, table, seq, 0.09, head_dim_v=dc, kv_format=fmt,
+                                         return_lse=True, prefetch=prefetch)
+        assert rel_err(got, want) < 1e-4
+        seen = torch.isfinite(want_lse)  # a 1-token request's first query token sees no key: lse −inf
+        assert torch.equal(seen, torch.isfinite(got_lse)) and not seen.all()
+        assert (got_lse[seen] - want_lse[seen]).abs().max() < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "tbq4"])
+@pytest.mark.parametrize("dc,dr,page,S", [(512, 64, 64, 1), (512, 64, 16, 4), (384, 64, 8, 2), (128, 32, 5, 1)])
+def test_gpu_quantised_decode_shapes(fmt, dc, dr, page, S):
+    """bf16 on the GPU (tbq4: the PTX table lookup) against the fp32 reference, prefetch on and off."""
+    from specmla.ops.mla_decode_triton import mla_decode_triton
+
+    q, cache, table, seq = decode_case(fmt, seed=dc + S, B=5, S=S, H=16, T=333, page=page, dc=dc, dr=dr)
+    seq = torch.tensor([333, 1, 64, 65, 200], dtype=torch.int32)
+    want = mla_decode(q, cache, table, seq, 0.09, backend="torch", head_dim_v=dc, kv_format=fmt)
+    for prefetch in (True, False):
+        got = mla_decode_triton(q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.09, head_dim_v=dc,
+                                kv_format=fmt, prefetch=prefetch)
+        assert rel_err(got.float().cpu(), want) < 1e-2
 
 
 @pytest.mark.gpu

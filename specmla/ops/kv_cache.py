@@ -5,7 +5,9 @@ One cache row per token holds [c_kv (Dc) | k_pe (Dr)] (after kv_a_layernorm and 
 - "fp8": FlashMLA's 656-byte layout for Dc=512, Dr=64 — Dc e4m3 bytes, one fp32 scale per 128
   values (amax / 448), then Dr bf16 values; uint8 rows of Dc + 4·Dc/128 + 2·Dr bytes;
 - "tbq4": c_kv in 128-blocks rotated by the FWHT and coded on 16 Lloyd–Max centroids (see
-  `ops.tbq4`), then Dr bf16 values; uint8 rows of 66·Dc/128 + 2·Dr bytes.
+  `ops.tbq4`: all codes, then the blocks' fp16 norms), then Dr bf16 values; uint8 rows of
+  66·Dc/128 + 2·Dr bytes, padded to a multiple of 4 so the decode kernel can read 32-bit words
+  (392 bytes for Dc=512, Dr=64: no padding).
 `slot_mapping` holds page * page_size + offset for each new token.
 """
 
@@ -31,7 +33,7 @@ def row_spec(kv_format: str, dc: int, dr: int, native_dtype: torch.dtype) -> tup
     if kv_format == "tbq4":
         if dc % tbq4.BLOCK:
             raise ValueError(f"tbq4 cache needs Dc divisible by {tbq4.BLOCK}, got {dc}")
-        return tbq4.row_bytes(dc) + 2 * dr, torch.uint8
+        return -(-(tbq4.row_bytes(dc) + 2 * dr) // 4) * 4, torch.uint8
     raise ValueError(f"unknown kv format {kv_format!r} (bf16 | fp16 | fp32 | fp8 | tbq4)")
 
 
@@ -45,7 +47,9 @@ def encode_rows(kv_format: str, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch
         codes = (blocks / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(T, dc)
         return torch.cat([codes, scale.view(T, -1).contiguous().view(torch.uint8).view(T, -1), rope], dim=-1)
     if kv_format == "tbq4":
-        return torch.cat([tbq4.quantize(c_kv), rope], dim=-1)
+        rows = torch.cat([tbq4.quantize(c_kv), rope], dim=-1)
+        pad = row_spec("tbq4", dc, k_pe.shape[-1], torch.uint8)[0] - rows.shape[-1]
+        return torch.nn.functional.pad(rows, (0, pad)) if pad else rows
     raise ValueError(f"{kv_format!r} is not a quantized format")
 
 
@@ -56,7 +60,8 @@ def decode_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int, dtype=torc
     lead = rows.shape[:-1]
     rows = rows.reshape(-1, rows.shape[-1])
     T = rows.shape[0]
-    rope = rows[:, -2 * dr :].contiguous().view(torch.bfloat16).float()
+    rope_at = dc + 4 * (dc // FP8_BLOCK) if kv_format == "fp8" else tbq4.row_bytes(dc)
+    rope = rows[:, rope_at : rope_at + 2 * dr].contiguous().view(torch.bfloat16).float()
     if kv_format == "fp8":
         codes = rows[:, :dc].contiguous().view(torch.float8_e4m3fn).float().view(T, dc // FP8_BLOCK, FP8_BLOCK)
         scale = rows[:, dc : dc + 4 * (dc // FP8_BLOCK)].contiguous().view(torch.float32).view(T, -1, 1)
@@ -171,8 +176,8 @@ def _write_quantized_kernel(
             recon = tl.sqrt(tl.sum(r0 * r0, 1) + tl.sum(r1 * r1, 1))
             corrected = norm / tl.maximum(recon, 1e-30)
             packed = (best0 | (best1 << 4)).to(tl.uint8)
-            tl.store(OUT_U8 + slot[:, None] * row_u8 + blk * 66 + 2 + half[None, :], packed, mask=t_ok[:, None])
-            tl.store(OUT_W + slot * row_w + blk * 33, corrected.to(tl.float16), mask=t_ok)
+            tl.store(OUT_U8 + slot[:, None] * row_u8 + blk * 64 + half[None, :], packed, mask=t_ok[:, None])
+            tl.store(OUT_W + slot * row_w + DC // 4 + blk, corrected.to(tl.float16), mask=t_ok)
         else:
             # IEEE round-to-nearest divisions (Triton's fp32 `/` is approximate on the GPU), so the
             # codes are the torch writer's byte for byte
@@ -183,7 +188,7 @@ def _write_quantized_kernel(
     r = tl.arange(0, DR)
     pe = tl.load(KPE + t[:, None] * stride_pt + r[None, :], mask=t_ok[:, None], other=0.0)
     if TBQ4:
-        rope_at = (DC // 128) * 33
+        rope_at = (DC // 128) * 33  # after the codes (DC/2 bytes) and the norms (2 bytes per block)
     else:
         rope_at = (DC + 4 * (DC // 128)) // 2
     tl.store(OUT_BF + slot[:, None] * row_bf + rope_at + r[None, :], _bf16_rne(pe.to(tl.float32)),

@@ -15,6 +15,9 @@ the request's actual length on the device.
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -32,8 +35,240 @@ def _per_block(x, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     return tl.reshape(tl.broadcast_to(tl.expand_dims(x, 2), (BLOCK_N, NB, 128)), (BLOCK_N, NB * 128))
 
 
+def _tbq4_lut_asm() -> str:
+    """PTX that turns one 32-bit word of 8 tbq4 codes into 8 bf16 values centroid·norm, by byte
+    permutes on register tables (llama.cpp's 16-entry `__byte_perm` lookup, for 16-bit values):
+    the low and the high bytes of the 16 bf16 centroids are two 16-byte tables; a 3-bit selector
+    picks among 8 entries, the code's fourth bit picks the table half. $8 = codes, $9 = the block
+    norm as bf16 in both halves; $0..$7 = coordinates 0..7 of the word."""
+    bits = torch.tensor(tbq4.lloyd_max_centroids(), dtype=torch.bfloat16).view(torch.int16).tolist()
+    lo = [b & 0xFF for b in bits]
+    hi = [(b >> 8) & 0xFF for b in bits]
+
+    def word(t, i):
+        return hex(t[4 * i] | t[4 * i + 1] << 8 | t[4 * i + 2] << 16 | t[4 * i + 3] << 24)
+
+    tables = "".join(f"mov.b32 tl{i}, {word(lo, i)}; mov.b32 tg{i}, {word(hi, i)};\n" for i in range(4))
+    half = """prmt.b32 ta, tl0, tl1, ts; prmt.b32 tc, tl2, tl3, ts; prmt.b32 tlo, ta, tc, th;
+prmt.b32 ta, tg0, tg1, ts; prmt.b32 tc, tg2, tg3, ts; prmt.b32 thi, ta, tc, th;
+prmt.b32 tp, tlo, thi, 0x5140; fma.rn.bf16x2 tp, tp, $9, tz; mov.b32 {$%d, $%d}, tp;
+prmt.b32 tp, tlo, thi, 0x7362; fma.rn.bf16x2 tp, tp, $9, tz; mov.b32 {$%d, $%d}, tp;
+"""
+    return ("{\n.reg .b32 tl0, tl1, tl2, tl3, tg0, tg1, tg2, tg3, ts, th, tt, ta, tc, tlo, thi, tp, tz;\n" + tables +
+            "mov.b32 tz, 0x80008000;\nand.b32 ts, $8, 0x77777777;\nand.b32 tt, $8, 0x88888888;\n"
+            "shr.b32 tt, tt, 1;\nor.b32 th, tt, 0x32103210;\n" + half % (0, 1, 2, 3) +
+            "shr.b32 ts, ts, 16;\nshr.b32 th, th, 16;\n" + half % (4, 5, 6, 7) + "}")
+
+
+TBQ4_LUT_ASM = tl.constexpr(_tbq4_lut_asm())
+
+
+@triton.jit
+def _load_quant_block(KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0, end,
+                      offs_n0, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr,
+                      DC_PAD: tl.constexpr, FP8: tl.constexpr, KV_ALIGN: tl.constexpr, S_ALIGN: tl.constexpr):
+    """The quantised bytes of the key block starting at n0 (rows ≥ end read as zeros): fp8 codes
+    [BLOCK_N, Dc] with their per-128 fp32 scales, or tbq4 code words [BLOCK_N, Dc/8] (int32, 8
+    codes each) with their per-128 fp16 norms. Aligned row starts (KV_ALIGN / S_ALIGN elements)
+    let the loads vectorise."""
+    offs_n = n0 + offs_n0
+    n_ok = offs_n < end
+    if PAGE_SIZE % BLOCK_N == 0:
+        page = tl.load(BT + b * stride_btb + n0 // PAGE_SIZE, mask=n0 < end, other=0).to(tl.int64)
+        tok = n0 % PAGE_SIZE + offs_n0
+    else:
+        page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        tok = offs_n % PAGE_SIZE
+    row = tl.multiple_of(page * stride_kvp + tok * stride_kvt, KV_ALIGN)
+    width: tl.constexpr = DC if FP8 else DC // 8
+    offs = tl.arange(0, DC_PAD if FP8 else DC_PAD // 8)
+    codes = tl.load(KV + row[:, None] + offs[None, :], mask=n_ok[:, None] & (offs < width)[None, :], other=0)
+    offs_b = tl.arange(0, DC_PAD // 128)
+    s_row = tl.multiple_of(page * stride_ksp + tok * stride_kst + DC // 4, S_ALIGN)  # scales / norms follow the codes
+    side = tl.load(KVS + s_row[:, None] + offs_b[None, :], mask=n_ok[:, None] & (offs_b < DC // 128)[None, :],
+                   other=0.0)
+    return codes, side
+
+
+@triton.jit
+def _fp8_values(codes, scale, BLOCK_N: tl.constexpr, DC_PAD: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """[BLOCK_N, DC_PAD] e4m3 codes × their 128-block's scale, in OUT_DTYPE."""
+    return (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _per_block(scale, BLOCK_N, DC_PAD // 128)
+            ).to(OUT_DTYPE)
+
+
+@triton.jit
+def _tbq4_values(words, norms, CENT, BLOCK_N: tl.constexpr, DC_PAD: tl.constexpr, LUT_ASM: tl.constexpr,
+                 OUT_DTYPE: tl.constexpr):
+    """Eight [BLOCK_N, DC_PAD/8] tiles: tile k holds coordinate 8w + k of every word w, as
+    centroid · block norm in the rotated domain — the PTX table lookup on the GPU (bf16), a centroid
+    gather elsewhere. They stay eight tiles: interleaving them back into column order made a
+    register layout whose shared-memory stores conflicted (measured: 50 M of 68 M store wavefronts
+    at B=32, T=32k); the kernel reads q's columns 8w + k instead."""
+    NW: tl.constexpr = DC_PAD // 8
+    norm = tl.reshape(tl.broadcast_to(tl.expand_dims(norms, 2), (BLOCK_N, DC_PAD // 128, 16)), (BLOCK_N, NW))
+    if LUT_ASM:
+        nb = norm.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        n2 = (nb | (nb << 16)).to(tl.int32, bitcast=True)
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            TBQ4_LUT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, n2],
+            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+                   tl.bfloat16), is_pure=True, pack=1)
+    else:
+        nf = norm.to(tl.float32)
+        o0 = (tl.load(CENT + (words & 0xF)) * nf).to(OUT_DTYPE)
+        o1 = (tl.load(CENT + ((words >> 4) & 0xF)) * nf).to(OUT_DTYPE)
+        o2 = (tl.load(CENT + ((words >> 8) & 0xF)) * nf).to(OUT_DTYPE)
+        o3 = (tl.load(CENT + ((words >> 12) & 0xF)) * nf).to(OUT_DTYPE)
+        o4 = (tl.load(CENT + ((words >> 16) & 0xF)) * nf).to(OUT_DTYPE)
+        o5 = (tl.load(CENT + ((words >> 20) & 0xF)) * nf).to(OUT_DTYPE)
+        o6 = (tl.load(CENT + ((words >> 24) & 0xF)) * nf).to(OUT_DTYPE)
+        o7 = (tl.load(CENT + ((words >> 28) & 0xF)) * nf).to(OUT_DTYPE)
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@triton.jit
+def _program_rows(SEQ, S, H, NUM_SPLITS, BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """This program's request b, its rows (FOLD query tokens × BLOCK_H heads: s_idx, h_idx, row_ok),
+    its share [start, end) of the request's keys in whole BLOCK_N blocks, and each row's causal
+    limit (a row sees positions < limit)."""
+    pid_bg = tl.program_id(0)
+    n_groups = S // FOLD
+    b = pid_bg // n_groups
+    g = pid_bg % n_groups
+    rows = tl.arange(0, BLOCK_M)
+    s_idx = g * FOLD + rows // BLOCK_H
+    h_idx = tl.program_id(1) * BLOCK_H + rows % BLOCK_H
+    row_ok = (rows < FOLD * BLOCK_H) & (h_idx < H)
+    seq_len = tl.load(SEQ + b)
+    n_blocks = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    start = tl.program_id(2) * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+    if CAUSAL:
+        limit = seq_len - S + s_idx + 1
+        end = tl.minimum(end, seq_len - S + g * FOLD + FOLD)
+    else:
+        limit = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len
+    return b, s_idx, h_idx, row_ok, start, end, limit
+
+
+@triton.jit
+def _store_rows(out, cols, col_ok, b, s_idx, h_idx, row_ok, MID_O, OUT,
+                stride_mob, stride_mos, stride_moh, stride_mosp, stride_ob, stride_os, stride_oh,
+                DIRECT: tl.constexpr):
+    """The finished rows' columns `cols`: the final output (a single split) or this split's partial."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    if DIRECT:
+        o_ptr = OUT + b * stride_ob + s_idx * stride_os + h_idx * stride_oh
+        tl.store(o_ptr[:, None] + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        mo = MID_O + b * stride_mob + s_idx * stride_mos + h_idx * stride_moh + tl.program_id(2) * stride_mosp
+        tl.store(mo[:, None] + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _store_lse(lse, b, s_idx, h_idx, row_ok, MID_LSE, LSE, stride_mlb, stride_mls, stride_mlh, stride_lb,
+               stride_ls, DIRECT: tl.constexpr):
+    if DIRECT:  # natural log for the caller; partials stay in log2 for the combine
+        tl.store(LSE + b * stride_lb + s_idx * stride_ls + h_idx, lse / 1.4426950408889634, mask=row_ok)
+    else:
+        tl.store(MID_LSE + b * stride_mlb + s_idx * stride_mls + h_idx * stride_mlh + tl.program_id(2), lse,
+                 mask=row_ok)
+
+
 @triton.jit
 def _mla_decode_split_kernel(
+    Q, KV, KVS, KVR, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kvp, stride_kvt,
+    stride_ksp, stride_kst, stride_krp, stride_krt,
+    stride_btb,
+    stride_mob, stride_mos, stride_moh, stride_mosp,
+    stride_mlb, stride_mls, stride_mlh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    scale_log2,
+    S, H, NUM_SPLITS,
+    PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, DC_PAD: tl.constexpr, DR_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
+    PREFETCH: tl.constexpr = False, ROPE_AT: tl.constexpr = 0,
+    KV_ALIGN: tl.constexpr = 1, S_ALIGN: tl.constexpr = 1, R_ALIGN: tl.constexpr = 1,
+):
+    """Native (bf16/fp16/fp32) rows, or fp8 rows dequantised in registers (FP8)."""
+    b, s_idx, h_idx, row_ok, start, end, limit = _program_rows(SEQ, S, H, NUM_SPLITS, BLOCK_H, FOLD, BLOCK_M,
+                                                              BLOCK_N, CAUSAL)
+    # Dc/Dr that are not powers of two are padded to one (DC_PAD/DR_PAD) and masked
+    offs_c = tl.arange(0, DC_PAD)
+    offs_r = tl.arange(0, DR_PAD)
+    c_ok = offs_c < DC
+    r_ok = offs_r < DR
+    q_row = Q + b * stride_qb + s_idx * stride_qs + h_idx * stride_qh
+    q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+    q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DC_PAD], dtype=tl.float32)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    if FP8 and PREFETCH:
+        codes_nx, scale_nx = _load_quant_block(
+            KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, start, end,
+            offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + offs_n0
+        n_ok = offs_n < end
+        if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page: one page id, contiguous rows
+            page = tl.load(BT + b * stride_btb + n0 // PAGE_SIZE).to(tl.int64)
+            tok = n0 % PAGE_SIZE + offs_n0
+        else:
+            page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            tok = offs_n % PAGE_SIZE
+        kv_row = KV + page * stride_kvp + tok * stride_kvt
+        if FP8:
+            if PREFETCH:  # this block's bytes were loaded during the previous block; fetch the next
+                codes, scale = codes_nx, scale_nx
+                codes_nx, scale_nx = _load_quant_block(
+                    KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0 + BLOCK_N, end,
+                    offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
+            else:
+                codes, scale = _load_quant_block(
+                    KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0, end,
+                    offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
+            k_c = _fp8_values(codes, scale, BLOCK_N, DC_PAD, Q.dtype.element_ty)
+            r_row = tl.multiple_of(page * stride_krp + tok * stride_krt + ROPE_AT, R_ALIGN)
+            k_r = tl.load(KVR + r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                          other=0.0).to(Q.dtype.element_ty)
+        else:
+            if DC_PAD == DC:
+                k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+            if DR_PAD == DR:
+                k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
+            else:
+                k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                              other=0.0)
+        qk = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
+        qk = tl.dot(q_r, tl.trans(k_r), qk, input_precision=PRECISION)
+        qk = qk * scale_log2
+        visible = n_ok[None, :] & (offs_n[None, :] < limit[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+        p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_c.dtype), k_c, acc, input_precision=PRECISION)
+
+    out, lse = online_softmax_finish(acc, m_i, l_i)
+    _store_rows(out, offs_c, c_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    _store_lse(lse, b, s_idx, h_idx, row_ok, MID_LSE, LSE, stride_mlb, stride_mls, stride_mlh, stride_lb, stride_ls,
+               DIRECT)
+
+
+@triton.jit
+def _mla_decode_split_tbq4_kernel(
     Q, KV, KVS, KVR, CENT, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
     stride_qb, stride_qs, stride_qh,
     stride_kvp, stride_kvt,
@@ -47,109 +282,120 @@ def _mla_decode_split_kernel(
     S, H, NUM_SPLITS,
     PAGE_SIZE: tl.constexpr, DC: tl.constexpr, DR: tl.constexpr, DC_PAD: tl.constexpr, DR_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr, TBQ4: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    PREFETCH: tl.constexpr = False, LUT_ASM: tl.constexpr = False, ROPE_AT: tl.constexpr = 0,
+    KV_ALIGN: tl.constexpr = 1, S_ALIGN: tl.constexpr = 1, R_ALIGN: tl.constexpr = 1,
 ):
-    pid_bg = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_sp = tl.program_id(2)
-    n_groups = S // FOLD
-    b = pid_bg // n_groups
-    g = pid_bg % n_groups
-
-    rows = tl.arange(0, BLOCK_M)
-    s_idx = g * FOLD + rows // BLOCK_H
-    h_idx = pid_h * BLOCK_H + rows % BLOCK_H
-    row_ok = (rows < FOLD * BLOCK_H) & (h_idx < H)
-
-    seq_len = tl.load(SEQ + b)
-    # this split's share of the request's KV range, in whole BLOCK_N blocks
-    n_blocks = tl.cdiv(seq_len, BLOCK_N)
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-    start = pid_sp * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
-    if CAUSAL:
-        limit = seq_len - S + s_idx + 1  # row sees positions < limit
-        end = tl.minimum(end, seq_len - S + g * FOLD + FOLD)
-    else:
-        limit = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len
-
-    # Dc/Dr that are not powers of two are padded to one (DC_PAD/DR_PAD) and masked
-    offs_c = tl.arange(0, DC_PAD)
+    """tbq4 rows (KV = the cache as int32 words, 8 codes each), attention in the rotated domain.
+    Code k of word w is rotated coordinate 8w + k; the kernel keeps the eight code positions as
+    eight key tiles and eight accumulators against q's columns 8w + k (see `_tbq4_values`)."""
+    b, s_idx, h_idx, row_ok, start, end, limit = _program_rows(SEQ, S, H, NUM_SPLITS, BLOCK_H, FOLD, BLOCK_M,
+                                                              BLOCK_N, CAUSAL)
+    offs_w = tl.arange(0, DC_PAD // 8)
+    w_ok = offs_w < DC // 8
     offs_r = tl.arange(0, DR_PAD)
-    c_ok = offs_c < DC
     r_ok = offs_r < DR
-    offs_b = tl.arange(0, DC_PAD // 128 if DC_PAD >= 128 else 1)  # quantised formats: per-128-block scalars
-    b_ok = offs_b < DC // 128
     q_row = Q + b * stride_qb + s_idx * stride_qs + h_idx * stride_qh
-    q_c = tl.load(q_row[:, None] + offs_c[None, :], mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+    q_mask = row_ok[:, None] & w_ok[None, :]
+    q_at = q_row[:, None] + 8 * offs_w[None, :]
+    q0 = tl.load(q_at, mask=q_mask, other=0.0)
+    q1 = tl.load(q_at + 1, mask=q_mask, other=0.0)
+    q2 = tl.load(q_at + 2, mask=q_mask, other=0.0)
+    q3 = tl.load(q_at + 3, mask=q_mask, other=0.0)
+    q4 = tl.load(q_at + 4, mask=q_mask, other=0.0)
+    q5 = tl.load(q_at + 5, mask=q_mask, other=0.0)
+    q6 = tl.load(q_at + 6, mask=q_mask, other=0.0)
+    q7 = tl.load(q_at + 7, mask=q_mask, other=0.0)
     q_r = tl.load(q_row[:, None] + DC + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, DC_PAD], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
     offs_n0 = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        words_nx, norms_nx = _load_quant_block(
+            KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, start, end,
+            offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_n0
         n_ok = offs_n < end
-        if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page: one page id, contiguous rows
+        if PAGE_SIZE % BLOCK_N == 0:
             page = tl.load(BT + b * stride_btb + n0 // PAGE_SIZE).to(tl.int64)
             tok = n0 % PAGE_SIZE + offs_n0
         else:
             page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
             tok = offs_n % PAGE_SIZE
-        kv_row = KV + page * stride_kvp + tok * stride_kvt
-        if FP8:  # e4m3 codes × the fp32 scale of their 128-block, bf16 rope: dequantised in registers
-            codes = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0)
-            s_row = KVS + page * stride_ksp + tok * stride_kst + DC // 4
-            # one load per (token, block), broadcast over the block's 128 columns in registers
-            scale = tl.load(s_row[:, None] + offs_b[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
-            k_c = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                   * _per_block(scale, BLOCK_N, DC_PAD // 128)).to(Q.dtype.element_ty)
-            r_row = KVR + page * stride_krp + tok * stride_krt + (DC + 4 * (DC // 128)) // 2
-            k_r = tl.load(r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                          other=0.0).to(Q.dtype.element_ty)
-        elif TBQ4:  # 4-bit centroid codes × the block's corrected norm, in the rotated domain
-            blk = offs_c // 128
-            w = offs_c % 128
-            byte = tl.load(kv_row[:, None] + (blk * 66 + 2 + w // 2)[None, :], mask=n_ok[:, None] & c_ok[None, :],
-                           other=0).to(tl.int32)
-            code = (byte >> (4 * (w % 2))[None, :]) & 0xF
-            n_row = KVS + page * stride_ksp + tok * stride_kst
-            norm = tl.load(n_row[:, None] + (offs_b * 33)[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
-            k_c = (tl.load(CENT + code) * _per_block(norm.to(tl.float32), BLOCK_N, DC_PAD // 128)).to(
-                Q.dtype.element_ty)
-            r_row = KVR + page * stride_krp + tok * stride_krt + (DC // 128) * 33
-            k_r = tl.load(r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                          other=0.0).to(Q.dtype.element_ty)
-        elif DC_PAD == DC:
-            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
+        if PREFETCH:
+            words, norms = words_nx, norms_nx
+            words_nx, norms_nx = _load_quant_block(
+                KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0 + BLOCK_N, end,
+                offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
         else:
-            k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-        if FP8 or TBQ4:
-            pass
-        elif DR_PAD == DR:
-            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            k_r = tl.load(kv_row[:, None] + DC + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-        qk = tl.dot(q_c, tl.trans(k_c), input_precision=PRECISION)
-        qk = tl.dot(q_r, tl.trans(k_r), qk, input_precision=PRECISION)
+            words, norms = _load_quant_block(
+                KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0, end,
+                offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _tbq4_values(words, norms, CENT, BLOCK_N, DC_PAD, LUT_ASM,
+                                                      Q.dtype.element_ty)
+        r_row = tl.multiple_of(page * stride_krp + tok * stride_krt + ROPE_AT, R_ALIGN)
+        k_r = tl.load(KVR + r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                      other=0.0).to(Q.dtype.element_ty)
+        qk = tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION)
+        qk = tl.dot(q0, tl.trans(k0), qk, input_precision=PRECISION)
+        qk = tl.dot(q1, tl.trans(k1), qk, input_precision=PRECISION)
+        qk = tl.dot(q2, tl.trans(k2), qk, input_precision=PRECISION)
+        qk = tl.dot(q3, tl.trans(k3), qk, input_precision=PRECISION)
+        qk = tl.dot(q4, tl.trans(k4), qk, input_precision=PRECISION)
+        qk = tl.dot(q5, tl.trans(k5), qk, input_precision=PRECISION)
+        qk = tl.dot(q6, tl.trans(k6), qk, input_precision=PRECISION)
+        qk = tl.dot(q7, tl.trans(k7), qk, input_precision=PRECISION)
         qk = qk * scale_log2
         visible = n_ok[None, :] & (offs_n[None, :] < limit[:, None])
         qk = tl.where(visible, qk, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(qk, m_i, l_i)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_c.dtype), k_c, acc, input_precision=PRECISION)
+        p = p.to(k0.dtype)
+        acc0 = tl.dot(p, k0, acc0 * alpha[:, None], input_precision=PRECISION)
+        acc1 = tl.dot(p, k1, acc1 * alpha[:, None], input_precision=PRECISION)
+        acc2 = tl.dot(p, k2, acc2 * alpha[:, None], input_precision=PRECISION)
+        acc3 = tl.dot(p, k3, acc3 * alpha[:, None], input_precision=PRECISION)
+        acc4 = tl.dot(p, k4, acc4 * alpha[:, None], input_precision=PRECISION)
+        acc5 = tl.dot(p, k5, acc5 * alpha[:, None], input_precision=PRECISION)
+        acc6 = tl.dot(p, k6, acc6 * alpha[:, None], input_precision=PRECISION)
+        acc7 = tl.dot(p, k7, acc7 * alpha[:, None], input_precision=PRECISION)
 
-    out, lse = online_softmax_finish(acc, m_i, l_i)
-    if DIRECT:  # a single split: this is the final result, no combine pass
-        o_ptr = OUT + b * stride_ob + s_idx * stride_os + h_idx * stride_oh
-        tl.store(o_ptr[:, None] + offs_c[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
-        tl.store(LSE + b * stride_lb + s_idx * stride_ls + h_idx, lse / 1.4426950408889634, mask=row_ok)
-    else:
-        mo = MID_O + b * stride_mob + s_idx * stride_mos + h_idx * stride_moh + pid_sp * stride_mosp
-        tl.store(mo[:, None] + offs_c[None, :], out, mask=row_ok[:, None] & c_ok[None, :])
-        ml = MID_LSE + b * stride_mlb + s_idx * stride_mls + h_idx * stride_mlh + pid_sp
-        tl.store(ml, lse, mask=row_ok)
+    cols = 8 * offs_w
+    out, lse = online_softmax_finish(acc0, m_i, l_i)
+    _store_rows(out, cols, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    out, lse = online_softmax_finish(acc1, m_i, l_i)
+    _store_rows(out, cols + 1, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    out, lse = online_softmax_finish(acc2, m_i, l_i)
+    _store_rows(out, cols + 2, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    out, lse = online_softmax_finish(acc3, m_i, l_i)
+    _store_rows(out, cols + 3, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    out, lse = online_softmax_finish(acc4, m_i, l_i)
+    _store_rows(out, cols + 4, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    out, lse = online_softmax_finish(acc5, m_i, l_i)
+    _store_rows(out, cols + 5, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    out, lse = online_softmax_finish(acc6, m_i, l_i)
+    _store_rows(out, cols + 6, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    out, lse = online_softmax_finish(acc7, m_i, l_i)
+    _store_rows(out, cols + 7, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    _store_lse(lse, b, s_idx, h_idx, row_ok, MID_LSE, LSE, stride_mlb, stride_mls, stride_mlh, stride_lb, stride_ls,
+               DIRECT)
 
 
 @triton.jit
@@ -212,12 +458,14 @@ SMEM_BUDGET = 224 * 1024  # estimate (stages·block_n·d + block_m·d)·elem ove
 
 
 def default_tiles(block_m: int, d: int, elem: int, kv_format: str = "auto") -> dict:
-    """Tile/pipeline choice measured best on H100 for bf16 (docs/benchmarks.md), shrunk until the
-    K-tile pipeline (stages × block_n × d) plus the query tile fits the shared-memory budget.
-    tbq4's in-register dequantisation needs shared memory of its own: 64-row tiles take 32-key
-    blocks (64 × 576 at 2 stages asked for 272 KiB on H100)."""
+    """Tile/pipeline choice measured best on H100 (docs/benchmarks.md), shrunk until the K-tile
+    pipeline (stages × block_n × d) plus the query tile fits the shared-memory budget. tbq4's
+    small tiles (≤ 32 rows) do best unpipelined: only the rope part rides the pipeline, and the
+    stages' shared memory costs occupancy (benchmarks/quant_probe.py)."""
     if block_m >= 64:
-        block_n, warps, stages = (32 if kv_format == "tbq4" else 64), 8, 2
+        block_n, warps, stages = 64, 8, 2
+    elif kv_format == "tbq4":
+        block_n, warps, stages = 32, 4, 1
     else:
         block_n, warps, stages = 32, 4, 5
     while stages * block_n * d * elem + block_m * d * elem > SMEM_BUDGET and (stages > 1 or block_n > 16):
@@ -268,9 +516,15 @@ def mla_decode_triton(
     block_n: int | None = None,
     max_rows: int = MAX_ROWS,
     kv_format: str = "auto",
+    prefetch: bool | None = None,
+    kv_align: int | None = None,
 ):
     """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs.
-    kv_format "fp8": uint8 rows in FlashMLA's layout, dequantised inside the kernel's loop."""
+    kv_format "fp8" / "tbq4": uint8 rows (`ops.kv_cache`), dequantised in registers inside the
+    kernel's loop; `prefetch` (default: on for tiles under 64 rows) loads the next key block's bytes
+    while this one computes, since a register-dequantised tile cannot ride the dot's shared-memory
+    pipeline. `kv_align` caps the codes' load vector (fp8: 8 bytes by default; 16-byte vectors made
+    a register layout whose shared-memory stores conflict)."""
     B, S, H, D = q.shape
     dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
@@ -308,12 +562,21 @@ def mla_decode_triton(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
     fp8, tbq = kv_format == "fp8", kv_format == "tbq4"
-    cent = kv_cache  # unused unless tbq4
+    kv, quant = kv_cache, {}
     if fp8 or tbq:
         if kv_cache.dtype != torch.uint8 or not kv_cache.is_contiguous() or dc % 128:
             raise ValueError(f"the {kv_format} cache must be contiguous uint8 rows with Dc a multiple of 128")
-        # the same bytes viewed three ways: codes (uint8), fp8 scales (fp32) / tbq4 norms (fp16), rope (bf16)
+        # the same bytes viewed as codes (fp8: uint8, tbq4: int32 words), scales (fp32) / norms (fp16), rope (bf16)
         scales, rope = kv_cache.view(torch.float32 if fp8 else torch.float16), kv_cache.view(torch.bfloat16)
+        kv = kv_cache if fp8 else kv_cache.view(torch.int32)
+        rope_at = dc + 4 * (dc // 128) if fp8 else tbq4.row_bytes(dc)  # bytes into the row
+        quant = dict(
+            # prefetching pays for small row tiles; 64-row tiles have no registers to spare for it
+            PREFETCH=block_m < 64 if prefetch is None else prefetch, ROPE_AT=rope_at // 2,
+            # kv_align may only lower the hint: the register layout of the loaded codes follows the
+            # vector width, and narrower vectors can store the dequantised tile with fewer bank conflicts
+            KV_ALIGN=min(kv_align or (8 if fp8 else 16), _aligned_elements(kv, 0)), S_ALIGN=_aligned_elements(scales, dc),
+            R_ALIGN=_aligned_elements(rope, rope_at))
     elif kv_format not in ("auto", "native", "bf16", "fp16", "fp32"):
         raise ValueError(f"unknown kv_format {kv_format!r}")
     else:
@@ -321,10 +584,16 @@ def mla_decode_triton(
     if tbq:  # attention runs in the rotated domain: rotate q's latent part once (and the output back)
         q = torch.cat([tbq4.rotate_blocks(q[..., :dc].float()).to(q.dtype), q[..., dc:]], dim=-1)
         cent = tbq4.centroids(q.device)
-    _mla_decode_split_kernel[grid](
-        q, kv_cache, scales, rope, cent, block_table, seq_lens, mid_o, mid_lse, out, lse,
+        # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
+        quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
+    if tbq:
+        kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (cent,), {}
+    else:
+        kernel, fmt_args, fmt_flags = _mla_decode_split_kernel, (), dict(FP8=fp8)
+    kernel[grid](
+        q, kv, scales, rope, *fmt_args, block_table, seq_lens, mid_o, mid_lse, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
+        kv.stride(0), kv.stride(1),
         scales.stride(0), scales.stride(1), rope.stride(0), rope.stride(1),
         block_table.stride(0),
         *mo_strides,
@@ -335,8 +604,8 @@ def mla_decode_triton(
         S, H, ns,
         PAGE_SIZE=page_size, DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc), DR_PAD=triton.next_power_of_2(dr),
         BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        CAUSAL=causal, PRECISION=precision, DIRECT=direct, FP8=fp8, TBQ4=tbq, num_warps=warps,
-        num_stages=stages,
+        CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
+        **fmt_flags, **quant,
     )
     if direct:
         return _finish(out, lse, return_lse, tbq)
@@ -357,6 +626,13 @@ def mla_decode_triton(
         num_warps=4,
     )
     return _finish(out, lse, return_lse, tbq)
+
+
+def _aligned_elements(view: torch.Tensor, offset_bytes: int, cap: int = 16) -> int:
+    """How many elements of `view` every row start (+ offset) is aligned to, up to `cap` bytes:
+    a hint that lets Triton vectorise loads of rows whose stride is not a multiple of 16."""
+    g = math.gcd(view.data_ptr() + offset_bytes, *(st * view.element_size() for st in view.stride()[:2]))
+    return max(1, min(cap, g & -g) // view.element_size())
 
 
 def _finish(out, lse, return_lse, rotated):

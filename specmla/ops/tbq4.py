@@ -5,7 +5,9 @@ spreads it so that its coordinates look like N(0, 1/128) samples scaled by the b
 coordinate of y / ||y|| is coded by the nearest of 16 Lloyd–Max centroids for N(0, 1/√128) (4-bit
 index, two per byte), and the block keeps one fp16 "corrected" norm: ||y|| / ||centroids[idx]||,
 so that the reconstruction has exactly the block's norm. 2 + 64 bytes per 128 values = 4.125 bits
-(4.25 counting the rope part's share in llama.cpp's accounting).
+(4.25 counting the rope part's share in llama.cpp's accounting). A row stores every block's codes
+first, then the blocks' norms: the codes start the row, so the decode kernel reads them as aligned
+32-bit words (8 codes each) instead of bytes.
 
 Attention can run in the rotated domain: H is orthonormal and symmetric, so q·x = (Hq)·(Hx) and
 Σ p·x = H(Σ p·Hx): rotate q's latent part once, score and accumulate against the codes directly,
@@ -79,8 +81,8 @@ def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(c_kv: torch.Tensor) -> torch.Tensor:
-    """[T, Dc] → uint8 [T, (Dc/128)·66]: per block fp16 corrected norm (2 bytes) + 64 bytes of
-    4-bit centroid indices (low nibble = even coordinate)."""
+    """[T, Dc] → uint8 [T, (Dc/128)·66]: the 4-bit centroid indices of every block (64 bytes per
+    block, low nibble = even coordinate), then one fp16 corrected norm per block."""
     T, dc = c_kv.shape
     nb = dc // BLOCK
     y = rotate_blocks(c_kv.float()).view(T, nb, BLOCK)
@@ -91,17 +93,17 @@ def quantize(c_kv: torch.Tensor) -> torch.Tensor:
     recon_norm = cent[idx].norm(dim=-1, keepdim=True)
     d = (norm / recon_norm.clamp_min(1e-30)).to(torch.float16)  # corrected norm
     packed = (idx[..., 0::2] | (idx[..., 1::2] << 4)).to(torch.uint8)  # [T, nb, 64]
-    d_bytes = d.view(torch.uint8).view(T, nb, 2)
-    return torch.cat([d_bytes, packed], dim=-1).view(T, nb * (2 + BLOCK // 2))
+    d_bytes = d.view(torch.uint8).view(T, nb * 2)
+    return torch.cat([packed.reshape(T, nb * BLOCK // 2), d_bytes], dim=-1)
 
 
 def dequantize_rotated(q: torch.Tensor, dc: int) -> torch.Tensor:
     """uint8 rows → the rotated-domain reconstruction [T, Dc] fp32 (centroid · corrected norm)."""
     T = q.shape[0]
     nb = dc // BLOCK
-    blocks = q.reshape(T, nb, 2 + BLOCK // 2)
-    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [T, nb, 1]
-    packed = blocks[..., 2:].long()
+    codes_end = nb * BLOCK // 2
+    d = q[:, codes_end : codes_end + 2 * nb].contiguous().view(torch.float16).float().view(T, nb, 1)
+    packed = q[:, :codes_end].long().view(T, nb, BLOCK // 2)
     idx = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(T, nb, BLOCK)
     return (centroids(q.device)[idx] * d).view(T, dc)
 
@@ -113,3 +115,8 @@ def dequantize(q: torch.Tensor, dc: int) -> torch.Tensor:
 
 def row_bytes(dc: int) -> int:
     return (dc // BLOCK) * (2 + BLOCK // 2)
+
+
+def norms_offset(dc: int) -> int:
+    """Byte offset of the first block norm in a row (the codes come first)."""
+    return dc // 2
