@@ -66,18 +66,21 @@ def single_sequence(H, S, dev, dtype):
     row = {"H": H, "S": S, "ours_TFLOPs": flops / ours / 1e12, "sdpa_TFLOPs": flops / sdpa / 1e12,
            "ratio": sdpa / ours}
     if dev == "cuda":  # tile variants around the default (the default is the first)
-        for bm, bn, w, st in VARIANTS:
+        for bm, bn, w, st, *ws in VARIANTS:
+            name = f"variant_{bm}_{bn}_{w}_{st}{'_ws' if ws else ''}_TFLOPs"
             try:
                 t = timeit(lambda: prefill_ops.mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, block_m=bm,
-                                                                  block_n=bn, num_warps=w, num_stages=st))
-                row[f"variant_{bm}_{bn}_{w}_{st}_TFLOPs"] = flops / t / 1e12
-            except Exception as e:  # out of shared memory / registers
-                row[f"variant_{bm}_{bn}_{w}_{st}_TFLOPs"] = str(e)[:80]
+                                                                  block_n=bn, num_warps=w, num_stages=st,
+                                                                  warp_specialize=bool(ws)))
+                row[name] = flops / t / 1e12
+            except Exception as e:  # out of shared memory / registers, or no warp specialisation here
+                row[name] = str(e)[:80]
     return row
 
 
 VARIANTS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2),
-            (128, 64, 4, 3), (128, 128, 8, 1)]  # (block_m, block_n, warps, stages)
+            (128, 64, 4, 3), (128, 128, 8, 1),
+            (128, 64, 8, 3, "ws"), (128, 128, 8, 2, "ws")]  # (block_m, block_n, warps, stages[, warp-specialised])
 
 
 def ragged_batch(H, lens, dev, dtype):
@@ -174,12 +177,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the code paths)")
+    ap.add_argument("--single-only", action="store_true", help="only the single-sequence cases")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
     S = 256 if args.smoke else 8192
     res["single"] = [single_sequence(H, S, dev, dtype) for H in ((2,) if args.smoke else (128, 16))]
+    if args.single_only:
+        print("single", json.dumps(res["single"]))
+        return
     lens = [64, 17, 128] if args.smoke else [128 * 2 ** (i % 7) for i in range(16)]
     res["ragged"] = [ragged_batch(2 if args.smoke else 16, lens, dev, dtype)]
     shapes = [(2, 64)] if args.smoke else [(b, l) for b in (4, 8) for l in (512, 1024, 2048, 4096)]

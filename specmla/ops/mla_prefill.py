@@ -92,6 +92,8 @@ def _attend_block(q, q_t, acc, m_i, l_i, K, V, k_base, v_base, n0, k_len, limit,
         if CAUSAL:
             visible = visible & (cols[None, :] <= limit[:, None])
         s = tl.where(visible, s, float("-inf"))
+    # (folding the scale into the exponent's FMA and dropping the −inf guards on unmasked blocks
+    # measured no different on H100: 491 vs 494 TFLOP/s at H=128)
     p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
     if MASKED or DV_PAD != DV:
         v_mask = (dv < DV)[None, :]
@@ -111,6 +113,7 @@ def _prefill_kernel(
     scale_log2,
     D1: tl.constexpr, DT: tl.constexpr, DT_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    WARP_SPEC: tl.constexpr = False,
 ):
     """One program per (query block, request, head): online softmax over the request's keys up to
     each row's bottom-right causal limit (kv_len − q_len + t). Query blocks run last-first (the
@@ -146,7 +149,7 @@ def _prefill_kernel(
             end = tl.minimum(k_len, k_len - q_len + start_m + BLOCK_M)
             full_end = tl.maximum(k_len - q_len + start_m + 1, 0)
         full_end = tl.minimum(full_end, end) // BLOCK_N * BLOCK_N
-        for n0 in range(0, full_end, BLOCK_N):
+        for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
             acc, m_i, l_i = _attend_block(q, q_t, acc, m_i, l_i, K, V, k_base, v_base, n0, k_len, limit, rows_ok,
                                           scale_log2, stride_kt, stride_vt, D1, DT, DT_PAD, DV, DV_PAD, BLOCK_N,
                                           False, CAUSAL, PRECISION)
@@ -181,9 +184,10 @@ def mla_prefill_triton(
     q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
     *, causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, warp_specialize: bool = False,
 ):
-    """Same contract as `mla_prefill_torch`. Grid: (query blocks of the longest request, B, H)."""
+    """Same contract as `mla_prefill_torch`. Grid: (query blocks of the longest request, B, H).
+    `warp_specialize` asks Triton to split the unmasked key loop into producer / consumer warps."""
     T, H, dqk = q.shape
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
@@ -207,7 +211,7 @@ def mla_prefill_triton(
             softmax_scale * 1.4426950408889634,
             D1=d1, DT=dt, DT_PAD=triton.next_power_of_2(dt) if dt else 1, DV=dv, DV_PAD=triton.next_power_of_2(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PRECISION=precision,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, WARP_SPEC=warp_specialize,
         )
     return (o, lse) if return_lse else o
 
