@@ -64,13 +64,10 @@ TBQ4_LUT_ASM = tl.constexpr(_tbq4_lut_asm())
 
 
 @triton.jit
-def _load_quant_block(KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0, end,
-                      offs_n0, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr,
-                      DC_PAD: tl.constexpr, FP8: tl.constexpr, KV_ALIGN: tl.constexpr, S_ALIGN: tl.constexpr):
-    """The quantised bytes of the key block starting at n0 (rows ≥ end read as zeros): fp8 codes
-    [BLOCK_N, Dc] with their per-128 fp32 scales, or tbq4 code words [BLOCK_N, Dc/8] (int32, 8
-    codes each) with their per-128 fp16 norms. Aligned row starts (KV_ALIGN / S_ALIGN elements)
-    let the loads vectorise."""
+def _block_rows(BT, b, stride_btb, n0, end, offs_n0, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page ids and in-page rows of the key block starting at n0, and which of its keys lie before
+    `end`. A block inside one page loads one page id (contiguous rows); nothing of the table is
+    read past `end` (the prefetch of the block after the last)."""
     offs_n = n0 + offs_n0
     n_ok = offs_n < end
     if PAGE_SIZE % BLOCK_N == 0:
@@ -79,6 +76,17 @@ def _load_quant_block(KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride
     else:
         page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
         tok = offs_n % PAGE_SIZE
+    return page, tok, n_ok
+
+
+@triton.jit
+def _load_quant_block(KV, KVS, page, tok, n_ok, stride_kvp, stride_kvt, stride_ksp, stride_kst,
+                      DC: tl.constexpr, DC_PAD: tl.constexpr, FP8: tl.constexpr, KV_ALIGN: tl.constexpr,
+                      S_ALIGN: tl.constexpr):
+    """The quantised bytes of a key block (`_block_rows`; rows not n_ok read as zeros): fp8 codes
+    [BLOCK_N, Dc] with their per-128 fp32 scales, or tbq4 code words [BLOCK_N, Dc/8] (int32, 8
+    codes each) with their per-128 fp16 norms. Aligned row starts (KV_ALIGN / S_ALIGN elements)
+    let the loads vectorise."""
     row = tl.multiple_of(page * stride_kvp + tok * stride_kvt, KV_ALIGN)
     width: tl.constexpr = DC if FP8 else DC // 8
     offs = tl.arange(0, DC_PAD if FP8 else DC_PAD // 8)
@@ -214,29 +222,23 @@ def _mla_decode_split_kernel(
     acc = tl.zeros([BLOCK_M, DC_PAD], dtype=tl.float32)
     offs_n0 = tl.arange(0, BLOCK_N)
     if FP8 and PREFETCH:
-        codes_nx, scale_nx = _load_quant_block(
-            KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, start, end,
-            offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
+        page_nx, tok_nx, ok_nx = _block_rows(BT, b, stride_btb, start, end, offs_n0, PAGE_SIZE, BLOCK_N)
+        codes_nx, scale_nx = _load_quant_block(KV, KVS, page_nx, tok_nx, ok_nx, stride_kvp, stride_kvt, stride_ksp,
+                                            stride_kst, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_n0
-        n_ok = offs_n < end
-        if PAGE_SIZE % BLOCK_N == 0:  # the block lies in one page: one page id, contiguous rows
-            page = tl.load(BT + b * stride_btb + n0 // PAGE_SIZE).to(tl.int64)
-            tok = n0 % PAGE_SIZE + offs_n0
-        else:
-            page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            tok = offs_n % PAGE_SIZE
+        page, tok, n_ok = _block_rows(BT, b, stride_btb, n0, end, offs_n0, PAGE_SIZE, BLOCK_N)
         kv_row = KV + page * stride_kvp + tok * stride_kvt
         if FP8:
             if PREFETCH:  # this block's bytes were loaded during the previous block; fetch the next
                 codes, scale = codes_nx, scale_nx
-                codes_nx, scale_nx = _load_quant_block(
-                    KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0 + BLOCK_N, end,
-                    offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
+                page_nx, tok_nx, ok_nx = _block_rows(BT, b, stride_btb, n0 + BLOCK_N, end, offs_n0, PAGE_SIZE,
+                                                     BLOCK_N)
+                codes_nx, scale_nx = _load_quant_block(KV, KVS, page_nx, tok_nx, ok_nx, stride_kvp, stride_kvt,
+                                                    stride_ksp, stride_kst, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
             else:
-                codes, scale = _load_quant_block(
-                    KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0, end,
-                    offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
+                codes, scale = _load_quant_block(KV, KVS, page, tok, n_ok, stride_kvp, stride_kvt, stride_ksp,
+                                              stride_kst, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
             k_c = _fp8_values(codes, scale, BLOCK_N, DC_PAD, Q.dtype.element_ty)
             r_row = tl.multiple_of(page * stride_krp + tok * stride_krt + ROPE_AT, R_ALIGN)
             k_r = tl.load(KVR + r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
@@ -320,27 +322,21 @@ def _mla_decode_split_tbq4_kernel(
     acc7 = tl.zeros([BLOCK_M, DC_PAD // 8], dtype=tl.float32)
     offs_n0 = tl.arange(0, BLOCK_N)
     if PREFETCH:
-        words_nx, norms_nx = _load_quant_block(
-            KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, start, end,
-            offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
+        page_nx, tok_nx, ok_nx = _block_rows(BT, b, stride_btb, start, end, offs_n0, PAGE_SIZE, BLOCK_N)
+        words_nx, norms_nx = _load_quant_block(KV, KVS, page_nx, tok_nx, ok_nx, stride_kvp, stride_kvt, stride_ksp,
+                                            stride_kst, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + offs_n0
-        n_ok = offs_n < end
-        if PAGE_SIZE % BLOCK_N == 0:
-            page = tl.load(BT + b * stride_btb + n0 // PAGE_SIZE).to(tl.int64)
-            tok = n0 % PAGE_SIZE + offs_n0
-        else:
-            page = tl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            tok = offs_n % PAGE_SIZE
+        page, tok, n_ok = _block_rows(BT, b, stride_btb, n0, end, offs_n0, PAGE_SIZE, BLOCK_N)
         if PREFETCH:
             words, norms = words_nx, norms_nx
-            words_nx, norms_nx = _load_quant_block(
-                KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0 + BLOCK_N, end,
-                offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
+            page_nx, tok_nx, ok_nx = _block_rows(BT, b, stride_btb, n0 + BLOCK_N, end, offs_n0, PAGE_SIZE,
+                                                 BLOCK_N)
+            words_nx, norms_nx = _load_quant_block(KV, KVS, page_nx, tok_nx, ok_nx, stride_kvp, stride_kvt,
+                                                stride_ksp, stride_kst, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
         else:
-            words, norms = _load_quant_block(
-                KV, KVS, BT, b, stride_btb, stride_kvp, stride_kvt, stride_ksp, stride_kst, n0, end,
-                offs_n0, PAGE_SIZE, BLOCK_N, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
+            words, norms = _load_quant_block(KV, KVS, page, tok, n_ok, stride_kvp, stride_kvt, stride_ksp,
+                                          stride_kst, DC, DC_PAD, False, KV_ALIGN, S_ALIGN)
         k0, k1, k2, k3, k4, k5, k6, k7 = _tbq4_values(words, norms, CENT, BLOCK_N, DC_PAD, LUT_ASM,
                                                       Q.dtype.element_ty)
         r_row = tl.multiple_of(page * stride_krp + tok * stride_krt + ROPE_AT, R_ALIGN)
@@ -369,31 +365,11 @@ def _mla_decode_split_tbq4_kernel(
         acc6 = tl.dot(p, k6, acc6 * alpha[:, None], input_precision=PRECISION)
         acc7 = tl.dot(p, k7, acc7 * alpha[:, None], input_precision=PRECISION)
 
-    cols = 8 * offs_w
-    out, lse = online_softmax_finish(acc0, m_i, l_i)
-    _store_rows(out, cols, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
-                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
-    out, lse = online_softmax_finish(acc1, m_i, l_i)
-    _store_rows(out, cols + 1, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
-                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
-    out, lse = online_softmax_finish(acc2, m_i, l_i)
-    _store_rows(out, cols + 2, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
-                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
-    out, lse = online_softmax_finish(acc3, m_i, l_i)
-    _store_rows(out, cols + 3, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
-                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
-    out, lse = online_softmax_finish(acc4, m_i, l_i)
-    _store_rows(out, cols + 4, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
-                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
-    out, lse = online_softmax_finish(acc5, m_i, l_i)
-    _store_rows(out, cols + 5, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
-                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
-    out, lse = online_softmax_finish(acc6, m_i, l_i)
-    _store_rows(out, cols + 6, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
-                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
-    out, lse = online_softmax_finish(acc7, m_i, l_i)
-    _store_rows(out, cols + 7, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos, stride_moh,
-                stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
+    accs = (acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7)
+    for k in tl.static_range(8):  # accumulator k holds the output's columns 8w + k
+        out, lse = online_softmax_finish(accs[k], m_i, l_i)
+        _store_rows(out, 8 * offs_w + k, w_ok, b, s_idx, h_idx, row_ok, MID_O, OUT, stride_mob, stride_mos,
+                    stride_moh, stride_mosp, stride_ob, stride_os, stride_oh, DIRECT)
     _store_lse(lse, b, s_idx, h_idx, row_ok, MID_LSE, LSE, stride_mlb, stride_mls, stride_mlh, stride_lb, stride_ls,
                DIRECT)
 
