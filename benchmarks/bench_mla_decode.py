@@ -163,6 +163,8 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
         if t is not None and t < best[0]:
             best = (t, v)
     row["ours_s"], row["ours_variant"] = best
+    if row["plan"]["BLOCK_M"] == 64 and kv == "bf16":  # 64-row tiles run the Gluon kernel: time Triton's too
+        row["triton_only_s"] = timed(dict(num_warps=8, num_stages=2, block_n=64, gluon=False))
     row["ours_GBps"] = nbytes / best[0] / 1e9
     row["ours_pct_copy"] = 100 * nbytes / best[0] / copy_bw
     row["ours_TFLOPs"] = flops / best[0] / 1e12
@@ -239,7 +241,8 @@ def main():
             print(f"H={H:3d} B={B:3d} T={T:6d} S={S} {kv:>4}  {row['ours_s'] * 1e3:8.4f} ms  {speedup}"
                   f"{row['ours_GBps']:7.0f} GB/s {row['ours_pct_copy']:5.1f}% copy  {row['ours_TFLOPs']:6.1f} TFLOP/s  "
                   f"naive {naive}  err {row['rel_err']:.1e}  planned {row['planned_s'] * 1e3:.4f} ms  "
-                  f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}",
+                  f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}"
+                  + (f"  triton-only {row['triton_only_s'] * 1e3:.4f} ms" if row.get("triton_only_s") else ""),
                   flush=True)
     result = {"device": props.name, "copy_GBps": copy_bw / 1e9, "torch": torch.__version__, "rows": rows}
     with open(os.path.join(args.out, "bench_mla_decode.json"), "w") as f:
@@ -253,7 +256,7 @@ def main():
         labels = [f"H{r['H']} B{r['B']}\nT{r['T'] // 1024}k S{r['S']}\n{r['kv']}" for r in rows]
         x = range(len(rows))
         fig, ax = plt.subplots(figsize=(max(12, 0.6 * len(rows)), 4.5))
-        ax.bar([i - 0.2 for i in x], [r["ours_GBps"] for r in rows], width=0.4, label="specmla Triton")
+        ax.bar([i - 0.2 for i in x], [r["ours_GBps"] for r in rows], width=0.4, label="specmla (Triton / Gluon)")
         ax.bar([i + 0.2 for i in x], [r["naive_pct_copy"] * copy_bw / 1e11 if r.get("naive_s") else 0 for r in rows],
                width=0.4, label="naive torch")
         ax.axhline(copy_bw / 1e9, color="k", linestyle="--", label="copy bandwidth")

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops import tbq4
+from specmla.ops import mla_decode_gluon, tbq4
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -494,13 +494,15 @@ def mla_decode_triton(
     kv_format: str = "auto",
     prefetch: bool | None = None,
     kv_align: int | None = None,
+    gluon: bool | None = None,
 ):
     """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs.
     kv_format "fp8" / "tbq4": uint8 rows (`ops.kv_cache`), dequantised in registers inside the
     kernel's loop; `prefetch` (default: on for tiles under 64 rows) loads the next key block's bytes
     while this one computes, since a register-dequantised tile cannot ride the dot's shared-memory
     pipeline. `kv_align` caps the codes' load vector (fp8: 8 bytes by default; 16-byte vectors made
-    a register layout whose shared-memory stores conflict)."""
+    a register layout whose shared-memory stores conflict). `gluon`: run stage 1 of 64-row tiles
+    through the Hopper Gluon kernel (`ops.mla_decode_gluon`); None picks it where it is supported."""
     B, S, H, D = q.shape
     dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
@@ -562,27 +564,37 @@ def mla_decode_triton(
         cent = tbq4.centroids(q.device)
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
-    if tbq:
+    supported = mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format, cfg["BLOCK_M"])
+    if gluon and not supported:
+        raise ValueError("the Gluon decode kernel takes 64-row tiles of a 16-bit cache on Hopper only")
+    run_gluon = supported and (mla_decode_gluon.AUTO if gluon is None else gluon)
+    if run_gluon:
+        mla_decode_gluon.launch_gluon_split(
+            q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
+            causal=causal, direct=direct, num_splits=ns, block_n=block_n if block_n in (32, 64) else 64,
+            num_stages=num_stages or 2)
+    elif tbq:
         kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (cent,), {}
     else:
         kernel, fmt_args, fmt_flags = _mla_decode_split_kernel, (), dict(FP8=fp8)
-    kernel[grid](
-        q, kv, scales, rope, *fmt_args, block_table, seq_lens, mid_o, mid_lse, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
-        scales.stride(0), scales.stride(1), rope.stride(0), rope.stride(1),
-        block_table.stride(0),
-        *mo_strides,
-        *ml_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        softmax_scale * LOG2E,
-        S, H, ns,
-        PAGE_SIZE=page_size, DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc), DR_PAD=triton.next_power_of_2(dr),
-        BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-        CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
-        **fmt_flags, **quant,
-    )
+    if not run_gluon:
+        kernel[grid](
+            q, kv, scales, rope, *fmt_args, block_table, seq_lens, mid_o, mid_lse, out, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1),
+            scales.stride(0), scales.stride(1), rope.stride(0), rope.stride(1),
+            block_table.stride(0),
+            *mo_strides,
+            *ml_strides,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            softmax_scale * LOG2E,
+            S, H, ns,
+            PAGE_SIZE=page_size, DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc), DR_PAD=triton.next_power_of_2(dr),
+            BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
+            CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
+            **fmt_flags, **quant,
+        )
     if direct:
         return _finish(out, lse, return_lse, tbq)
     # one program per row, unless rows are too few for the SMs: B=1 merges 4 MB of partials, which

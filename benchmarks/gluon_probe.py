@@ -1,0 +1,97 @@
+"""Probe for the Gluon 64-row decode kernel (issue 3's H=128 and folded S=4 goals): correctness on
+the test grid's odd cases against the fp32 reference, then times against the Triton kernel's
+default in the same run (same CUDA-graph timing as bench_mla_decode).
+
+    PYTHONPATH=. python3 benchmarks/gluon_probe.py [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from bench_mla_decode import SCALE, make_problem, time_fn
+from limits import copy_bandwidth
+
+from specmla.ops.mla_decode import mla_decode_torch
+from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from mla_cases import make_decode_case, rel_err  # noqa: E402
+
+
+def check(rows):
+    """Gluon vs the fp32 reference on NaN-poisoned caches with permuted tables."""
+    cases = [  # H, S, B, page, lens, causal, splits
+        (128, 1, 2, 64, [1000, 4096], True, None), (128, 1, 3, 16, [1, 63, 700], True, 3),
+        (16, 4, 6, 64, [5, 64, 65, 129, 1000, 4096], True, None), (16, 4, 2, 128, [3, 2000], False, 7),
+        (64, 1, 64, 64, [int(x) for x in torch.randint(1, 4096, (64,))], True, None),
+        (16, 4, 2, 1, [9, 130], True, 2), (32, 2, 2, 64, [300, 77], True, 4), (128, 2, 1, 32, [4096], True, 16),
+        (33, 2, 2, 64, [500, 40], True, 2), (64, 1, 2, 64, [513, 1], False, 1),
+    ]
+    for H, S, B, ps, lens, causal, ns in cases:
+        q, kv, table, seq = make_decode_case(B, S, H, ps, 512, 64, lens, torch.bfloat16, "cuda", seed=H + S, causal=causal)
+        ref, ref_lse = mla_decode_torch(q.double(), kv.double(), table, seq, SCALE, causal=causal, return_lse=True,
+                                        head_dim_v=512)
+        r = {"case": [H, S, B, ps, causal, ns]}
+        for name, g in (("gluon", True), ("triton", False)):
+            try:
+                out, lse = mla_decode_triton(q, kv, table, seq, SCALE, causal=causal, return_lse=True, head_dim_v=512,
+                                             num_splits=ns, gluon=g)
+                finite = lse.isfinite()
+                r[name] = dict(rel=rel_err(out, ref), lse=(lse[finite].double() - ref_lse[finite]).abs().max().item(),
+                               nan=bool(out.isnan().any()))
+            except Exception as e:  # noqa: BLE001
+                r[name] = {"error": repr(e)[:300]}
+        rows.append(r)
+        print("check", r, flush=True)
+
+
+def timing(rows, bw, quick):
+    cases = [(128, 64, 8192, 1), (16, 64, 8192, 4), (16, 64, 8192, 1), (128, 64, 8192, 2), (64, 128, 4096, 1),
+             (16, 32, 32768, 4), (16, 4, 81920, 4)]
+    variants = [("triton", dict(gluon=False)), ("gluon64x2", dict(gluon=True, block_n=64, num_stages=2)),
+                ("gluon32x4", dict(gluon=True, block_n=32, num_stages=4))]
+    for H, B, T, S in cases[: 2 if quick else None]:
+        caches, table, seq, qs = make_problem(H, B, T, S, 4)
+        nb, fl = decode_bytes(B * T, B, S, H), decode_flops(B * T, S, H)
+        for name, v in variants:
+            for mult in ((1,) if quick else (1, 2)):
+                bn = v.get("block_n", 64)
+                ns = plan(B, S, H, T, torch.device("cuda"), bn)["num_splits"] * mult
+                if mult > 1 and name == "triton" and H == 16 and S == 1:
+                    continue
+                out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+                ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
+                try:
+                    t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
+                                                            head_dim_v=512, num_splits=ns, **v), 4, graph=True)
+                except Exception as e:  # noqa: BLE001
+                    print("time", (H, B, T, S), name, ns, "ERROR", repr(e)[:300], flush=True)
+                    continue
+                r = dict(case=[H, B, T, S], variant=name, splits=ns, us=t * 1e6, GBps=nb / t / 1e9,
+                         pct_copy=100 * nb / t / bw, TFLOPs=fl / t / 1e12)
+                rows.append(r)
+                print("time", r, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy {bw / 1e9:.0f} GB/s", flush=True)
+    checks, times = [], []
+    if not args.quick:
+        check(checks)
+    timing(times, bw, args.quick)
+    with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
+        json.dump({"copy_GBps": bw / 1e9, "checks": checks, "times": times}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

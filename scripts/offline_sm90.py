@@ -1,0 +1,129 @@
+"""Compile Triton launches for Hopper (sm_90) on a machine without a GPU, and report each kernel's
+registers, spills and shared memory — so kernel variants can be triaged before spending device time.
+
+    PYTHONPATH=/path/to/triton-3.6:. python3 scripts/offline_sm90.py  # the Triton decode kernel's tiles
+    PYTHONPATH=. python3 scripts/offline_sm90.py '[[128, 1, 512, 64, "bfloat16", true]]'  # the Gluon one
+
+Use `offline_sm90()` as a context manager around ordinary wrapper calls on CPU tensors: every
+`kernel[grid](...)` inside compiles (ptxas included, from the Triton wheel) instead of launching, and
+the compiled kernels are collected. Run it with the Triton version of the GPU machine (pip download
+triton==X --no-deps; pip install --target DIR) so the figures match what the device will build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver as _driver
+from triton.runtime.jit import JITFunction
+
+
+class _FakeCudaDriver:
+    """Just enough of Triton's CUDA driver for the JIT to specialise and compile, never to launch."""
+
+    def __init__(self, capability: int = 90):
+        self.target = GPUTarget("cuda", capability, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+        return torch.device("cpu")
+
+
+def resource_usage(kernel) -> dict:
+    """Registers / spills / shared memory of a compiled kernel, from cuobjdump on its cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    regs, stack, shared_static, local = (int(x) for x in m.groups()) if m else (-1, -1, -1, -1)
+    return dict(name=kernel.name, regs=regs, stack=stack, local=local, shared=kernel.metadata.shared,
+                warps=kernel.metadata.num_warps, stages=getattr(kernel.metadata, "num_stages", None))
+
+
+@contextlib.contextmanager
+def offline_sm90(capability: int = 90):
+    """Inside: Triton launches compile for `capability` and are recorded (yields the list)."""
+    compiled: list = []
+    orig_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        compiled.append(kernel)
+        return kernel
+
+    _driver.set_active(_FakeCudaDriver(capability))
+    JITFunction.run = run
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = orig_run
+        _driver.reset_active() if _driver._default is not None else setattr(_driver, "_active", None)
+
+
+def gluon_decode_usage(cases) -> list[dict]:
+    """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct) and report its
+    resources (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
+    interpreter mode, which the test suite turns on, cannot compile)."""
+    import torch
+
+    from specmla.ops import mla_decode_gluon as G
+    from specmla.ops.mla_decode_triton import plan
+
+    rows = []
+    for H, S, dc, dr, dtype_name, direct in cases:
+        dtype = getattr(torch, dtype_name)
+        B = 2
+        q = torch.randn(B, S, H, dc + dr, dtype=dtype)
+        kv = torch.randn(8, 64, dc + dr, dtype=dtype)
+        table = torch.zeros(B, 4, dtype=torch.int32)
+        lens = torch.full((B,), 200, dtype=torch.int32)
+        cfg = plan(B, S, H, 256, q.device, 64)
+        out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
+        mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
+        with offline_sm90() as kernels:
+            G.launch_gluon_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, dc=dc, causal=True,
+                                 direct=direct, num_splits=1 if direct else 2)
+        rows.append(dict(case=[H, S, dc, dr, dtype_name, direct], kernels=[resource_usage(k) for k in kernels]))
+    return rows
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) > 1:  # JSON list of gluon decode cases → JSON resource report on stdout
+        print(json.dumps(gluon_decode_usage(json.loads(sys.argv[1]))))
+        sys.exit(0)
+    import torch
+
+    from specmla.ops.mla_decode_triton import mla_decode_triton
+
+    print("triton", triton.__version__)
+    for H, S, B, fmt in ((16, 1, 32, "bf16"), (16, 4, 64, "bf16"), (128, 1, 64, "bf16")):
+        q = torch.randn(B, S, H, 576, dtype=torch.bfloat16)
+        kv = torch.randn(64, 64, 576, dtype=torch.bfloat16)
+        bt = torch.zeros(B, 32, dtype=torch.int32)
+        lens = torch.full((B,), 2048, dtype=torch.int32)
+        with offline_sm90() as ks:
+            mla_decode_triton(q, kv, bt, lens, 0.07)
+        for k in ks:
+            print(f"H={H} S={S}", resource_usage(k))

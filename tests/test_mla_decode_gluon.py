@@ -1,0 +1,129 @@
+"""The Hopper Gluon decode kernel (64-row tiles) against the fp64 reference.
+
+Gluon does not run in the Triton interpreter, so on CPU the kernel is compiled for sm_90 with the
+installed Triton (ptxas included) and its resources are checked; the GPU tests run it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mla_cases import make_decode_case, rel_err
+
+from specmla.ops import mla_decode_gluon as G
+from specmla.ops.mla_decode import mla_decode_torch
+from specmla.ops.mla_decode_triton import mla_decode_triton
+
+SCALE = 0.0721
+H100_SMEM = 227 * 1024
+
+
+# ---------------------------------------------------------------- CPU -------------------------------------
+CPU_COMPILE_CASES = [  # H, S, dc, dr, dtype, direct
+    [128, 1, 512, 64, "bfloat16", True],  # H=128: one 64-head tile per program, written directly
+    [16, 4, 512, 64, "bfloat16", False],  # four tokens folded into 64 rows, split partials
+    [32, 2, 256, 32, "float16", False],  # other latent / rope widths, fp16
+]
+
+
+def test_compiles_for_sm90_within_hopper_limits():
+    """The kernel builds for sm_90 with this machine's Triton (ptxas included), without register
+    spills, in an H100's shared memory. A fresh process: the suite's interpreter mode cannot compile."""
+    if not G.HAVE_GLUON:
+        pytest.fail("this Triton has no Gluon; the Hopper decode path would be missing")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "offline_sm90.py"), json.dumps(CPU_COMPILE_CASES)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["case"] for r in rows] == CPU_COMPILE_CASES
+    for r in rows:
+        (use,) = r["kernels"]
+        assert use["name"] == "_mla_decode_wgmma_kernel" and use["warps"] == 8, r
+        assert 0 < use["regs"] <= 255 and use["local"] == 0, r  # no register spills
+        assert 0 < use["shared"] <= H100_SMEM, r
+
+
+def test_not_taken_on_cpu_and_clear_error_when_forced():
+    q, kv, table, seq = make_decode_case(2, 1, 64, 64, 512, 64, [5, 70], torch.float32)
+    assert not G.gluon_decode_supported(q, kv, 512, "auto", 64)
+    with pytest.raises(ValueError, match="Gluon"):
+        mla_decode_triton(q, kv, table, seq, SCALE, head_dim_v=512, gluon=True)
+
+
+# ---------------------------------------------------------------- GPU -------------------------------------
+def _reference(q, kv, table, seq, causal, dc):
+    return mla_decode_torch(q.double(), kv.double(), table, seq, SCALE, causal=causal, return_lse=True,
+                            head_dim_v=dc)
+
+
+def _check_gluon(case, causal, dc, num_splits=None, tol=1e-2):
+    q, kv, table, seq = case
+    want, want_lse = _reference(q, kv, table, seq, causal, dc)
+    got, got_lse = mla_decode_triton(q, kv, table, seq, SCALE, causal=causal, return_lse=True, head_dim_v=dc,
+                                     num_splits=num_splits, gluon=True)
+    assert not got.isnan().any()
+    assert rel_err(got, want) <= tol
+    inf = want_lse.isinf()
+    assert torch.equal(inf, got_lse.isinf()) and (got[inf] == 0).all()
+    if (~inf).any():
+        assert (got_lse[~inf].double() - want_lse[~inf]).abs().max().item() <= 1e-3
+
+
+GPU_CASES = [  # H, S, B, page, dc, dr, lens, causal, splits, dtype
+    (128, 1, 3, 64, 512, 64, [1, 63, 4096], True, None, torch.bfloat16),
+    (128, 2, 2, 16, 512, 64, [2, 1000], True, 5, torch.bfloat16),
+    (16, 4, 6, 64, 512, 64, [4, 64, 65, 129, 1000, 4095], True, None, torch.bfloat16),
+    (16, 4, 2, 1, 512, 64, [9, 130], True, 2, torch.bfloat16),  # one row per page
+    (16, 4, 2, 128, 512, 64, [3, 2000], False, 7, torch.float16),
+    (33, 2, 3, 64, 512, 64, [40, 500, 3000], True, 3, torch.bfloat16),  # padded head rows
+    (64, 1, 2, 32, 256, 32, [77, 1025], True, None, torch.bfloat16),  # other widths
+    (64, 1, 2, 64, 128, 16, [513, 1], False, 1, torch.float16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,S,B,page,dc,dr,lens,causal,splits,dtype", GPU_CASES)
+def test_gpu_gluon_matches_reference(H, S, B, page, dc, dr, lens, causal, splits, dtype):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.fail("the Gluon decode kernel targets Hopper (sm_90); run on the H100/H200")
+    case = make_decode_case(B, S, H, page, dc, dr, lens, dtype, device="cuda", seed=H + S + page)
+    _check_gluon(case, causal, dc, splits)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_is_the_default_for_64_row_tiles():
+    q, kv, table, seq = make_decode_case(2, 4, 16, 64, 512, 64, [300, 900], torch.bfloat16, device="cuda")
+    assert G.gluon_decode_supported(q, kv, 512, "auto", 64)
+    auto = mla_decode_triton(q, kv, table, seq, SCALE, head_dim_v=512)
+    forced = mla_decode_triton(q, kv, table, seq, SCALE, head_dim_v=512, gluon=True)
+    triton_only = mla_decode_triton(q, kv, table, seq, SCALE, head_dim_v=512, gluon=False)
+    assert torch.equal(auto, forced)
+    assert rel_err(auto, triton_only) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_cuda_graph_capture_and_replay():
+    B, S, H, T = 8, 1, 128, 700
+    q, kv, table, seq = make_decode_case(B, S, H, 64, 512, 64, [T] * B, torch.bfloat16, device="cuda", seed=3)
+    ns = 3
+    ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
+    out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+    mla_decode_triton(q, kv, table, seq, SCALE, out=out, workspace=ws, gluon=True)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode_triton(q, kv, table, seq, SCALE, out=out, workspace=ws, gluon=True)
+    for _ in range(3):
+        seq.copy_(torch.randint(1, T + 1, (B,), dtype=torch.int32, device="cuda"))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        want = mla_decode_torch(q.double(), kv.double(), table, seq, SCALE, head_dim_v=512)
+        assert rel_err(out, want) <= 1e-2
+
