@@ -85,6 +85,8 @@ GPU_CASES = [  # H, S, B, page, dc, dr, lens, causal, splits, dtype
     (33, 2, 3, 64, 512, 64, [40, 500, 3000], True, 3, torch.bfloat16),  # padded head rows
     (64, 1, 2, 32, 256, 32, [77, 1025], True, None, torch.bfloat16),  # other widths
     (64, 1, 2, 64, 128, 16, [513, 1], False, 1, torch.float16),
+    (16, 2, 2, 64, 512, 64, [300, 77], True, 3, torch.bfloat16),  # 32 folded rows, padded to 64
+    (16, 1, 2, 16, 512, 64, [1, 2049], True, None, torch.bfloat16),  # 16 rows, padded to 64
 ]
 
 

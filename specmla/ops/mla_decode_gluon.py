@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 BLOCK_M = 64
 AUTO = True  # mla_decode_triton(gluon=None) takes this kernel where supported (faster in every measured case)
+AUTO_MIN_ROWS = 64  # ... for row tiles of at least this many rows
 
 
 if HAVE_GLUON:
@@ -226,8 +227,9 @@ def _smem_layout(shape, dtype):
 
 def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int | None, kv_format: str,
                            block_m: int) -> bool:
-    """Whether `mla_decode_gluon` takes this call: Hopper, 16-bit cache and q of one dtype, 64-row
-    tiles, Dc a multiple of 64 up to 512 and Dr a multiple of 16 up to 64."""
+    """Whether the Gluon kernel can take this call: Hopper, 16-bit cache and q of one dtype, Dc a
+    multiple of 64 up to 512 and Dr a multiple of 16 up to 64. Tiles of fewer rows run padded to 64
+    (wgmma's smallest M); `AUTO_MIN_ROWS` says from which tile size it is the default."""
     if (not HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
             or kv_format not in ("auto", "native", "bf16", "fp16")):
         return False
@@ -236,7 +238,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: 
     D = q.shape[-1]
     dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
-    return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype and block_m == BLOCK_M
+    return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype and block_m <= BLOCK_M
             and dc % 64 == 0 and 64 <= dc <= 512 and dr % 16 == 0 and 16 <= dr <= 64
             and kv_cache.shape[-1] == D and kv_cache.stride(-1) == 1)
 
@@ -263,7 +265,7 @@ def launch_gluon_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, 
         lse.stride(0), lse.stride(1),
         scale_log2, S, H, ns,
         PAGE_SIZE=kv_cache.shape[1], DC=dc, DR=dr,
-        BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
+        BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         NUM_STAGES=num_stages, CAUSAL=causal, DIRECT=direct,
         Q_C_SMEM=_smem_layout([BLOCK_M, dc], dt), Q_R_SMEM=_smem_layout([BLOCK_M, dr], dt),
         K_C_SMEM=_smem_layout([block_n, dc], dt), K_R_SMEM=_smem_layout([block_n, dr], dt),

@@ -517,6 +517,7 @@ def mla_decode_triton(
     block_h = min(max_rows, triton.next_power_of_2(H))
     block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
     tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()), kv_format)
+    gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
     if num_splits is not None:
@@ -567,11 +568,12 @@ def mla_decode_triton(
     supported = mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format, cfg["BLOCK_M"])
     if gluon and not supported:
         raise ValueError("the Gluon decode kernel takes 64-row tiles of a 16-bit cache on Hopper only")
-    run_gluon = supported and (mla_decode_gluon.AUTO if gluon is None else gluon)
+    run_gluon = supported and (mla_decode_gluon.AUTO and block_m >= mla_decode_gluon.AUTO_MIN_ROWS
+                               if gluon is None else gluon)
     if run_gluon:
         mla_decode_gluon.launch_gluon_split(
             q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
-            causal=causal, direct=direct, num_splits=ns, block_n=block_n if block_n in (32, 64) else 64,
+            causal=causal, direct=direct, num_splits=ns, block_n=gluon_block_n,
             num_stages=num_stages or 2)
     elif tbq:
         kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (cent,), {}
