@@ -29,7 +29,7 @@ import os
 
 import torch
 
-try:  # Gluon ships with Triton ≥ 3.4; the engine never needs it on CPU
+try:  # Gluon is experimental and absent from old Triton releases; the engine never needs it on CPU
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
