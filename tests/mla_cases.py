@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from specmla.ops.mla_decode import mla_decode_torch
+
 
 def make_decode_case(B, S, H, page_size, dc, dr, lens, dtype, device="cpu", seed=0, causal=True):
     g = torch.Generator().manual_seed(seed)
@@ -32,3 +34,25 @@ def make_decode_case(B, S, H, page_size, dc, dr, lens, dtype, device="cpu", seed
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def reference(q, kv, table, seq, causal, dc, scale=0.0721):
+    """fp64 torch decode (out, lse) of a case."""
+    return mla_decode_torch(q.double(), kv.double(), table, seq, scale, causal=causal, return_lse=True,
+                            head_dim_v=dc)
+
+
+def assert_matches_reference(case, causal, dc, got, got_lse, out_tol, lse_tol=1e-3):
+    """A kernel's (out, lse) on `case` against the fp64 reference (computed on the CPU): dtype and
+    shape, no NaN, output within out_tol, the same empty rows (lse -inf, output 0), lse within lse_tol."""
+    q, kv, table, seq = (t.cpu() for t in case)
+    want, want_lse = reference(q, kv, table, seq, causal, dc)
+    got, got_lse = got.cpu(), got_lse.cpu()
+    assert got.shape == want.shape and got.dtype == q.dtype
+    assert not torch.isnan(got).any()
+    assert rel_err(got, want) <= out_tol
+    inf = torch.isinf(want_lse)
+    assert torch.equal(inf, torch.isinf(got_lse))
+    assert (got[inf] == 0).all()
+    if (~inf).any():
+        assert (got_lse[~inf].double() - want_lse[~inf]).abs().max().item() <= lse_tol

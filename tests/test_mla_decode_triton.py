@@ -9,31 +9,17 @@ import random
 
 import pytest
 import torch
-from mla_cases import make_decode_case, rel_err
+from mla_cases import assert_matches_reference, make_decode_case, reference, rel_err
 
 from specmla.ops.mla_decode import mla_decode, mla_decode_torch
 from specmla.ops.mla_decode_triton import fold_factor, mla_decode_triton, plan
 
 
-def reference(q, kv, table, seq, causal, dc):
-    return mla_decode_torch(q.double(), kv.double(), table, seq, 0.0721, causal=causal, return_lse=True,
-                            head_dim_v=dc)
-
-
-def check(case, causal, dc, out_tol, lse_tol=1e-3, **kw):
+def check(case, causal, dc, out_tol, lse_tol=1e-3):
     q, kv, table, seq = case
-    want, want_lse = reference(q.cpu(), kv.cpu(), table.cpu(), seq.cpu(), causal, dc)
     got, got_lse = mla_decode(q, kv, table, seq, 0.0721, causal=causal, return_lse=True, backend="triton",
-                              head_dim_v=dc, **kw)
-    got, got_lse = got.cpu(), got_lse.cpu()
-    assert got.shape == want.shape and got.dtype == q.dtype
-    assert not torch.isnan(got).any()
-    assert rel_err(got, want) <= out_tol
-    inf = torch.isinf(want_lse)
-    assert torch.equal(inf, torch.isinf(got_lse))
-    assert (got[inf] == 0).all()
-    if (~inf).any():
-        assert (got_lse[~inf].double() - want_lse[~inf]).abs().max().item() <= lse_tol
+                              head_dim_v=dc)
+    assert_matches_reference(case, causal, dc, got, got_lse, out_tol, lse_tol)
 
 
 CPU_CASES = [

@@ -50,8 +50,8 @@ AUTO_MIN_ROWS = 64  # ... for row tiles of at least this many rows
 if HAVE_GLUON:
 
     @gluon.jit
-    def _issue_block_load(KV, k_c_buf, k_r_buf, page_rows, n_ok, stride_kvp, stride_kvt,
-                          DC: gl.constexpr, DR: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_LAYOUT: gl.constexpr):
+    def _issue_block_load(KV, k_c_buf, k_r_buf, page_rows, n_ok, DC: gl.constexpr, DR: gl.constexpr,
+                          LOAD_LAYOUT: gl.constexpr):
         """cp.async one key block (rows given by page_rows = page·stride_p + in-page row·stride_t) into a
         stage's two buffers; rows not n_ok are zero-filled."""
         cols_c = gl.arange(0, DC, layout=gl.SliceLayout(0, LOAD_LAYOUT))
@@ -136,8 +136,7 @@ if HAVE_GLUON:
         for i in gl.static_range(NUM_STAGES - 1):
             rows_i, ok_i = _block_page_rows(BT, b, stride_btb, start + i * BLOCK_N, end, stride_kvp, stride_kvt,
                                             PAGE_SIZE, BLOCK_N, LOAD)
-            _issue_block_load(KV, k_c_smem.index(i), k_r_smem.index(i), rows_i, ok_i, stride_kvp, stride_kvt,
-                              DC, DR, BLOCK_N, LOAD)
+            _issue_block_load(KV, k_c_smem.index(i), k_r_smem.index(i), rows_i, ok_i, DC, DR, LOAD)
             cp.commit_group()
         # page rows of the next block to issue, looked up one block ahead
         nx_rows, nx_ok = _block_page_rows(BT, b, stride_btb, start + (NUM_STAGES - 1) * BLOCK_N, end, stride_kvp,
@@ -165,8 +164,7 @@ if HAVE_GLUON:
             nst = (it + NUM_STAGES - 1) % NUM_STAGES
             # the previous P·V has finished: its stage and P's buffer are free; refill the stage
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _issue_block_load(KV, k_c_smem.index(nst), k_r_smem.index(nst), nx_rows, nx_ok, stride_kvp,
-                              stride_kvt, DC, DR, BLOCK_N, LOAD)
+            _issue_block_load(KV, k_c_smem.index(nst), k_r_smem.index(nst), nx_rows, nx_ok, DC, DR, LOAD)
             cp.commit_group()
             nx_rows, nx_ok = _block_page_rows(BT, b, stride_btb, start + (it + NUM_STAGES) * BLOCK_N, end,
                                               stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, LOAD)

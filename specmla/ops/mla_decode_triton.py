@@ -567,7 +567,8 @@ def mla_decode_triton(
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
     supported = mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format, cfg["BLOCK_M"])
     if gluon and not supported:
-        raise ValueError("the Gluon decode kernel takes 64-row tiles of a 16-bit cache on Hopper only")
+        raise ValueError("the Gluon decode kernel takes a 16-bit cache on Hopper only, with Dc a multiple of 64 "
+                         "up to 512 and Dr a multiple of 16 up to 64")
     run_gluon = supported and (mla_decode_gluon.AUTO and block_m >= mla_decode_gluon.AUTO_MIN_ROWS
                                if gluon is None else gluon)
     if run_gluon:
@@ -575,11 +576,11 @@ def mla_decode_triton(
             q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
             causal=causal, direct=direct, num_splits=ns, block_n=gluon_block_n,
             num_stages=num_stages or 2)
-    elif tbq:
-        kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (cent,), {}
     else:
-        kernel, fmt_args, fmt_flags = _mla_decode_split_kernel, (), dict(FP8=fp8)
-    if not run_gluon:
+        if tbq:
+            kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (cent,), {}
+        else:
+            kernel, fmt_args, fmt_flags = _mla_decode_split_kernel, (), dict(FP8=fp8)
         kernel[grid](
             q, kv, scales, rope, *fmt_args, block_table, seq_lens, mid_o, mid_lse, out, lse,
             q.stride(0), q.stride(1), q.stride(2),
