@@ -16,6 +16,8 @@ import torch
 from bench_mla_decode import SCALE, make_problem, time_fn
 from limits import copy_bandwidth
 
+from specmla.ops import mla_decode_gluon as G
+from specmla.ops import mla_decode_seesaw as SS
 from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
 
@@ -23,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from mla_cases import make_decode_case, rel_err  # noqa: E402
 
 
-def check(rows):
+def check(rows, quick=False):
     """Gluon vs the fp32 reference on NaN-poisoned caches with permuted tables."""
     cases = [  # H, S, B, page, lens, causal, splits
         (128, 1, 2, 64, [1000, 4096], True, None), (128, 1, 3, 16, [1, 63, 700], True, 3),
@@ -32,12 +34,13 @@ def check(rows):
         (16, 4, 2, 1, [9, 130], True, 2), (32, 2, 2, 64, [300, 77], True, 4), (128, 2, 1, 32, [4096], True, 16),
         (33, 2, 2, 64, [500, 40], True, 2), (64, 1, 2, 64, [513, 1], False, 1),
     ]
-    for H, S, B, ps, lens, causal, ns in cases:
+    for H, S, B, ps, lens, causal, ns in cases[: 3 if quick else None]:
         q, kv, table, seq = make_decode_case(B, S, H, ps, 512, 64, lens, torch.bfloat16, "cuda", seed=H + S, causal=causal)
         ref, ref_lse = mla_decode_torch(q.double(), kv.double(), table, seq, SCALE, causal=causal, return_lse=True,
                                         head_dim_v=512)
         r = {"case": [H, S, B, ps, causal, ns]}
-        for name, g in (("gluon", True), ("triton", False)):
+        for name, g, seesaw in (("seesaw", True, True), ("gluon", True, False), ("triton", False, False)):
+            G.SEESAW = seesaw
             try:
                 out, lse = mla_decode_triton(q, kv, table, seq, SCALE, causal=causal, return_lse=True, head_dim_v=512,
                                              num_splits=ns, gluon=g)
@@ -51,18 +54,18 @@ def check(rows):
 
 
 def timing(rows, bw, quick):
-    cases = [(16, 64, 8192, 2), (16, 32, 32768, 1), (16, 128, 4096, 1), (16, 4, 81920, 2), (128, 64, 8192, 1),
-             (16, 64, 8192, 4), (16, 64, 8192, 1), (128, 64, 8192, 2), (64, 128, 4096, 1), (16, 32, 32768, 4),
-             (16, 4, 81920, 4)]
-    variants = [("triton", dict(gluon=False)), ("gluon64x2", dict(gluon=True, block_n=64, num_stages=2)),
-                ("gluon32x4", dict(gluon=True, block_n=32, num_stages=4))]
-    if quick:
-        variants = variants[:2]
-    for H, B, T, S in cases[: 4 if quick else None]:
+    cases = [(128, 64, 8192, 1), (16, 64, 8192, 4), (64, 128, 4096, 1), (16, 32, 32768, 4),
+             (128, 64, 8192, 2), (16, 4, 81920, 4)]
+    variants = [("triton", dict(gluon=False), False), ("seesaw", dict(gluon=True, block_n=64), True),
+                ("seesaw_nostagger", dict(gluon=True, block_n=64), "nostagger"),
+                ("gluon64x2", dict(gluon=True, block_n=64, num_stages=2), False)]
+    for H, B, T, S in cases[: 3 if quick else None]:
         caches, table, seq, qs = make_problem(H, B, T, S, 4)
         nb, fl = decode_bytes(B * T, B, S, H), decode_flops(B * T, S, H)
-        for name, v in variants:
-            for mult in ((1,) if quick else (1, 2)):
+        for name, v, seesaw in variants:
+            G.SEESAW = bool(seesaw)
+            SS.STAGGER = seesaw != "nostagger"
+            for mult in ((1,) if quick or H != 128 else (1, 2)):
                 bn = v.get("block_n", 64)
                 ns = plan(B, S, H, T, torch.device("cuda"), bn)["num_splits"] * mult
                 out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
@@ -79,6 +82,33 @@ def timing(rows, bw, quick):
                 print("time", r, flush=True)
 
 
+def sweep_small_tiles(rows, bw):
+    """16-row tiles (H=16 S=1, the Triton kernel's case) padded through the seesaw kernel vs Triton."""
+    for H, B, T, S, splits in ((16, 128, 4096, 1, (1, 2)), (16, 32, 32768, 1, (1, 2, 4, 8)), (16, 64, 8192, 1, (1, 2, 4)),
+                               (16, 4, 81920, 1, (16, 33, 66)), (16, 64, 8192, 2, (1, 2, 4))):
+        _sweep_case(rows, bw, H, B, T, S, splits)
+
+
+def _sweep_case(rows, bw, H, B, T, S, splits):
+    caches, table, seq, qs = make_problem(H, B, T, S, 4)
+    nb = decode_bytes(B * T, B, S, H)
+    variants = [dict(gluon=False), dict(gluon=True, block_n=64)]
+    for v in variants:
+        G.SEESAW = True
+        for ns in splits:
+            out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+            ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
+            try:
+                t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
+                                                        head_dim_v=512, num_splits=ns, **v), 4, graph=True)
+            except Exception as e:  # noqa: BLE001
+                print("sweep", v, ns, "ERROR", repr(e)[:200], flush=True)
+                continue
+            r = dict(case=[H, B, T, S], variant=v, splits=ns, us=t * 1e6, pct_copy=100 * nb / t / bw)
+            rows.append(r)
+            print("sweep", r, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -87,9 +117,10 @@ def main():
     bw = copy_bandwidth()
     print(f"copy {bw / 1e9:.0f} GB/s", flush=True)
     checks, times = [], []
-    if not args.quick:
-        check(checks)
+    check(checks, args.quick)
     timing(times, bw, args.quick)
+    if not args.quick:
+        sweep_small_tiles(times, bw)
     with open(os.path.join(args.out, "gluon_probe.json"), "w") as f:
         json.dump({"copy_GBps": bw / 1e9, "checks": checks, "times": times}, f, indent=1)
 

@@ -80,8 +80,8 @@ def offline_sm90(capability: int = 90):
 
 
 def gluon_decode_usage(cases) -> list[dict]:
-    """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct) and report its
-    resources (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
+    """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct[, block_n]) and
+    report its resources (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
     interpreter mode, which the test suite turns on, cannot compile)."""
     import torch
 
@@ -89,7 +89,8 @@ def gluon_decode_usage(cases) -> list[dict]:
     from specmla.ops.mla_decode_triton import plan
 
     rows = []
-    for H, S, dc, dr, dtype_name, direct in cases:
+    for H, S, dc, dr, dtype_name, direct, *rest in cases:
+        block_n = rest[0] if rest else 64
         dtype = getattr(torch, dtype_name)
         B = 2
         q = torch.randn(B, S, H, dc + dr, dtype=dtype)
@@ -101,8 +102,8 @@ def gluon_decode_usage(cases) -> list[dict]:
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         with offline_sm90() as kernels:
             G.launch_gluon_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, dc=dc, causal=True,
-                                 direct=direct, num_splits=1 if direct else 2)
-        rows.append(dict(case=[H, S, dc, dr, dtype_name, direct], kernels=[resource_usage(k) for k in kernels]))
+                                 direct=direct, num_splits=1 if direct else 2, block_n=block_n)
+        rows.append(dict(case=[H, S, dc, dr, dtype_name, direct, *rest], kernels=[resource_usage(k) for k in kernels]))
     return rows
 
 

@@ -1,4 +1,5 @@
-"""The Hopper Gluon decode kernel (64-row tiles) against the fp64 reference.
+"""The Hopper Gluon decode kernels (64-row tiles: the seesaw schedule for Dr = 64, the one-stream
+kernel otherwise) against the fp64 reference.
 
 Gluon does not run in the Triton interpreter, so on CPU the kernel is compiled for sm_90 with the
 installed Triton (ptxas included) and its resources are checked; the GPU tests run it.
@@ -23,11 +24,13 @@ H100_SMEM = 227 * 1024
 
 
 # ---------------------------------------------------------------- CPU -------------------------------------
-CPU_COMPILE_CASES = [  # H, S, dc, dr, dtype, direct
+CPU_COMPILE_CASES = [  # H, S, dc, dr, dtype, direct[, block_n]
     [128, 1, 512, 64, "bfloat16", True],  # H=128: one 64-head tile per program, written directly
     [16, 4, 512, 64, "bfloat16", False],  # four tokens folded into 64 rows, split partials
-    [32, 2, 256, 32, "float16", False],  # other latent / rope widths, fp16
+    [32, 2, 256, 32, "float16", False],  # other latent / rope widths, fp16: the one-stream kernel
+    [128, 1, 512, 64, "bfloat16", False, 32],  # 32-key blocks: the one-stream kernel
 ]
+SEESAW_STACK_BYTES = 256  # the seesaw warpgroups keep loop-invariant words on the stack (96 B with Triton 3.6, 232 B with 3.9)
 
 
 def test_compiles_for_sm90_within_hopper_limits():
@@ -45,9 +48,24 @@ def test_compiles_for_sm90_within_hopper_limits():
     assert [r["case"] for r in rows] == CPU_COMPILE_CASES
     for r in rows:
         (use,) = r["kernels"]
-        assert use["name"] == "_mla_decode_wgmma_kernel" and use["warps"] == 8, r
-        assert 0 < use["regs"] <= 255 and use["local"] == 0, r  # no register spills
+        seesaw = r["case"][3] == 64 and len(r["case"]) == 6
+        assert use["name"] == ("_mla_decode_seesaw_kernel" if seesaw else "_mla_decode_wgmma_kernel"), r
+        assert use["warps"] == 8 and 0 < use["regs"] <= 255 and use["local"] == 0, r
+        assert use["stack"] <= (SEESAW_STACK_BYTES if seesaw else 0), r  # no spills in the one-stream kernel
         assert 0 < use["shared"] <= H100_SMEM, r
+
+
+def test_auto_rule_takes_padded_small_tiles_only_with_many_programs():
+    """mla_decode_triton(gluon=None) on a supported GPU call: 64-row tiles always; 16/32-row tiles
+    through the seesaw kernel when one wave needs few splits (measured, docs/benchmarks.md)."""
+    from specmla.ops.mla_decode_triton import plan
+    cpu = torch.device("cpu")
+    assert G.auto_takes(plan(64, 1, 128, 8192, cpu, 64), 64, 1, 512, 64, 64)  # 64-row tiles
+    assert G.auto_takes(plan(4, 1, 64, 8192, cpu, 64), 4, 1, 256, 32, 64)  # ... any supported widths
+    assert G.auto_takes(plan(32, 1, 16, 32768, cpu, 64), 32, 1, 512, 64, 64)  # 32 programs of 16 rows
+    assert not G.auto_takes(plan(4, 1, 16, 81920, cpu, 64), 4, 1, 512, 64, 64)  # few programs: Triton
+    assert not G.auto_takes(plan(64, 1, 16, 8192, cpu, 64), 64, 1, 512, 32, 64)  # no seesaw for Dr=32
+    assert not G.auto_takes(plan(64, 2, 16, 8192, cpu, 64), 64, 2, 512, 64, 32)  # ... nor 32-key blocks
 
 
 def test_not_taken_on_cpu_and_clear_error_when_forced():
@@ -79,10 +97,12 @@ GPU_CASES = [  # H, S, B, page, dc, dr, lens, causal, splits, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seesaw", [True, False], ids=["seesaw", "one_stream"])
 @pytest.mark.parametrize("H,S,B,page,dc,dr,lens,causal,splits,dtype", GPU_CASES)
-def test_gpu_gluon_matches_reference(H, S, B, page, dc, dr, lens, causal, splits, dtype):
+def test_gpu_gluon_matches_reference(H, S, B, page, dc, dr, lens, causal, splits, dtype, seesaw, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.fail("the Gluon decode kernel targets Hopper (sm_90); run on the H100/H200")
+    monkeypatch.setattr(G, "SEESAW", seesaw)
     case = make_decode_case(B, S, H, page, dc, dr, lens, dtype, device="cuda", seed=H + S + page)
     _check_gluon(case, causal, dc, splits)
 

@@ -43,8 +43,13 @@ except ImportError:  # pragma: no cover - older Triton
     HAVE_GLUON = False
 
 BLOCK_M = 64
-AUTO = True  # mla_decode_triton(gluon=None) takes this kernel where supported (faster in every measured case)
-AUTO_MIN_ROWS = 64  # ... for row tiles of at least this many rows
+AUTO = True  # mla_decode_triton(gluon=None) takes this kernel where supported and measured faster:
+AUTO_MIN_ROWS = 64  # ... row tiles of at least this many rows,
+AUTO_MIN_PROGRAMS = 32  # ... or smaller tiles padded to 64 rows, through the seesaw kernel, when there are
+# this many (request, row tile) programs, so that one wave needs at most a few splits (H=16: B=32 T=32k
+# 97.2 % of copy vs 95.9 %, B=128 T=4k 95 % vs 92.5 %; with fewer programs the Triton kernel's two waves
+# of many splits win: B=4 T=80k 88.9 % vs 86.4 %)
+SEESAW = True  # 64-key blocks with Dr = 64 run the warp-specialised schedule (`ops.mla_decode_seesaw`)
 
 
 if HAVE_GLUON:
@@ -241,6 +246,17 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: 
             and kv_cache.shape[-1] == D and kv_cache.stride(-1) == 1)
 
 
+def auto_takes(cfg: dict, B: int, S: int, dc: int, dr: int, block_n: int) -> bool:
+    """Whether `mla_decode_triton(gluon=None)` runs a supported call through the Gluon kernels."""
+    from specmla.ops import mla_decode_seesaw
+    if not AUTO:
+        return False
+    if cfg["BLOCK_M"] >= AUTO_MIN_ROWS:
+        return True
+    programs = B * (S // cfg["FOLD"]) * cfg["head_blocks"]
+    return SEESAW and mla_decode_seesaw.seesaw_supported(dc, dr, block_n) and programs >= AUTO_MIN_PROGRAMS
+
+
 def launch_gluon_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
                        dc: int, causal: bool, direct: bool, num_splits: int, block_n: int = 64, num_stages: int = 2,
                        num_warps: int = 8):
@@ -248,6 +264,11 @@ def launch_gluon_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, 
     num_splits is the workspace's, which may differ from cfg's plan)."""
     B, S, H, D = q.shape
     dr = D - dc
+    from specmla.ops import mla_decode_seesaw
+    if SEESAW and mla_decode_seesaw.seesaw_supported(dc, dr, block_n):
+        return mla_decode_seesaw.launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                                     scale_log2, cfg, dc=dc, causal=causal, direct=direct,
+                                                     num_splits=num_splits)
     ns = num_splits
     grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], ns)
     mo_strides = (0, 0, 0, 0) if direct else mid_o.stride()[:4]

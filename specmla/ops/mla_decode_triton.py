@@ -455,8 +455,9 @@ def default_tiles(block_m: int, d: int, elem: int, kv_format: str = "auto") -> d
 
 
 def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n: int = 32,
-         max_rows: int = MAX_ROWS) -> dict:
-    """Tile shapes and the split count, from shapes only (no device data read)."""
+         max_rows: int = MAX_ROWS, waves: int | None = None) -> dict:
+    """Tile shapes and the split count, from shapes only (no device data read). `waves`: how many
+    waves of programs to fill (default: the Triton kernel's measured rule below)."""
     block_h = min(max_rows, triton.next_power_of_2(H))
     fold = fold_factor(S, block_h, max_rows)
     block_m = max(16, triton.next_power_of_2(fold * block_h))
@@ -468,7 +469,8 @@ def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n
     max_useful = max(1, triton.cdiv(max_seq_len, 2 * block_n))  # keep ≥ 2 KV blocks per split
     # measured (docs/benchmarks.md): a second wave balances large batches of small (≤ 32-row) tiles;
     # 64-row tiles are compute-heavy and do best in one wave, written directly
-    waves = 2 if programs >= 32 and block_m < 64 else 1
+    if waves is None:
+        waves = 2 if programs >= 32 and block_m < 64 else 1
     splits = max(1, min(waves * sms // programs, max_useful, 128))
     return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
                 BLOCK_N=block_n)
@@ -520,6 +522,14 @@ def mla_decode_triton(
     gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
+    supported = mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format, cfg["BLOCK_M"])
+    if gluon and not supported:
+        raise ValueError("the Gluon decode kernel takes a 16-bit cache on Hopper only, with Dc a multiple of 64 "
+                         "up to 512 and Dr a multiple of 16 up to 64")
+    run_gluon = supported and (mla_decode_gluon.auto_takes(cfg, B, S, dc, dr, gluon_block_n) if gluon is None
+                               else gluon)
+    if run_gluon:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
+        cfg = plan(B, S, H, max_seq, q.device, gluon_block_n, max_rows, waves=1)
     if num_splits is not None:
         cfg["num_splits"] = num_splits
     ns = cfg["num_splits"]
@@ -565,12 +575,6 @@ def mla_decode_triton(
         cent = tbq4.centroids(q.device)
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
-    supported = mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format, cfg["BLOCK_M"])
-    if gluon and not supported:
-        raise ValueError("the Gluon decode kernel takes a 16-bit cache on Hopper only, with Dc a multiple of 64 "
-                         "up to 512 and Dr a multiple of 16 up to 64")
-    run_gluon = supported and (mla_decode_gluon.AUTO and block_m >= mla_decode_gluon.AUTO_MIN_ROWS
-                               if gluon is None else gluon)
     if run_gluon:
         mla_decode_gluon.launch_gluon_split(
             q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
