@@ -17,10 +17,10 @@ its P by warpgroup 1's factor before handing it over, so both halves of O always
 max. Each warpgroup sums the rows of its own blocks' P; the two sums meet at the end.
 
 Shared memory (bf16, Dc = 512, Dr = 64): Q 72 KB + two key stages of 72 KB. A warpgroup loads its
-own stage (cp.async, rows past the end zero-filled) in two groups: its own half of the columns, free
-as soon as its own P·V is done, then the rope part and the other half, free once the other
-warpgroup's P·V has read them. P_j is stored in stage j's rope columns, which only S_j reads. The
-next S consumes its own half first, so that half's load overlaps the rest of the block. mbarriers
+own stage (cp.async, rows past the end zero-filled, one group per 64-column chunk) in two batches:
+its own half of the columns, free as soon as its own P·V is done, then the other half and the rope
+part, free once the other warpgroup's P·V has read them. P_j is stored in stage j's rope columns,
+which only S_j reads. The next S consumes the chunks in that order, each as it lands. mbarriers
 (one arrival per warpgroup) order the hand-offs; each completes once per round of two blocks, so
 every wait uses the round's parity.
 
