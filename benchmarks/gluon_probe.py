@@ -17,7 +17,6 @@ from bench_mla_decode import SCALE, make_problem, time_fn
 from limits import copy_bandwidth
 
 from specmla.ops import mla_decode_gluon as G
-from specmla.ops import mla_decode_seesaw as SS
 from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
 
@@ -53,60 +52,55 @@ def check(rows, quick=False):
         print("check", r, flush=True)
 
 
+def _time_call(problem, B, S, H, ns, variant):
+    """Seconds per mla_decode_triton call with `ns` splits and the variant's arguments (None: it failed)."""
+    caches, table, seq, qs = problem
+    out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+    ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
+    try:
+        return time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
+                                                   head_dim_v=512, num_splits=ns, **variant), 4, graph=True)
+    except Exception as e:  # noqa: BLE001
+        print("ERROR", (H, B, S), variant, ns, repr(e)[:300], flush=True)
+        return None
+
+
 def timing(rows, bw, quick):
     cases = [(128, 64, 8192, 1), (16, 64, 8192, 4), (64, 128, 4096, 1), (16, 32, 32768, 4),
              (128, 64, 8192, 2), (16, 4, 81920, 4)]
     variants = [("triton", dict(gluon=False), False), ("seesaw", dict(gluon=True, block_n=64), True),
-                ("seesaw_nostagger", dict(gluon=True, block_n=64), "nostagger"),
-                ("gluon64x2", dict(gluon=True, block_n=64, num_stages=2), False)]
+                ("one_stream", dict(gluon=True, block_n=64, num_stages=2), False)]
     for H, B, T, S in cases[: 3 if quick else None]:
-        caches, table, seq, qs = make_problem(H, B, T, S, 4)
+        problem = make_problem(H, B, T, S, 4)
         nb, fl = decode_bytes(B * T, B, S, H), decode_flops(B * T, S, H)
         for name, v, seesaw in variants:
-            G.SEESAW = bool(seesaw)
-            SS.STAGGER = seesaw != "nostagger"
+            G.SEESAW = seesaw
             for mult in ((1,) if quick or H != 128 else (1, 2)):
-                bn = v.get("block_n", 64)
-                ns = plan(B, S, H, T, torch.device("cuda"), bn)["num_splits"] * mult
-                out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
-                ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
-                try:
-                    t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
-                                                            head_dim_v=512, num_splits=ns, **v), 4, graph=True)
-                except Exception as e:  # noqa: BLE001
-                    print("time", (H, B, T, S), name, ns, "ERROR", repr(e)[:300], flush=True)
+                ns = plan(B, S, H, T, torch.device("cuda"), v.get("block_n", 64))["num_splits"] * mult
+                t = _time_call(problem, B, S, H, ns, v)
+                if t is None:
                     continue
                 r = dict(case=[H, B, T, S], variant=name, splits=ns, us=t * 1e6, GBps=nb / t / 1e9,
                          pct_copy=100 * nb / t / bw, TFLOPs=fl / t / 1e12)
                 rows.append(r)
                 print("time", r, flush=True)
+    G.SEESAW = True
 
 
 def sweep_small_tiles(rows, bw):
     """16-row tiles (H=16 S=1, the Triton kernel's case) padded through the seesaw kernel vs Triton."""
     for H, B, T, S, splits in ((16, 128, 4096, 1, (1, 2)), (16, 32, 32768, 1, (1, 2, 4, 8)), (16, 64, 8192, 1, (1, 2, 4)),
                                (16, 4, 81920, 1, (16, 33, 66)), (16, 64, 8192, 2, (1, 2, 4))):
-        _sweep_case(rows, bw, H, B, T, S, splits)
-
-
-def _sweep_case(rows, bw, H, B, T, S, splits):
-    caches, table, seq, qs = make_problem(H, B, T, S, 4)
-    nb = decode_bytes(B * T, B, S, H)
-    variants = [dict(gluon=False), dict(gluon=True, block_n=64)]
-    for v in variants:
-        G.SEESAW = True
-        for ns in splits:
-            out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
-            ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
-            try:
-                t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
-                                                        head_dim_v=512, num_splits=ns, **v), 4, graph=True)
-            except Exception as e:  # noqa: BLE001
-                print("sweep", v, ns, "ERROR", repr(e)[:200], flush=True)
-                continue
-            r = dict(case=[H, B, T, S], variant=v, splits=ns, us=t * 1e6, pct_copy=100 * nb / t / bw)
-            rows.append(r)
-            print("sweep", r, flush=True)
+        problem = make_problem(H, B, T, S, 4)
+        nb = decode_bytes(B * T, B, S, H)
+        for v in (dict(gluon=False), dict(gluon=True, block_n=64)):
+            for ns in splits:
+                t = _time_call(problem, B, S, H, ns, v)
+                if t is None:
+                    continue
+                r = dict(case=[H, B, T, S], variant=v, splits=ns, us=t * 1e6, pct_copy=100 * nb / t / bw)
+                rows.append(r)
+                print("sweep", r, flush=True)
 
 
 def main():

@@ -77,6 +77,52 @@ if HAVE_GLUON:
         return page * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt, n_ok
 
     @gluon.jit
+    def _program_keys(SEQ, S, NUM_SPLITS, FOLD: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """This program's request b, its query-token group g, the request's length and its share
+        [start, end) of the keys in whole BLOCK_N blocks: the Triton kernel's rule (`_program_rows`)."""
+        pid_bg = gl.program_id(0)
+        n_groups = S // FOLD
+        b = pid_bg // n_groups
+        g = pid_bg % n_groups
+        seq_len = gl.load(SEQ + b)
+        n_blocks = gl.cdiv(seq_len, BLOCK_N)
+        per_split = gl.cdiv(n_blocks, NUM_SPLITS)
+        start = gl.program_id(2) * per_split * BLOCK_N
+        end = gl.minimum(start + per_split * BLOCK_N, seq_len)
+        if CAUSAL:
+            end = gl.minimum(end, seq_len - S + g * FOLD + FOLD)
+        return b, g, seq_len, start, end
+
+    @gluon.jit
+    def _store_result(out, cols_o, lse2, b, g, H, MID_O, MID_LSE, OUT, LSE,
+                      stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
+                      stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                      BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr,
+                      DIRECT: gl.constexpr, STORE_LSE: gl.constexpr, ROW_O: gl.constexpr, ROW_S: gl.constexpr):
+        """Store normalised rows (columns cols_o) and, when STORE_LSE, their log2-sum-exp: the final
+        output with a natural-log lse (a single split), or this split's partial."""
+        rows_o = gl.arange(0, BLOCK_M, layout=ROW_O)
+        s_o = g * FOLD + rows_o // BLOCK_H
+        h_o = gl.program_id(1) * BLOCK_H + rows_o % BLOCK_H
+        ok_o = (rows_o < FOLD * BLOCK_H) & (h_o < H)
+        mask = gl.expand_dims(ok_o, 1) & gl.expand_dims(cols_o < DC, 0)
+        rows_s = gl.arange(0, BLOCK_M, layout=ROW_S)
+        s_idx = g * FOLD + rows_s // BLOCK_H
+        h_s = gl.program_id(1) * BLOCK_H + rows_s % BLOCK_H
+        ok_s = (rows_s < FOLD * BLOCK_H) & (h_s < H)
+        if DIRECT:
+            o_rows = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
+            gl.store(gl.expand_dims(o_rows, 1) + gl.expand_dims(cols_o, 0), out.to(OUT.dtype.element_ty), mask=mask)
+            if STORE_LSE:  # natural log for the caller
+                gl.store(LSE + b * stride_lb + s_idx * stride_ls + h_s, lse2 * 0.6931471805599453, mask=ok_s)
+        else:
+            split = gl.program_id(2)
+            mo_rows = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
+            gl.store(gl.expand_dims(mo_rows, 1) + gl.expand_dims(cols_o, 0), out, mask=mask)
+            if STORE_LSE:
+                gl.store(MID_LSE + b * stride_mlb + s_idx * stride_mls + h_s * stride_mlh + split, lse2, mask=ok_s)
+
+    @gluon.jit
     def _mla_decode_wgmma_kernel(
         Q, KV, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
         stride_qb, stride_qs, stride_qh,
@@ -106,18 +152,7 @@ if HAVE_GLUON:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
 
-        # ---- this program's rows and key range (the Triton kernel's rule) ----
-        pid_bg = gl.program_id(0)
-        n_groups = S // FOLD
-        b = pid_bg // n_groups
-        g = pid_bg % n_groups
-        seq_len = gl.load(SEQ + b)
-        n_blocks = gl.cdiv(seq_len, BLOCK_N)
-        per_split = gl.cdiv(n_blocks, NUM_SPLITS)
-        start = gl.program_id(2) * per_split * BLOCK_N
-        end = gl.minimum(start + per_split * BLOCK_N, seq_len)
-        if CAUSAL:
-            end = gl.minimum(end, seq_len - S + g * FOLD + FOLD)
+        b, g, seq_len, start, end = _program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
 
         # ---- shared memory: Q, the key ring, P ----
         q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DC], Q_C_SMEM)
@@ -204,24 +239,10 @@ if HAVE_GLUON:
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
         inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
         out = acc * gl.expand_dims(inv_l, 1)
-        rows_o = gl.arange(0, BLOCK_M, layout=ROW_O)
-        s_o = g * FOLD + rows_o // BLOCK_H
-        h_o = gl.program_id(1) * BLOCK_H + rows_o % BLOCK_H
-        ok_o = (rows_o < FOLD * BLOCK_H) & (h_o < H)
-        cols_o = gl.arange(0, DC, layout=gl.SliceLayout(0, O_LAYOUT))
-        mask = gl.expand_dims(ok_o, 1) & gl.expand_dims(cols_o < DC, 0)
-        h_s = gl.program_id(1) * BLOCK_H + rows_s % BLOCK_H
-        ok_s = (rows_s < FOLD * BLOCK_H) & (h_s < H)
-        if DIRECT:
-            o_rows = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
-            gl.store(gl.expand_dims(o_rows, 1) + gl.expand_dims(cols_o, 0), out.to(OUT.dtype.element_ty), mask=mask)
-            gl.store(LSE + b * stride_lb + s_idx * stride_ls + h_s, lse2 * 0.6931471805599453, mask=ok_s)  # natural log for the caller
-        else:
-            split = gl.program_id(2)
-            mo_rows = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
-            gl.store(gl.expand_dims(mo_rows, 1) + gl.expand_dims(cols_o, 0), out, mask=mask)
-            gl.store(MID_LSE + b * stride_mlb + s_idx * stride_mls + h_s * stride_mlh + split, lse2, mask=ok_s)
-
+        _store_result(out, gl.arange(0, DC, layout=gl.SliceLayout(0, O_LAYOUT)), lse2, b, g, H, MID_O, MID_LSE, OUT,
+                      LSE, stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
+                      stride_ob, stride_os, stride_oh, stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, DC, DIRECT, True,
+                      ROW_O, ROW_S)
 
 def _smem_layout(shape, dtype):
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
@@ -262,32 +283,38 @@ def launch_gluon_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, 
                        num_warps: int = 8):
     """Stage 1 of `mla_decode_triton` through the Gluon kernel (same grid, arguments and outputs;
     num_splits is the workspace's, which may differ from cfg's plan)."""
-    B, S, H, D = q.shape
-    dr = D - dc
     from specmla.ops import mla_decode_seesaw
-    if SEESAW and mla_decode_seesaw.seesaw_supported(dc, dr, block_n):
+    if SEESAW and mla_decode_seesaw.seesaw_supported(dc, q.shape[-1] - dc, block_n):
         return mla_decode_seesaw.launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                      scale_log2, cfg, dc=dc, causal=causal, direct=direct,
                                                      num_splits=num_splits)
-    ns = num_splits
-    grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], ns)
+    grid, args, consts = split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+                                           cfg, dc=dc, causal=causal, direct=direct, num_splits=num_splits,
+                                           block_n=block_n)
+    _mla_decode_wgmma_kernel[grid](*args, **consts, NUM_STAGES=num_stages,
+                                   P_SMEM=_smem_layout([BLOCK_M, block_n], q.dtype), num_warps=num_warps)
+
+
+def split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *, dc: int,
+                      causal: bool, direct: bool, num_splits: int, block_n: int):
+    """Grid, positional arguments and common constexprs of the Gluon split kernels (this file's and
+    `ops.mla_decode_seesaw`'s), which share the Triton kernel's grid, split rule and outputs."""
+    B, S, H, D = q.shape
+    dr = D - dc
+    grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], num_splits)
     mo_strides = (0, 0, 0, 0) if direct else mid_o.stride()[:4]
     ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
+    args = (q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1),
+            block_table.stride(0),
+            *mo_strides, *ml_strides,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            scale_log2, S, H, num_splits)
     dt = q.dtype
-    _mla_decode_wgmma_kernel[grid](
-        q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        *mo_strides, *ml_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        scale_log2, S, H, ns,
-        PAGE_SIZE=kv_cache.shape[1], DC=dc, DR=dr,
-        BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        NUM_STAGES=num_stages, CAUSAL=causal, DIRECT=direct,
-        Q_C_SMEM=_smem_layout([BLOCK_M, dc], dt), Q_R_SMEM=_smem_layout([BLOCK_M, dr], dt),
-        K_C_SMEM=_smem_layout([block_n, dc], dt), K_R_SMEM=_smem_layout([block_n, dr], dt),
-        P_SMEM=_smem_layout([BLOCK_M, block_n], dt),
-        num_warps=num_warps,
-    )
+    consts = dict(PAGE_SIZE=kv_cache.shape[1], DC=dc, DR=dr, BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=BLOCK_M,
+                  BLOCK_N=block_n, CAUSAL=causal, DIRECT=direct,
+                  Q_C_SMEM=_smem_layout([BLOCK_M, dc], dt), Q_R_SMEM=_smem_layout([BLOCK_M, dr], dt),
+                  K_C_SMEM=_smem_layout([block_n, dc], dt), K_R_SMEM=_smem_layout([block_n, dr], dt))
+    return grid, args, consts

@@ -97,17 +97,17 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _seesaw_warpgroup(
-        ROLE: gl.constexpr,
-        Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
-        stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
-        stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
-        stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-        scale_log2, S, H, b, g, seq_len, start, end, n_rounds,
-        q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars,
+        ROLE: gl.constexpr, shared,
         PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr,
     ):
+        """One warpgroup's program; `shared` = the kernel's pointers, strides, scalars and shared memory."""
+        (Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
+         stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
+         stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
+         stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
+         n_rounds, q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars) = shared
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = DC // 2
         NH: gl.constexpr = DC // 128  # 64-column chunks per half
@@ -250,26 +250,11 @@ if G.HAVE_GLUON:
         has = l_i > 0
         inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
         out = acc * gl.expand_dims(inv_l, 1)
-        rows_o = gl.arange(0, BLOCK_M, layout=ROW_O)
-        s_o = g * FOLD + rows_o // BLOCK_H
-        h_o = gl.program_id(1) * BLOCK_H + rows_o % BLOCK_H
-        ok_o = (rows_o < FOLD * BLOCK_H) & (h_o < H)
-        cols_o = ROLE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT))
-        mask = gl.expand_dims(ok_o, 1) & gl.expand_dims(cols_o < DC, 0)
-        h_s = gl.program_id(1) * BLOCK_H + rows_s % BLOCK_H
-        ok_s = (rows_s < FOLD * BLOCK_H) & (h_s < H)
         lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        if DIRECT:
-            o_rows = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
-            gl.store(gl.expand_dims(o_rows, 1) + gl.expand_dims(cols_o, 0), out.to(OUT.dtype.element_ty), mask=mask)
-            if ROLE == 1:  # warpgroup 1 holds the final max
-                gl.store(LSE + b * stride_lb + s_idx * stride_ls + h_s, lse2 * 0.6931471805599453, mask=ok_s)
-        else:
-            split = gl.program_id(2)
-            mo_rows = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
-            gl.store(gl.expand_dims(mo_rows, 1) + gl.expand_dims(cols_o, 0), out, mask=mask)
-            if ROLE == 1:
-                gl.store(MID_LSE + b * stride_mlb + s_idx * stride_mls + h_s * stride_mlh + split, lse2, mask=ok_s)
+        G._store_result(out, ROLE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT)), lse2, b, g, H,
+                        MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb,
+                        stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                        BLOCK_H, FOLD, BLOCK_M, DC, DIRECT, ROLE == 1, ROW_O, ROW_S)  # warpgroup 1 holds the final max
 
     @gluon.jit
     def _mla_decode_seesaw_kernel(
@@ -290,18 +275,7 @@ if G.HAVE_GLUON:
         WORKER_REGS: gl.constexpr, FINE: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
-        # this program's rows and key range: the Triton kernel's rule (`_program_rows`)
-        pid_bg = gl.program_id(0)
-        n_groups = S // FOLD
-        b = pid_bg // n_groups
-        g = pid_bg % n_groups
-        seq_len = gl.load(SEQ + b)
-        n_blocks = gl.cdiv(seq_len, BLOCK_N)
-        per_split = gl.cdiv(n_blocks, NUM_SPLITS)
-        start = gl.program_id(2) * per_split * BLOCK_N
-        end = gl.minimum(start + per_split * BLOCK_N, seq_len)
-        if CAUSAL:
-            end = gl.minimum(end, seq_len - S + g * FOLD + FOLD)
+        b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_rounds = gl.cdiv(gl.maximum(end - start, 0), 2 * BLOCK_N)
 
         q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DC], Q_C_SMEM)
@@ -316,21 +290,14 @@ if G.HAVE_GLUON:
         for i in gl.static_range(NUM_BARRIERS):
             mbarrier.init(bars.index(i), count=1)
 
-        gl.warp_specialize([(_seesaw_warpgroup, (0, Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
-                                                 stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
-                                                 stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb,
-                                                 stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
-                                                 stride_ls, scale_log2, S, H, b, g, seq_len, start, end, n_rounds,
-                                                 q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem,
-                                                 bars, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
+        shared = (Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
+                  stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
+                  stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
+                  stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
+                  n_rounds, q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars)
+        gl.warp_specialize([(_seesaw_warpgroup, (0, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
                                                  DIRECT, FINE)),
-                            (_seesaw_warpgroup, (1, Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
-                                                 stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
-                                                 stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb,
-                                                 stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
-                                                 stride_ls, scale_log2, S, H, b, g, seq_len, start, end, n_rounds,
-                                                 q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem,
-                                                 bars, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
+                            (_seesaw_warpgroup, (1, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
                                                  DIRECT, FINE))], [4], [WORKER_REGS])
 
 
@@ -344,25 +311,8 @@ def launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                         dc: int, causal: bool, direct: bool, num_splits: int, worker_regs: int = 240,
                         fine: bool | None = None):
     """Stage 1 of `mla_decode_triton` through the seesaw kernel (arguments as `G.launch_gluon_split`)."""
-    B, S, H, D = q.shape
-    dr = D - dc
-    grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], num_splits)
-    mo_strides = (0, 0, 0, 0) if direct else mid_o.stride()[:4]
-    ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
-    dt = q.dtype
-    _mla_decode_seesaw_kernel[grid](
-        q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        *mo_strides, *ml_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        scale_log2, S, H, num_splits,
-        PAGE_SIZE=kv_cache.shape[1], DC=dc, DR=dr,
-        BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=G.BLOCK_M, BLOCK_N=64,
-        CAUSAL=causal, DIRECT=direct,
-        Q_C_SMEM=G._smem_layout([G.BLOCK_M, dc], dt), Q_R_SMEM=G._smem_layout([G.BLOCK_M, dr], dt),
-        K_C_SMEM=G._smem_layout([64, dc], dt), K_R_SMEM=G._smem_layout([64, dr], dt),
-        WORKER_REGS=worker_regs, FINE=FINE_WAITS if fine is None else fine, num_warps=4,
-    )
+    grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+                                             cfg, dc=dc, causal=causal, direct=direct, num_splits=num_splits,
+                                             block_n=64)
+    _mla_decode_seesaw_kernel[grid](*args, **consts, WORKER_REGS=worker_regs,
+                                    FINE=FINE_WAITS if fine is None else fine, num_warps=4)
