@@ -26,7 +26,7 @@ import os
 import statistics
 
 import torch
-from limits import copy_bandwidth
+from limits import copy_bandwidth, gemm_rate
 
 from specmla.ops.kv_cache import QUANTIZED, row_spec, write_kv_cache
 from specmla.ops.mla_decode import mla_decode_torch
@@ -222,8 +222,9 @@ def main():
     args = parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
-    copy_bw = copy_bandwidth()
-    print(f"device {props.name}, {props.multi_processor_count} SMs, copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    copy_bw, gemm = copy_bandwidth(), gemm_rate()
+    print(f"device {props.name}, {props.multi_processor_count} SMs, copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
+          f"bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
     variants = [dict(num_warps=8, num_stages=2, block_n=64), dict(num_warps=4, num_stages=2, block_n=32),
                 dict(num_warps=4, num_stages=3, block_n=32), dict(num_warps=4, num_stages=4, block_n=32),
                 dict(num_warps=8, num_stages=3, block_n=32), dict(num_warps=4, num_stages=2, block_n=64),
@@ -243,13 +244,15 @@ def main():
             naive = f"{row['naive_pct_copy']:.1f}%" if row.get("naive_s") else "-"
             speedup = f"{row['speedup_vs_bf16']:5.2f}x bf16  " if "speedup_vs_bf16" in row else ""
             print(f"H={H:3d} B={B:3d} T={T:6d} S={S} {kv:>4}  {row['ours_s'] * 1e3:8.4f} ms  {speedup}"
-                  f"{row['ours_GBps']:7.0f} GB/s {row['ours_pct_copy']:5.1f}% copy  {row['ours_TFLOPs']:6.1f} TFLOP/s  "
+                  f"{row['ours_GBps']:7.0f} GB/s {row['ours_pct_copy']:5.1f}% copy  {row['ours_TFLOPs']:6.1f} TFLOP/s "
+                  f"({100 * row['ours_TFLOPs'] * 1e12 / gemm:.0f}% GEMM)  "
                   f"naive {naive}  err {row['rel_err']:.1e}  default {row['default_s'] * 1e3:.4f} ms "
                   f"({100 * row['bytes'] / row['default_s'] / copy_bw:.1f}% copy)  planned {row['planned_s'] * 1e3:.4f} ms  "
                   f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}"
                   + (f"  triton-only {row['triton_only_s'] * 1e3:.4f} ms" if row.get("triton_only_s") else ""),
                   flush=True)
-    result = {"device": props.name, "copy_GBps": copy_bw / 1e9, "torch": torch.__version__, "rows": rows}
+    result = {"device": props.name, "copy_GBps": copy_bw / 1e9, "gemm_TFLOPs": gemm / 1e12, "torch": torch.__version__,
+              "rows": rows}
     with open(os.path.join(args.out, "bench_mla_decode.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     try:

@@ -23,3 +23,23 @@ def copy_bandwidth(device="cuda", nbytes: int = 2 << 30, reps: int = 12) -> floa
         times.append(s.elapsed_time(e) / 1e3)
     del a, b
     return 2 * nbytes / statistics.median(times[2:])
+
+
+def gemm_rate(device="cuda", n: int = 8192, reps: int = 10) -> float:
+    """bf16 n×n×n matmul rate in FLOP/s (median of reps): the compute ceiling ANCHORS.md quotes
+    (760 TFLOP/s on the anchor run's H100). Taken in the same run because clocks differ between
+    machines and with heat: a compute-bound kernel's figure means little without it."""
+    if torch.device(device).type != "cuda":
+        return float("nan")
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    times = []
+    for _ in range(reps + 2):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n**3 / statistics.median(times[2:])

@@ -55,17 +55,20 @@ def test_compiles_for_sm90_within_hopper_limits():
         assert 0 < use["shared"] <= H100_SMEM, r
 
 
-def test_auto_rule_takes_padded_small_tiles_only_with_many_programs():
-    """mla_decode_triton(gluon=None) on a supported GPU call: 64-row tiles always; 16/32-row tiles
-    through the seesaw kernel when one wave needs few splits (measured, docs/benchmarks.md)."""
+def test_seesaw_rule_padded_small_tiles_need_many_programs():
+    """Which Gluon kernel a split runs: the seesaw for 64-row tiles and for 16/32-row tiles padded to
+    64 rows once there are AUTO_MIN_PROGRAMS programs; the one-stream kernel for fewer (many short
+    splits) and for shapes the seesaw does not take (measured, docs/benchmarks.md)."""
     from specmla.ops.mla_decode_triton import plan
     cpu = torch.device("cpu")
-    assert G.auto_takes(plan(64, 1, 128, 8192, cpu, 64), 64, 1, 512, 64, 64)  # 64-row tiles
-    assert G.auto_takes(plan(4, 1, 64, 8192, cpu, 64), 4, 1, 256, 32, 64)  # ... any supported widths
-    assert G.auto_takes(plan(32, 1, 16, 32768, cpu, 64), 32, 1, 512, 64, 64)  # 32 programs of 16 rows
-    assert not G.auto_takes(plan(4, 1, 16, 81920, cpu, 64), 4, 1, 512, 64, 64)  # few programs: Triton
-    assert not G.auto_takes(plan(64, 1, 16, 8192, cpu, 64), 64, 1, 512, 32, 64)  # no seesaw for Dr=32
-    assert not G.auto_takes(plan(64, 2, 16, 8192, cpu, 64), 64, 2, 512, 64, 32)  # ... nor 32-key blocks
+    assert G.takes_seesaw(plan(64, 1, 128, 8192, cpu, 64), 64, 1, 512, 64, 64)  # 64-row tiles
+    assert G.takes_seesaw(plan(1, 1, 64, 8192, cpu, 64), 1, 1, 512, 64, 64)  # ... even one program
+    assert G.takes_seesaw(plan(32, 1, 16, 32768, cpu, 64), 32, 1, 512, 64, 64)  # 32 programs of 16 rows
+    assert G.takes_seesaw(plan(32, 2, 16, 8192, cpu, 64), 32, 2, 512, 64, 64)  # 32 requests × 2 tokens, 32 rows
+    assert not G.takes_seesaw(plan(4, 1, 16, 81920, cpu, 64), 4, 1, 512, 64, 64)  # few programs
+    assert not G.takes_seesaw(plan(31, 1, 16, 8192, cpu, 64), 31, 1, 512, 64, 64)  # ... just below the rule
+    assert not G.takes_seesaw(plan(4, 1, 64, 8192, cpu, 64), 4, 1, 256, 32, 64)  # Dr=32: one-stream only
+    assert not G.takes_seesaw(plan(64, 2, 16, 8192, cpu, 64), 64, 2, 512, 64, 32)  # ... and 32-key blocks
 
 
 def test_not_taken_on_cpu_and_clear_error_when_forced():

@@ -43,12 +43,12 @@ except ImportError:  # pragma: no cover - older Triton
     HAVE_GLUON = False
 
 BLOCK_M = 64
-AUTO = True  # mla_decode_triton(gluon=None) takes this kernel where supported and measured faster:
-AUTO_MIN_ROWS = 64  # ... row tiles of at least this many rows,
-AUTO_MIN_PROGRAMS = 32  # ... or smaller tiles padded to 64 rows, through the seesaw kernel, when there are
-# this many (request, row tile) programs, so that one wave needs at most a few splits (H=16: B=32 T=32k
-# 97.2 % of copy vs 95.9 %, B=128 T=4k 95 % vs 92.5 %; with fewer programs the Triton kernel's two waves
-# of many splits win: B=4 T=80k 88.9 % vs 86.4 %)
+AUTO = True  # mla_decode_triton(gluon=None) takes these kernels wherever they are supported: 64-row tiles,
+# and smaller tiles padded to 64 rows in one wave of splits (H100, H=16 S=1, % of copy, ours vs the Triton
+# kernel's best wave count: B=4 T=80k 91.1 vs 89.3, B=8 T=32k 89.9 vs 84.8, B=16 T=32k 95.4 vs 92.4)
+AUTO_MIN_PROGRAMS = 32  # padded tiles take the seesaw kernel from this many (request, row tile) programs, the
+# one-stream kernel below it (fewer programs mean many short splits, where the one-stream start-up is cheaper:
+# B=4 T=80k 91.1 % vs 86.0 %; with 32 or more, one split or a few long ones: B=32 T=32k seesaw 99.4 %)
 SEESAW = True  # 64-key blocks with Dr = 64 run the warp-specialised schedule (`ops.mla_decode_seesaw`)
 
 
@@ -253,7 +253,7 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: 
                            block_m: int) -> bool:
     """Whether the Gluon kernel can take this call: Hopper, 16-bit cache and q of one dtype, Dc a
     multiple of 64 up to 512 and Dr a multiple of 16 up to 64. Tiles of fewer rows run padded to 64
-    (wgmma's smallest M); `AUTO_MIN_ROWS` says from which tile size it is the default."""
+    (wgmma's smallest M)."""
     if (not HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
             or kv_format not in ("auto", "native", "bf16", "fp16")):
         return False
@@ -267,15 +267,12 @@ def gluon_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: 
             and kv_cache.shape[-1] == D and kv_cache.stride(-1) == 1)
 
 
-def auto_takes(cfg: dict, B: int, S: int, dc: int, dr: int, block_n: int) -> bool:
-    """Whether `mla_decode_triton(gluon=None)` runs a supported call through the Gluon kernels."""
+def takes_seesaw(cfg: dict, B: int, S: int, dc: int, dr: int, block_n: int) -> bool:
+    """Whether a Gluon split runs the seesaw kernel (else the one-stream kernel in this file)."""
     from specmla.ops import mla_decode_seesaw
-    if not AUTO:
+    if not (SEESAW and mla_decode_seesaw.seesaw_supported(dc, dr, block_n)):
         return False
-    if cfg["BLOCK_M"] >= AUTO_MIN_ROWS:
-        return True
-    programs = B * (S // cfg["FOLD"]) * cfg["head_blocks"]
-    return SEESAW and mla_decode_seesaw.seesaw_supported(dc, dr, block_n) and programs >= AUTO_MIN_PROGRAMS
+    return cfg["BLOCK_M"] >= BLOCK_M or B * (S // cfg["FOLD"]) * cfg["head_blocks"] >= AUTO_MIN_PROGRAMS
 
 
 def launch_gluon_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
@@ -284,7 +281,8 @@ def launch_gluon_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, 
     """Stage 1 of `mla_decode_triton` through the Gluon kernel (same grid, arguments and outputs;
     num_splits is the workspace's, which may differ from cfg's plan)."""
     from specmla.ops import mla_decode_seesaw
-    if SEESAW and mla_decode_seesaw.seesaw_supported(dc, q.shape[-1] - dc, block_n):
+    B, S = q.shape[:2]
+    if takes_seesaw(cfg, B, S, dc, q.shape[-1] - dc, block_n):
         return mla_decode_seesaw.launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                      scale_log2, cfg, dc=dc, causal=causal, direct=direct,
                                                      num_splits=num_splits)

@@ -466,7 +466,7 @@ def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n
     # One program per SM at a time (a program's K pipeline takes most of the shared memory), so
     # split only as far as one wave allows: more splits would add a tail wave and partial traffic.
     sms = _sm_count(device)
-    max_useful = max(1, triton.cdiv(max_seq_len, 2 * block_n))  # keep ≥ 2 KV blocks per split
+    max_useful = max(1, triton.cdiv(max_seq_len, block_n))  # at least one KV block per split
     # measured (docs/benchmarks.md): a second wave balances large batches of small (≤ 32-row) tiles;
     # 64-row tiles are compute-heavy and do best in one wave, written directly
     if waves is None:
@@ -526,8 +526,7 @@ def mla_decode_triton(
     if gluon and not supported:
         raise ValueError("the Gluon decode kernel takes a 16-bit cache on Hopper only, with Dc a multiple of 64 "
                          "up to 512 and Dr a multiple of 16 up to 64")
-    run_gluon = supported and (mla_decode_gluon.auto_takes(cfg, B, S, dc, dr, gluon_block_n) if gluon is None
-                               else gluon)
+    run_gluon = supported and (mla_decode_gluon.AUTO if gluon is None else gluon)
     if run_gluon:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
         cfg = plan(B, S, H, max_seq, q.device, gluon_block_n, max_rows, waves=1)
     if num_splits is not None:
