@@ -82,27 +82,38 @@ def offline_sm90(capability: int = 90):
 def gluon_decode_usage(cases) -> list[dict]:
     """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct[, block_n]) and
     report its resources (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
-    interpreter mode, which the test suite turns on, cannot compile)."""
+    interpreter mode, which the test suite turns on, cannot compile). dtype "fp8": the fp8-cache kernel
+    (`ops.mla_decode_gluon_fp8`) with bf16 queries."""
     import torch
 
     from specmla.ops import mla_decode_gluon as G
+    from specmla.ops import mla_decode_gluon_fp8 as F
+    from specmla.ops.kv_cache import row_spec
     from specmla.ops.mla_decode_triton import plan
 
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         block_n = rest[0] if rest else 64
-        dtype = getattr(torch, dtype_name)
+        fp8 = dtype_name == "fp8"
+        dtype = torch.bfloat16 if fp8 else getattr(torch, dtype_name)
         B = 2
         q = torch.randn(B, S, H, dc + dr, dtype=dtype)
-        kv = torch.randn(8, 64, dc + dr, dtype=dtype)
+        if fp8:
+            kv = torch.zeros(8, 64, row_spec("fp8", dc, dr, dtype)[0], dtype=torch.uint8)
+        else:
+            kv = torch.randn(8, 64, dc + dr, dtype=dtype)
         table = torch.zeros(B, 4, dtype=torch.int32)
         lens = torch.full((B,), 200, dtype=torch.int32)
         cfg = plan(B, S, H, 256, q.device, 64)
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         with offline_sm90() as kernels:
-            G.launch_gluon_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, dc=dc, causal=True,
-                                 direct=direct, num_splits=1 if direct else 2, block_n=block_n)
+            if fp8:
+                F.launch_fp8_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True, direct=direct,
+                                   num_splits=1 if direct else 2)
+            else:
+                G.launch_gluon_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, dc=dc, causal=True,
+                                     direct=direct, num_splits=1 if direct else 2, block_n=block_n)
         rows.append(dict(case=[H, S, dc, dr, dtype_name, direct, *rest], kernels=[resource_usage(k) for k in kernels]))
     return rows
 

@@ -29,7 +29,10 @@ CPU_COMPILE_CASES = [  # H, S, dc, dr, dtype, direct[, block_n]
     [16, 4, 512, 64, "bfloat16", False],  # four tokens folded into 64 rows, split partials
     [32, 2, 256, 32, "float16", False],  # other latent / rope widths, fp16: the one-stream kernel
     [128, 1, 512, 64, "bfloat16", False, 32],  # 32-key blocks: the one-stream kernel
+    [16, 1, 512, 64, "fp8", True],  # an fp8 cache: keys as M, 16 rows (ops/mla_decode_gluon_fp8.py)
+    [16, 2, 512, 64, "fp8", False],  # ... 32 rows, split partials
 ]
+FP8_STACK_BYTES = 128  # fp8, 32 rows: 0 B with Triton 3.6 (the GPU machine's), 72 B with 3.9
 SEESAW_STACK_BYTES = 256  # the seesaw warpgroups keep loop-invariant words on the stack (96 B with Triton 3.6, 232 B with 3.9)
 
 
@@ -48,10 +51,13 @@ def test_compiles_for_sm90_within_hopper_limits():
     assert [r["case"] for r in rows] == CPU_COMPILE_CASES
     for r in rows:
         (use,) = r["kernels"]
-        seesaw = r["case"][3] == 64 and len(r["case"]) == 6
-        assert use["name"] == ("_mla_decode_seesaw_kernel" if seesaw else "_mla_decode_wgmma_kernel"), r
+        fp8 = r["case"][4] == "fp8"
+        seesaw = r["case"][3] == 64 and len(r["case"]) == 6 and not fp8
+        assert use["name"] == ("_mla_decode_fp8_kernel" if fp8 else "_mla_decode_seesaw_kernel" if seesaw
+                               else "_mla_decode_wgmma_kernel"), r
         assert use["warps"] == 8 and 0 < use["regs"] <= 255 and use["local"] == 0, r
-        assert use["stack"] <= (SEESAW_STACK_BYTES if seesaw else 0), r  # no spills in the one-stream kernel
+        # no spills in the one-stream kernel; the seesaw and fp8 kernels run at the 255-register cap
+        assert use["stack"] <= (SEESAW_STACK_BYTES if seesaw else FP8_STACK_BYTES if fp8 else 0), r
         assert 0 < use["shared"] <= H100_SMEM, r
 
 
@@ -69,6 +75,18 @@ def test_seesaw_rule_padded_small_tiles_need_many_programs():
     assert not G.takes_seesaw(plan(31, 1, 16, 8192, cpu, 64), 31, 1, 512, 64, 64)  # ... just below the rule
     assert not G.takes_seesaw(plan(4, 1, 64, 8192, cpu, 64), 4, 1, 256, 32, 64)  # Dr=32: one-stream only
     assert not G.takes_seesaw(plan(64, 2, 16, 8192, cpu, 64), 64, 2, 512, 64, 32)  # ... and 32-key blocks
+
+
+def test_fp8_rule_takes_folded_tokens_and_long_splits():
+    """Which fp8 calls the Gluon fp8 kernel takes by default (measured, docs/benchmarks.md)."""
+    from specmla.ops import mla_decode_gluon_fp8 as F
+    from specmla.ops.mla_decode_triton import plan
+    cpu = torch.device("cpu")
+    cfg = lambda B, S, T: plan(B, S, 16, T, cpu, F.BLOCK_N, waves=1)  # noqa: E731
+    assert F.auto_takes(cfg(32, 2, 32768), 32, 2)  # two folded tokens: 32-row tiles
+    assert F.auto_takes(cfg(4, 1, 131072), 4, 1)  # few programs, long splits
+    assert not F.auto_takes(cfg(32, 1, 32768), 32, 1)  # 32 programs of 16 rows: Triton
+    assert not F.auto_takes(cfg(1, 1, 1024), 1, 1)  # one-block splits (plan's CPU stand-in has 8 SMs): Triton
 
 
 def test_not_taken_on_cpu_and_clear_error_when_forced():

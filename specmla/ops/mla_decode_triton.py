@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops import mla_decode_gluon, tbq4
+from specmla.ops import mla_decode_gluon, mla_decode_gluon_fp8, tbq4
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -473,7 +473,7 @@ def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n
         waves = 2 if programs >= 32 and block_m < 64 else 1
     splits = max(1, min(waves * sms // programs, max_useful, 128))
     return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
-                BLOCK_N=block_n)
+                BLOCK_N=block_n, keys_per_split=triton.cdiv(triton.cdiv(max_seq_len, block_n), splits) * block_n)
 
 
 def mla_decode_triton(
@@ -522,13 +522,23 @@ def mla_decode_triton(
     gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
-    supported = mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format, cfg["BLOCK_M"])
+    gluon_fp8 = kv_format == "fp8" and mla_decode_gluon_fp8.fp8_supported(q, kv_cache, dc, cfg["BLOCK_M"])
+    supported = gluon_fp8 or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
+                                                                     cfg["BLOCK_M"])
     if gluon and not supported:
-        raise ValueError("the Gluon decode kernel takes a 16-bit cache on Hopper only, with Dc a multiple of 64 "
-                         "up to 512 and Dr a multiple of 16 up to 64")
-    run_gluon = supported and (mla_decode_gluon.AUTO if gluon is None else gluon)
-    if run_gluon:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
-        cfg = plan(B, S, H, max_seq, q.device, gluon_block_n, max_rows, waves=1)
+        raise ValueError("the Gluon decode kernels take Hopper only: a 16-bit cache with Dc a multiple of 64 up to "
+                         "512 and Dr a multiple of 16 up to 64, or an fp8 cache with Dc=512, Dr=64 and ≤ 32 rows")
+    gluon_cfg = None
+    if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key (fp8: 128) blocks
+        gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_fp8.BLOCK_N if gluon_fp8 else gluon_block_n,
+                         max_rows, waves=1)
+    if gluon is None:
+        run_gluon = supported and (mla_decode_gluon_fp8.auto_takes(gluon_cfg, B, S) if gluon_fp8
+                                   else mla_decode_gluon.AUTO)
+    else:
+        run_gluon = supported and gluon
+    if run_gluon:
+        cfg = gluon_cfg
     if num_splits is not None:
         cfg["num_splits"] = num_splits
     ns = cfg["num_splits"]
@@ -574,7 +584,10 @@ def mla_decode_triton(
         cent = tbq4.centroids(q.device)
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
-    if run_gluon:
+    if run_gluon and gluon_fp8:
+        mla_decode_gluon_fp8.launch_fp8_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                              softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns)
+    elif run_gluon:
         mla_decode_gluon.launch_gluon_split(
             q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
             causal=causal, direct=direct, num_splits=ns, block_n=gluon_block_n,

@@ -1,0 +1,58 @@
+"""Issue-7 probe: the fp8 cache through the Hopper Gluon fp8 kernel (`ops.mla_decode_gluon_fp8`) and
+through the Triton kernel, against bf16, in one run (CUDA-graph timing as bench_mla_decode).
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/fp8_probe.py [--out DIR]
+"""
+import argparse
+import json
+import os
+
+import torch
+from bench_mla_decode import SCALE, kv_decode_bytes, make_problem, time_fn
+from limits import copy_bandwidth
+
+from specmla.ops.mla_decode import mla_decode_torch
+from specmla.ops.mla_decode_triton import mla_decode_triton
+
+CASES = [(16, 32, 32768, 1), (16, 4, 81920, 1), (16, 32, 32768, 2), (16, 1, 8192, 1), (16, 128, 4096, 1)]
+VARIANTS = (("bf16", "bf16", None), ("fp8_default", "fp8", None), ("fp8_gluon", "fp8", True),
+            ("fp8_triton", "fp8", False))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    out_dir = ap.parse_args().out
+    bw = copy_bandwidth()
+    print(f"copy {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for H, B, T, S in CASES:
+        res = {"case": [H, B, T, S]}
+        for kv in ("bf16", "fp8"):
+            caches, table, seq, qs = make_problem(H, B, T, S, 4, kv)
+            nb = kv_decode_bytes(kv, B * T, B, S, H)
+            out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+            ref = mla_decode_torch(qs[0][:2].float(), caches[0], table[:2], seq[:2], SCALE, head_dim_v=512,
+                                   kv_format=kv)
+            for name, fmt, gluon in VARIANTS:
+                if fmt != kv:
+                    continue
+                got = mla_decode_triton(qs[0][:2], caches[0], table[:2], seq[:2], SCALE, head_dim_v=512,
+                                        kv_format=kv, gluon=gluon)
+                t = time_fn(lambda i, qs=qs, caches=caches: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out,
+                                                                              head_dim_v=512, kv_format=kv,
+                                                                              gluon=gluon), 4, graph=True)
+                res[name] = dict(us=t * 1e6, pct_copy=100 * nb / t / bw,
+                                 rel_err=((got.float() - ref).norm() / ref.norm()).item())
+            del caches, qs
+            torch.cuda.empty_cache()
+        for name, _, _ in VARIANTS[1:]:
+            res[name]["x_bf16"] = res["bf16"]["us"] / res[name]["us"]
+        print(json.dumps(res), flush=True)
+        rows.append(res)
+    with open(os.path.join(out_dir, "fp8_probe.json"), "w") as f:
+        json.dump({"copy_GBps": bw / 1e9, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
