@@ -7,22 +7,27 @@ import statistics
 import torch
 
 
+def _median_seconds(fn, runs: int, warmup: int = 2) -> float:
+    """Median CUDA-event time of fn() over `runs` calls, the first `warmup` of them discarded."""
+    times = []
+    for _ in range(runs):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times[warmup:])
+
+
 def copy_bandwidth(device="cuda", nbytes: int = 2 << 30, reps: int = 12) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read + written (median of reps)."""
     if torch.device(device).type != "cuda":
         return float("nan")
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
     b = torch.empty_like(a)
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * nbytes / statistics.median(times[2:])
+    t = _median_seconds(lambda: b.copy_(a), reps)
+    return 2 * nbytes / t
 
 
 def gemm_rate(device="cuda", n: int = 8192, reps: int = 10) -> float:
@@ -33,13 +38,5 @@ def gemm_rate(device="cuda", n: int = 8192, reps: int = 10) -> float:
         return float("nan")
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    times = []
-    for _ in range(reps + 2):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * n**3 / statistics.median(times[2:])
+    t = _median_seconds(lambda: a @ b, reps + 2)
+    return 2 * n**3 / t

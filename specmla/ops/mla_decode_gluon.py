@@ -294,15 +294,18 @@ def launch_gluon_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, 
 
 
 def split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *, dc: int,
-                      causal: bool, direct: bool, num_splits: int, block_n: int):
-    """Grid, positional arguments and common constexprs of the Gluon split kernels (this file's and
-    `ops.mla_decode_seesaw`'s), which share the Triton kernel's grid, split rule and outputs."""
+                      causal: bool, direct: bool, num_splits: int, block_n: int, block_m: int = BLOCK_M,
+                      kv_views: tuple | None = None):
+    """Grid, positional arguments and common constexprs of the Gluon split kernels (this file's,
+    `ops.mla_decode_seesaw`'s and `ops.mla_decode_gluon_fp8`'s), which share the Triton kernel's grid,
+    split rule and outputs. kv_views: the cache as the kernel takes it (default: the cache itself);
+    its strides are the cache's."""
     B, S, H, D = q.shape
     dr = D - dc
     grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], num_splits)
     mo_strides = (0, 0, 0, 0) if direct else mid_o.stride()[:4]
     ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
-    args = (q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+    args = (q, *(kv_views or (kv_cache,)), block_table, seq_lens, mid_o, mid_lse, out, lse,
             q.stride(0), q.stride(1), q.stride(2),
             kv_cache.stride(0), kv_cache.stride(1),
             block_table.stride(0),
@@ -311,8 +314,8 @@ def split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, l
             lse.stride(0), lse.stride(1),
             scale_log2, S, H, num_splits)
     dt = q.dtype
-    consts = dict(PAGE_SIZE=kv_cache.shape[1], DC=dc, DR=dr, BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=BLOCK_M,
+    consts = dict(PAGE_SIZE=kv_cache.shape[1], DC=dc, DR=dr, BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=block_m,
                   BLOCK_N=block_n, CAUSAL=causal, DIRECT=direct,
-                  Q_C_SMEM=_smem_layout([BLOCK_M, dc], dt), Q_R_SMEM=_smem_layout([BLOCK_M, dr], dt),
+                  Q_C_SMEM=_smem_layout([block_m, dc], dt), Q_R_SMEM=_smem_layout([block_m, dr], dt),
                   K_C_SMEM=_smem_layout([block_n, dc], dt), K_R_SMEM=_smem_layout([block_n, dr], dt))
     return grid, args, consts

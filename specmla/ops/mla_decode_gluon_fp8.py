@@ -46,15 +46,6 @@ if G.HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     @gluon.jit
-    def _key_rows(BT, b, stride_btb, n0, end, stride_p, stride_t, PAGE_SIZE: gl.constexpr, BN: gl.constexpr,
-                  LAYOUT: gl.constexpr):
-        """Byte offsets of the rows of the key block starting at n0, and which lie before `end`."""
-        offs_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, LAYOUT))
-        ok = offs_n < end
-        page = gl.load(BT + b * stride_btb + offs_n // PAGE_SIZE, mask=ok, other=0).to(gl.int64)
-        return page * stride_p + (offs_n % PAGE_SIZE) * stride_t, ok
-
-    @gluon.jit
     def _load_words(KV32, rows, ok, half: gl.constexpr, WORDS: gl.constexpr):
         """Half `half` of a key block's codes (256 per key) as 32-bit words of four e4m3 codes."""
         w = half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, WORDS))
@@ -107,15 +98,15 @@ if G.HAVE_GLUON:
         scale_log2,
         S, H, NUM_SPLITS,
         PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
-        BLOCK_H: gl.constexpr, FOLD: gl.constexpr, ROWS: gl.constexpr, BN: gl.constexpr,
+        BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
         P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
-        # Sᵀ [BN keys, ROWS] and Oᵀ [DC, ROWS]: the two warpgroups stack along M (keys / latent columns)
+        # Sᵀ [BLOCK_N keys, BLOCK_M] and Oᵀ [DC, BLOCK_M]: the two warpgroups stack along M (keys / latent columns)
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, ROWS, 16])
+                                                      instr_shape=[16, BLOCK_M, 16])
         WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[2, 16],
                                                warps_per_cta=[num_warps, 1], order=[1, 0])
         ROPE: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
@@ -123,16 +114,16 @@ if G.HAVE_GLUON:
         KEY: gl.constexpr = gl.SliceLayout(1, ACC)  # along keys (or tile columns)
         ROW: gl.constexpr = gl.SliceLayout(0, ACC)  # along query rows
 
-        b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BN, CAUSAL)
+        b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
 
-        q_c_smem = gl.allocate_shared_memory(dtype, [ROWS, DC], Q_C_SMEM)
-        q_r_smem = gl.allocate_shared_memory(dtype, [ROWS, DR], Q_R_SMEM)
-        k_c_smem = gl.allocate_shared_memory(dtype, [BN, DC], K_C_SMEM)
-        k_r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, DR], K_R_SMEM)  # the rope part is stored bf16
-        p_smem = gl.allocate_shared_memory(dtype, [BN, ROWS], P_SMEM)
+        q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DC], Q_C_SMEM)
+        q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DR], Q_R_SMEM)
+        k_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DC], K_C_SMEM)
+        k_r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], K_R_SMEM)  # the rope part is stored bf16
+        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], P_SMEM)
 
         # Q rows: FOLD tokens × BLOCK_H heads, latent columns in the tile's order; padded rows are zeros
-        rows_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ROPE))
+        rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROPE))
         s_q = g * FOLD + rows_q // BLOCK_H
         h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
         ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
@@ -143,39 +134,43 @@ if G.HAVE_GLUON:
         q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0).to(gl.bfloat16))
 
         # the first block: codes and scales into registers, rope into its shared buffer
-        rows_w, ok_w = _key_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BN, WORDS)
+        rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt,
+                                           PAGE_SIZE, BLOCK_N, WORDS)
         w0 = _load_words(KV32, rows_w, ok_w, 0, WORDS)
         w1 = _load_words(KV32, rows_w, ok_w, 1, WORDS)
         sc0, sc1, sc2, sc3 = _load_scales(KV32, rows_w, ok_w, DC, WORDS)
-        rows_r, ok_r = _key_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BN, ROPE)
+        rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt,
+                                           PAGE_SIZE, BLOCK_N, ROPE)
         _load_rope(KV16, k_r_smem.index(0), rows_r, ok_r, DC, DR, ROPE)
 
-        cols_r = gl.arange(0, ROWS, layout=ROW)
+        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
         s_idx = g * FOLD + cols_r // BLOCK_H
         if CAUSAL:
             limit = seq_len - S + s_idx + 1
         else:
-            limit = gl.full([ROWS], 0, gl.int32, layout=ROW) + seq_len
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=ROW)
-        l_i = gl.full([ROWS], 0.0, gl.float32, layout=ROW)
+            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW)
         # carried through the loop as an in-flight wgmma accumulator (each iteration waits on it first)
-        acc = warpgroup_mma_init(gl.zeros([DC, ROWS], gl.float32, layout=ACC))
-        s_zero = gl.zeros([BN, ROWS], gl.float32, layout=ACC)
-        keys = gl.arange(0, BN, layout=KEY)
+        acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_M], gl.float32, layout=ACC))
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
+        keys = gl.arange(0, BLOCK_N, layout=KEY)
 
-        n_iters = gl.cdiv(gl.maximum(end - start, 0), BN)
+        n_iters = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         for it in range(n_iters):
             # the previous P·V has read the tile, P and the other rope buffer: overwrite them
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _store_half(k_c_smem, w0, sc0, sc1, 0, dtype, WORDS)
             _store_half(k_c_smem, w1, sc2, sc3, 1, dtype, WORDS)
             # the next block's bytes fly while this one computes
-            n1 = start + (it + 1) * BN
-            rows_w, ok_w = _key_rows(BT, b, stride_btb, n1, end, stride_kvp, stride_kvt, PAGE_SIZE, BN, WORDS)
+            n1 = start + (it + 1) * BLOCK_N
+            rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, n1, end, stride_kvp, stride_kvt,
+                                               PAGE_SIZE, BLOCK_N, WORDS)
             w0 = _load_words(KV32, rows_w, ok_w, 0, WORDS)
             w1 = _load_words(KV32, rows_w, ok_w, 1, WORDS)
             sc0, sc1, sc2, sc3 = _load_scales(KV32, rows_w, ok_w, DC, WORDS)
-            rows_r, ok_r = _key_rows(BT, b, stride_btb, n1, end, stride_kvp, stride_kvt, PAGE_SIZE, BN, ROPE)
+            rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, n1, end, stride_kvp, stride_kvt,
+                                               PAGE_SIZE, BLOCK_N, ROPE)
             _load_rope(KV16, k_r_smem.index((it + 1) % 2), rows_r, ok_r, DC, DR, ROPE)
             cp.wait_group(1)  # this block's rope has landed
             fence_async_shared()
@@ -186,7 +181,7 @@ if G.HAVE_GLUON:
             s = warpgroup_mma(k_r_smem.index(it % 2), q_r_smem.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
-            offs_n = start + it * BN + keys
+            offs_n = start + it * BLOCK_N + keys
             visible = gl.expand_dims(offs_n < end, 1) & (gl.expand_dims(offs_n, 1) < gl.expand_dims(limit, 0))
             s = gl.where(visible, s * scale_log2, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=0))
@@ -250,25 +245,11 @@ def auto_takes(cfg: dict, B: int, S: int) -> bool:
 
 def launch_fp8_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
                      causal: bool, direct: bool, num_splits: int):
-    """Stage 1 of `mla_decode_triton` for an fp8 cache (grid, split rule and outputs as the others)."""
-    B, S, H, _ = q.shape
-    grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], num_splits)
+    """Stage 1 of `mla_decode_triton` for an fp8 cache (grid, split rule and outputs as the others):
+    the kernel reads the uint8 rows as bf16 (rope) and 32-bit words (codes, scales)."""
     rows = max(16, cfg["BLOCK_M"])
-    mo_strides = (0, 0, 0, 0) if direct else mid_o.stride()[:4]
-    ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
-    dt = q.dtype
-    _mla_decode_fp8_kernel[grid](
-        q, kv_cache.view(torch.bfloat16), kv_cache.view(torch.int32), block_table, seq_lens, mid_o, mid_lse, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0),
-        *mo_strides, *ml_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        scale_log2, S, H, num_splits,
-        PAGE_SIZE=kv_cache.shape[1], DC=DC, DR=DR, BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], ROWS=rows, BN=BLOCK_N,
-        CAUSAL=causal, DIRECT=direct,
-        Q_C_SMEM=G._smem_layout([rows, DC], dt), Q_R_SMEM=G._smem_layout([rows, DR], dt),
-        K_C_SMEM=G._smem_layout([BLOCK_N, DC], dt), K_R_SMEM=G._smem_layout([BLOCK_N, DR], torch.bfloat16),
-        P_SMEM=G._smem_layout([BLOCK_N, rows], dt), num_warps=8,
-    )
+    grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+                                             cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
+                                             block_n=BLOCK_N, block_m=rows,
+                                             kv_views=(kv_cache.view(torch.bfloat16), kv_cache.view(torch.int32)))
+    _mla_decode_fp8_kernel[grid](*args, **consts, P_SMEM=G._smem_layout([BLOCK_N, rows], q.dtype), num_warps=8)
