@@ -244,6 +244,16 @@ if HAVE_GLUON:
                       stride_ob, stride_os, stride_oh, stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, DC, DIRECT, True,
                       ROW_O, ROW_S)
 
+def source_key(path: str) -> int:
+    """A checksum of a kernel module's source, passed to its warp-specialised kernels as a constexpr: Triton's
+    cache key misses the partition functions handed to `gl.warp_specialize` (Triton 3.6 and 3.9), so an
+    edited partition would otherwise reuse the stale compiled kernel."""
+    import zlib
+
+    with open(path, "rb") as f:
+        return zlib.crc32(f.read())
+
+
 def _smem_layout(shape, dtype):
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for(list(shape), gdt)

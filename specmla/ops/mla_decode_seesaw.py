@@ -41,6 +41,8 @@ if G.HAVE_GLUON:
 
     _cp_async, _cta_barrier = G._cp_async, G._cta_barrier
 
+_SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
+
 # mbarrier slots: one arrival each (a warpgroup's elected thread after a warpgroup-wide sync)
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 M_READY = _c(0)  # +w: warpgroup w published its block's max and rescale factor
@@ -272,7 +274,7 @@ if G.HAVE_GLUON:
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
-        WORKER_REGS: gl.constexpr, FINE: gl.constexpr, num_warps: gl.constexpr,
+        WORKER_REGS: gl.constexpr, FINE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
@@ -315,4 +317,4 @@ def launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                              cfg, dc=dc, causal=causal, direct=direct, num_splits=num_splits,
                                              block_n=64)
     _mla_decode_seesaw_kernel[grid](*args, **consts, WORKER_REGS=worker_regs,
-                                    FINE=FINE_WAITS if fine is None else fine, num_warps=4)
+                                    FINE=FINE_WAITS if fine is None else fine, SOURCE_KEY=_SOURCE_KEY, num_warps=4)
