@@ -118,10 +118,33 @@ def gluon_decode_usage(cases) -> list[dict]:
     return rows
 
 
+def gluon_prefill_usage(cases) -> list[dict]:
+    """Compile the Gluon prefill kernel (`ops.mla_prefill_gluon`) for each (H, dqk, dv, dtype name,
+    causal) and report its resources."""
+    import torch
+
+    from specmla.ops import mla_prefill_gluon as P
+
+    rows = []
+    for H, dqk, dv, dtype_name, causal in cases:
+        dtype = getattr(torch, dtype_name)
+        T = 300
+        q, k = torch.randn(T, H, dqk, dtype=dtype), torch.randn(T, H, dqk, dtype=dtype)
+        v = torch.randn(T, H, dv, dtype=dtype)
+        cu = torch.tensor([0, 100, T], dtype=torch.int32)
+        with offline_sm90() as kernels:
+            P.mla_prefill_gluon(q, k, v, cu, cu, 200, 200, 0.07, causal=causal)
+        rows.append(dict(case=[H, dqk, dv, dtype_name, causal], kernels=[resource_usage(k) for k in kernels]))
+    return rows
+
+
 if __name__ == "__main__":
     import json
     import sys
 
+    if len(sys.argv) > 2 and sys.argv[1] == "prefill":  # JSON list of gluon prefill cases
+        print(json.dumps(gluon_prefill_usage(json.loads(sys.argv[2]))))
+        sys.exit(0)
     if len(sys.argv) > 1:  # JSON list of gluon decode cases → JSON resource report on stdout
         print(json.dumps(gluon_decode_usage(json.loads(sys.argv[1]))))
         sys.exit(0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from mla_cases import rel_err
 
-from specmla.ops.mla_prefill import mla_prefill, mla_prefill_torch
+from specmla.ops.mla_prefill import mla_prefill, mla_prefill_torch, mla_prefill_triton
 
 
 def ragged(q_lens, kv_lens, H, dqk, dv, dtype, device="cpu", seed=0):
@@ -60,3 +60,77 @@ def test_gpu_prefill_bf16_ragged(H):
     got, lse = mla_prefill(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.07, return_lse=True)
     assert rel_err(got.float(), want) <= 1e-2
     assert (lse - want_lse).abs().max().item() <= 1e-3
+
+
+def test_gluon_required_but_unsupported_raises():
+    """gluon=True on a call the Hopper kernel cannot take (here: a CPU tensor) is a clear error, not a
+    silent fallback."""
+    q, k, v, cu_q, cu_k = ragged([3], [3], 2, 192, 128, torch.float32)
+    with pytest.raises(ValueError, match="Gluon prefill"):
+        mla_prefill_triton(q, k, v, cu_q, cu_k, 3, 3, 0.1, gluon=True)
+
+
+# the Gluon kernel compiled for sm_90 without a GPU: resources within H100's limits
+GLUON_COMPILE_CASES = [  # H, dqk, dv, dtype, causal
+    [128, 192, 128, "bfloat16", True],  # DeepSeek's head dims: a 128 + 64 split of q·k
+    [16, 128, 64, "float16", False],  # no tail, narrow v, fp16, not causal
+    [4, 96, 64, "bfloat16", True],  # a 64 + 32 split
+]
+GLUON_STACK_BYTES = 32  # 0 B with Triton 3.6 (the GPU machine's), 16 B with 3.9 at 192 / 128
+
+
+def test_gluon_prefill_compiles_for_sm90():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "offline_sm90.py"), "prefill",
+                           json.dumps(GLUON_COMPILE_CASES)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["case"] for r in rows] == GLUON_COMPILE_CASES
+    for r in rows:
+        (use,) = r["kernels"]
+        assert use["name"] == "_mla_prefill_ws_kernel", r
+        # two consumer warpgroups + the producer warp's warpgroup; registers are re-split by setmaxnreg
+        assert use["warps"] == 12 and 0 < use["regs"] <= 168 and use["local"] == 0, r
+        assert use["stack"] <= GLUON_STACK_BYTES, r
+        assert 0 < use["shared"] <= 227 * 1024, r
+
+
+GLUON_CASES = [  # q_lens, kv_lens, H, dqk, dv
+    ([1, 128, 777, 2048, 300, 0, 129], [1, 300, 777, 2048, 5000, 64, 129], 16, 192, 128),  # prefixes, empty, odd
+    ([1000, 5, 64], [1000, 5, 64], 128, 192, 128),  # H=128
+    ([200, 3, 0], [0, 90, 0], 3, 192, 128),  # a request with queries but no keys: zeros, lse -inf
+    ([333, 17], [400, 17], 5, 128, 128),  # no tail
+    ([250, 1], [513, 7], 2, 96, 64),  # 64 + 32
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_gluon_prefill_matches_reference(case, causal):
+    from specmla.ops import mla_prefill_gluon
+
+    q_lens, kv_lens, H, dqk, dv = case
+    q, k, v, cu_q, cu_k = ragged(q_lens, kv_lens, H, dqk, dv, torch.bfloat16, device="cuda", seed=H)
+    assert mla_prefill_gluon.gluon_prefill_supported(q, k, v, 0.09)
+    want, want_lse = mla_prefill_torch(q.double(), k.double(), v.double(), cu_q, cu_k, max(q_lens), max(kv_lens), 0.09,
+                                       causal=causal, return_lse=True)
+    out = torch.full((q.shape[0], H, dv), float("nan"), dtype=q.dtype, device="cuda")  # every row is written
+    got, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09, causal=causal,
+                                  return_lse=True, out=out, gluon=True)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
+    assert rel_err(got.double(), want) <= 1e-2
+    fin = torch.isfinite(want_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert (lse[fin].double() - want_lse[fin]).abs().max().item() <= 1e-3
+    # the Triton kernel on the same call agrees too (the two paths the engine may take)
+    tri = mla_prefill_triton(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09, causal=causal, gluon=False)
+    assert rel_err(got.float(), tri.float()) <= 1e-2

@@ -184,10 +184,12 @@ def mla_prefill_triton(
     q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
     *, causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, warp_specialize: bool = False,
+    num_stages: int | None = None, warp_specialize: bool = False, gluon: bool | None = None,
 ):
     """Same contract as `mla_prefill_torch`. Grid: (query blocks of the longest request, B, H).
-    `warp_specialize` asks Triton to split the unmasked key loop into producer / consumer warps."""
+    `warp_specialize` asks Triton to split the unmasked key loop into producer / consumer warps.
+    gluon=None runs Hopper calls the Gluon kernel supports on it (`ops.mla_prefill_gluon`, FlashAttention-3's
+    schedule); True requires it, False keeps this Triton kernel."""
     T, H, dqk = q.shape
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
@@ -195,6 +197,16 @@ def mla_prefill_triton(
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
     if min(q.stride(-1), k.stride(-1), v.stride(-1)) != 1:
         raise ValueError("q, k, v must be contiguous in their last dimension")
+    if gluon is not False:
+        from specmla.ops import mla_prefill_gluon
+
+        if mla_prefill_gluon.gluon_prefill_supported(q, k, v, softmax_scale):
+            return mla_prefill_gluon.mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                                                       max_seqlen_kv, softmax_scale, causal=causal,
+                                                       return_lse=return_lse, out=out)
+        if gluon:
+            raise ValueError("the Gluon prefill kernel does not take this call (Hopper, bf16/fp16, heads packed "
+                             "in TMA-aligned rows, power-of-two head dims that fit shared memory)")
     o = out if out is not None else q.new_empty(T, H, dv)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T and B and max_seqlen_q:

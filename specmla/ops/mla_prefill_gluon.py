@@ -1,0 +1,381 @@
+"""Hopper MLA prefill (contract C2) in Gluon: FlashAttention-3's warp-specialised schedule.
+
+Why: the Triton kernel (`mla_prefill._prefill_kernel`) reaches about 0.8× torch SDPA at d_qk 192 /
+d_v 128 on H100. Triton 3.6 runs its dots and its softmax as one instruction stream that waits for
+every wgmma, so the tensor cores idle during the softmax. Here the schedule is written out after
+FlashAttention-3's for this head size (tile 128 × 128, P·V from registers; Shah et al. 2024):
+
+- Three partitions (`gl.warp_specialize`): one producer warp issues TMA loads (Q once, then K_j and
+  V_{j-1} into rings of NUM_STAGES stages, each with its own "landed" mbarrier); two consumer
+  warpgroups each own 64 of the tile's 128 query rows and read the same stages.
+- K and V stages are released separately (one arrival per warpgroup on the stage's "free"
+  barrier): K as soon as both warpgroups' S_j has read it, V after their P·V, about a block later.
+  With one "free" barrier per K+V stage the producer could load K_{j+2} only after P_j·V_j, and the
+  tensor cores waited for keys (497 against 575 TFLOP/s at H=128).
+- A consumer issues S_j = Q·K_jᵀ, then P_{j-1}·V_{j-1}, both async, and waits for S_j first, meaning
+  the softmax of block j to run under that P·V. ptxas defeats this: its register allocator treats
+  the P registers that the P·V reads asynchronously as free after the issue, writes the next P (or
+  a loop-carried value) into them and so must wait for the P·V before the exponentials. What
+  overlaps the softmax is the other warpgroup's matmuls (PINGPONG makes the two take turns).
+- The softmax scale is folded into the exponent: p = 2^(s·c − m·c) with m the raw row max (one FMA
+  per score). Only key blocks that cross the causal diagonal or the end of the keys are masked.
+- Ragged packs go through 2-D descriptors over [tokens, heads·dim]: a tile's rows past its request
+  read the next request's rows (or zeros past the tensor); their keys are masked and their query
+  rows are never stored.
+
+Grid: (query tile × head, request). Heads run in groups small enough that the group's keys and values
+stay in L2 while its tiles read them (with every head at once, 132 heads' keys stream from HBM: 342
+against 466 TFLOP/s for the Triton kernel at H=128); within a group the longest causal tiles start
+first.
+Head dims: Dqk = D1 + DT (D1 a power of two ≥ 64, DT 0 or a power of two ≥ 16), Dv a power of two up
+to 128 (256 spills); the tile ring must fit in shared memory. Gluon does not run in the Triton
+interpreter: GPU tests check this kernel against the fp64 reference, and a CPU test compiles it
+for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmla.ops import mla_decode_gluon as G
+from specmla.ops.mla_prefill import head_dim_split
+
+if G.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
+    _cta_barrier = G._cta_barrier
+
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64 (wgmma's M)
+BLOCK_N = 128  # keys per stage
+NUM_STAGES = 2
+SMEM_LIMIT = 227 * 1024  # H100's shared memory per block
+CONSUMER_REGS = 240  # FlashAttention-3's split of the register file: 2 × 128 threads × 240 + the producer
+PRODUCER_REGS = 24
+
+_SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
+_c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
+# mbarriers: Q landed; per stage: K landed, V landed, K free, V free (one arrival per consumer warpgroup)
+Q_READY = _c(0)
+K_READY = _c(1)
+V_READY = _c(1 + NUM_STAGES)
+K_FREE = _c(1 + 2 * NUM_STAGES)
+V_FREE = _c(1 + 3 * NUM_STAGES)
+TURN = _c(1 + 4 * NUM_STAGES)  # +w: warpgroup w may issue its matmuls (PINGPONG)
+NUM_BARRIERS = _c(3 + 4 * NUM_STAGES)
+PINGPONG = True  # the warpgroups take turns issuing their matmuls (FlashAttention-3's scheduler barrier):
+# H100, 8k causal, H=128 582 against 576 TFLOP/s without, H=16 447 against 430 (docs/benchmarks.md)
+
+
+if G.HAVE_GLUON:
+
+    @gluon.jit
+    def _tile(CU_Q, CU_K, H, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """This program's head, request, query rows and keys: [0, end) in n_blocks blocks (at least one,
+        so an empty request still runs the pipeline once, fully masked, and stores zeros).
+
+        Programs run in groups of `head_group` heads (as many as keep their keys in L2); within a group the
+        longest causal tiles of every head come first, then the next longest, and so on."""
+        n_m = gl.num_programs(0) // H
+        group_tiles = head_group * n_m
+        group = gl.program_id(0) // group_tiles
+        r = gl.program_id(0) % group_tiles
+        heads = gl.minimum(head_group, H - group * head_group)  # the last group may be smaller
+        start_m = (n_m - 1 - r // heads) * BLOCK_M
+        h = group * head_group + r % heads
+        b = gl.program_id(1)
+        q0 = gl.load(CU_Q + b)
+        q_len = gl.load(CU_Q + b + 1) - q0
+        k0 = gl.load(CU_K + b)
+        k_len = gl.load(CU_K + b + 1) - k0
+        end = k_len
+        if CAUSAL:
+            end = gl.maximum(gl.minimum(k_len, k_len - q_len + start_m + BLOCK_M), 0)
+        n_blocks = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
+        return h, b, q0, q_len, k0, k_len, start_m, end, n_blocks
+
+    @gluon.jit
+    def _producer(shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr):
+        """One warp: TMA Q once, then K_j / V_j into stage j % NUM_STAGES once both warpgroups freed it."""
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, head_group, stride_ot, stride_oh, stride_lt,
+         scale_log2,
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars) = shared
+        h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(CU_Q, CU_K, H, head_group, BLOCK_M, BLOCK_N, CAUSAL)
+        if start_m < q_len:
+            DQK: gl.constexpr = D1 + DT
+            ELEM: gl.constexpr = q_desc.dtype.primitive_bitwidth // 8
+            mbarrier.expect(bars.index(Q_READY), BLOCK_M * DQK * ELEM)
+            _tma_load(q_desc, [q0 + start_m, h * DQK], bars.index(Q_READY), q_smem)
+            if DT > 0:
+                _tma_load(qt_desc, [q0 + start_m, h * DQK + D1], bars.index(Q_READY), qt_smem)
+            k_bytes: gl.constexpr = BLOCK_N * DQK * ELEM
+            v_bytes: gl.constexpr = BLOCK_N * DV * ELEM
+            # K_j, then V_{j-1}: a K stage frees once both warpgroups' S has read it, a V stage only after
+            # their P·V, about a block later, so K runs ahead of V
+            for j in range(n_blocks + 1):
+                if j < n_blocks:
+                    st = j % NUM_STAGES
+                    mbarrier.wait(bars.index(K_FREE + st), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
+                    row = k0 + j * BLOCK_N
+                    mbarrier.expect(bars.index(K_READY + st), k_bytes)
+                    _tma_load(k_desc, [row, h * DQK], bars.index(K_READY + st), k_smem.index(st))
+                    if DT > 0:
+                        _tma_load(kt_desc, [row, h * DQK + D1], bars.index(K_READY + st), kt_smem.index(st))
+                if j > 0:
+                    jv = j - 1
+                    sv = jv % NUM_STAGES
+                    mbarrier.wait(bars.index(V_FREE + sv), ((jv // NUM_STAGES) + 1) & 1, pred=jv >= NUM_STAGES)
+                    mbarrier.expect(bars.index(V_READY + sv), v_bytes)
+                    _tma_load(v_desc, [k0 + jv * BLOCK_N, h * DV], bars.index(V_READY + sv), v_smem.index(sv))
+
+    @gluon.jit
+    def _scores(q, qt, k_smem, kt_smem, st, s_zero, DT: gl.constexpr):
+        """Issue S = Q·K_stᵀ (the D1 part, then the DT tail) without waiting."""
+        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if DT > 0:
+            s = warpgroup_mma(qt, kt_smem.index(st).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _release(bars, index, pred=True):
+        """This warpgroup is done with a stage buffer (its matmuls that read it have completed)."""
+        _cta_barrier()
+        mbarrier.arrive(bars.index(index), pred=pred)
+
+    @gluon.jit
+    def _take_turn(bars, i, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
+        """PINGPONG: wait until the other warpgroup has issued its matmuls of the previous round (warpgroup 0
+        goes first); round i is this warpgroup's i-th batch of matmuls."""
+        if PINGPONG:
+            if ROLE == 0:
+                mbarrier.wait(bars.index(TURN), (i + 1) & 1, pred=i > 0)
+            else:
+                mbarrier.wait(bars.index(TURN + 1), i & 1)
+
+    @gluon.jit
+    def _pass_turn(bars, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(bars.index(TURN + 1 - ROLE))
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, n0, end, limit, scale_log2, masked, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                 S_LAYOUT: gl.constexpr):
+        """Online softmax of one block of raw scores: P (at the new max), the old rows' rescale factor,
+        the new raw max and row sums. Masked blocks first hide keys at or past `end` and, when CAUSAL,
+        right of each row's limit."""
+        if masked:
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+            visible = gl.expand_dims(cols < end, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(limit, 1))
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_c = gl.where(m_new == float("-inf"), 0.0, m_new) * scale_log2
+        alpha = gl.exp2(m_i * scale_log2 - m_c)
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(m_c, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _step(j, p, m_i, l_i, acc, q, qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2,
+              MASKED: gl.constexpr, ROLE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              DT: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, P_OPERAND: gl.constexpr,
+              S_LAYOUT: gl.constexpr, ROW_O: gl.constexpr):
+        """Key block j: issue S_j and P_{j-1}·V_{j-1}, then the softmax of block j, O rescaled to block j's
+        max and P_j in 16 bits. K_j is released once S_j is done; V_{j-2} here, after the issue (its P·V
+        completed in the previous step; a release right after that wait pulled the wait earlier still)."""
+        st = j % NUM_STAGES
+        prev = (j - 1) % NUM_STAGES
+        mbarrier.wait(bars.index(K_READY + st), (j // NUM_STAGES) & 1)
+        mbarrier.wait(bars.index(V_READY + prev), ((j - 1) // NUM_STAGES) & 1)
+        p_op = gl.convert_layout(p, P_OPERAND)
+        _take_turn(bars, j, ROLE, PINGPONG)
+        s = _scores(q, qt, k_smem, kt_smem, st, s_zero, DT)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        _pass_turn(bars, ROLE, PINGPONG)
+        _release(bars, V_FREE + (j - 2) % NUM_STAGES, j >= 2)  # block j-2's P·V completed in the last step
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        _release(bars, K_FREE + st)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, j * BLOCK_N, end, limit, scale_log2, MASKED, BLOCK_N, CAUSAL,
+                                      S_LAYOUT)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        # P in 16 bits only now: its registers are the operand of the P·V that was in flight
+        return p.to(q.dtype), m_i, l_i, acc
+
+    @gluon.jit
+    def _consumer(ROLE: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr,
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        """Warpgroup ROLE: query rows ROLE·64 … +64 of the tile, over every key block of the tile."""
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, head_group, stride_ot, stride_oh, stride_lt,
+         scale_log2,
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars) = shared
+        dtype: gl.constexpr = q_smem.dtype
+        WG_M: gl.constexpr = BLOCK_M // 2
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DV, 16])
+        P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(CU_Q, CU_K, H, head_group, BLOCK_M, BLOCK_N, CAUSAL)
+        if start_m < q_len:
+            row0 = start_m + ROLE * WG_M
+            rows = row0 + gl.arange(0, WG_M, layout=ROW_S)
+            limit = k_len - q_len + rows  # row t sees keys j <= limit (causal)
+            full_end = end  # keys before full_end are visible to every row of this warpgroup
+            if CAUSAL:
+                full_end = gl.minimum(gl.maximum(k_len - q_len + row0 + 1, 0), end)
+            full_end = full_end // BLOCK_N * BLOCK_N
+            q = q_smem.slice(ROLE * WG_M, WG_M, dim=0)
+            qt = qt_smem.slice(ROLE * WG_M, WG_M, dim=0)
+            s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+            m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=ROW_S)
+            l_i = gl.full([WG_M], 0.0, gl.float32, layout=ROW_S)
+            acc = gl.zeros([WG_M, DV], gl.float32, layout=O_LAYOUT)
+
+            mbarrier.wait(bars.index(Q_READY), 0)
+            mbarrier.wait(bars.index(K_READY), 0)
+            _take_turn(bars, 0, ROLE, PINGPONG)
+            s = _scores(q, qt, k_smem, kt_smem, 0, s_zero, DT)
+            _pass_turn(bars, ROLE, PINGPONG)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            _release(bars, K_FREE)
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, 0, end, limit, scale_log2, full_end == 0, BLOCK_N, CAUSAL,
+                                          S_LAYOUT)
+            p = p.to(dtype)
+            # the key blocks left of the diagonal without masks, then the rest with them
+            n_full = full_end // BLOCK_N
+            for j in range(1, n_full):
+                p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q, qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit,
+                                         scale_log2, False, ROLE, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG,
+                                         P_OPERAND, S_LAYOUT, ROW_O)
+            for j in range(gl.maximum(n_full, 1), n_blocks):
+                p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q, qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit,
+                                         scale_log2, True, ROLE, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG,
+                                         P_OPERAND, S_LAYOUT, ROW_O)
+            last = (n_blocks - 1) % NUM_STAGES
+            mbarrier.wait(bars.index(V_READY + last), ((n_blocks - 1) // NUM_STAGES) & 1)
+            p_op = gl.convert_layout(p, P_OPERAND)
+            _take_turn(bars, n_blocks, ROLE, PINGPONG)
+            acc = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+            _pass_turn(bars, ROLE, PINGPONG)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+            # ---- normalise and store this warpgroup's rows (and their natural-log lse) ----
+            has = l_i > 0
+            lse2 = gl.where(has, m_i * scale_log2 + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+            inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
+            out = acc * gl.expand_dims(inv_l, 1)
+            rows_o = row0 + gl.arange(0, WG_M, layout=ROW_O)
+            cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, O_LAYOUT))
+            o_ptrs = O + gl.expand_dims((q0 + rows_o).to(gl.int64) * stride_ot + h * stride_oh, 1) + \
+                gl.expand_dims(cols_o, 0)
+            o_ok = gl.expand_dims(rows_o < q_len, 1) & gl.expand_dims(cols_o < DV, 0)
+            gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok)
+            gl.store(LSE + (q0 + rows).to(gl.int64) * stride_lt + h, lse2 * 0.6931471805599453, mask=rows < q_len)
+
+    @gluon.jit
+    def _mla_prefill_ws_kernel(
+        q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, head_group,
+        stride_ot, stride_oh, stride_lt, scale_log2,
+        D1: gl.constexpr, DT: gl.constexpr, TAIL: gl.constexpr, DV: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], q_desc.layout)
+        qt_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, TAIL], qt_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D1], k_desc.layout)
+        kt_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, TAIL], kt_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BARRIERS):
+            mbarrier.init(bars.index(i), count=2 if i >= K_FREE and i < TURN else 1)
+        fence_async_shared()
+
+        shared = (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, head_group, stride_ot, stride_oh,
+                  stride_lt, scale_log2, q_smem, qt_smem, k_smem, kt_smem, v_smem, bars)
+        gl.warp_specialize([
+            (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG)),
+            (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG)),
+            (_producer, (shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+L2_SHARE = 0.8  # of the L2 cache that one group of heads' keys and values may fill
+
+
+def head_group(H: int, kv_len: int, dim: int, elem: int, device) -> int:
+    """How many heads run side by side: as many as keep their keys and values (kv_len × (d_qk + d_v)) in L2."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 << 20
+    return max(1, min(H, int(L2_SHARE * l2) // max(1, kv_len * dim * elem)))
+
+
+def _smem_bytes(d1: int, dt: int, dv: int, elem: int) -> int:
+    return (BLOCK_M * (d1 + dt) + NUM_STAGES * BLOCK_N * (d1 + dt + dv)) * elem + 1024
+
+
+def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> bool:
+    """Whether the Gluon kernel takes this call: Hopper, bf16/fp16, each tensor's heads packed in its
+    rows (stride(1) = head dim, TMA-aligned rows), power-of-two dims that fit the tile ring."""
+    import os
+
+    if not (G.HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and k.shape[0] > 0):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9 or softmax_scale <= 0:
+        return False
+    dqk, dv = q.shape[-1], v.shape[-1]
+    d1, dt = head_dim_split(dqk)
+    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+    if not (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype):
+        return False
+    if not (d1 >= 64 and (dt == 0 or (dt >= 16 and pow2(dt))) and dv >= 64 and pow2(dv) and dv <= 128):
+        return False
+    for t in (q, k, v):
+        if t.stride(-1) != 1 or t.stride(1) != t.shape[-1] or (t.stride(0) * t.element_size()) % 16 \
+                or t.data_ptr() % 16:
+            return False
+    return _smem_bytes(d1, dt, dv, q.element_size()) <= SMEM_LIMIT
+
+
+def _descriptor(t: torch.Tensor, rows: int, col0: int, width: int):
+    """2-D TMA view [tokens, heads·dim] of t with [rows, width] boxes (col0 only sizes the layout)."""
+    T, H, D = t.shape
+    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, width], gdt)
+    return TensorDescriptor(t, [T, H * D], [t.stride(0), 1], [rows, width], layout)
+
+
+def mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, *,
+                      causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
+                      consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
+                      pingpong: bool | None = None, heads_per_group: int | None = None):
+    """Same contract as `mla_prefill_torch`; callers check `gluon_prefill_supported` first."""
+    T, H, dqk = q.shape
+    dv = v.shape[-1]
+    B = cu_seqlens_q.shape[0] - 1
+    d1, dt = head_dim_split(dqk)
+    o = out if out is not None else q.new_empty(T, H, dv)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T and B and max_seqlen_q:
+        tail = max(dt, 16)  # a stand-in box when there is no tail (never loaded)
+        grid = (-(-max_seqlen_q // BLOCK_M) * H, B)
+        _mla_prefill_ws_kernel[grid](
+            _descriptor(q, BLOCK_M, 0, d1), _descriptor(q, BLOCK_M, d1, tail), _descriptor(k, BLOCK_N, 0, d1),
+            _descriptor(k, BLOCK_N, d1, tail), _descriptor(v, BLOCK_N, 0, dv), o, lse, cu_seqlens_q, cu_seqlens_kv, H,
+            heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, q.element_size(), q.device),
+            o.stride(0), o.stride(1), lse.stride(0), softmax_scale * 1.4426950408889634,
+            D1=d1, DT=dt, TAIL=tail, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
+            PINGPONG=PINGPONG if pingpong is None else pingpong, CONSUMER_REGS=consumer_regs,
+            PRODUCER_REGS=producer_regs, SOURCE_KEY=_SOURCE_KEY, num_warps=4,
+        )
+    return (o, lse) if return_lse else o
