@@ -1,0 +1,68 @@
+"""Issue-8 probe: Gluon prefill variants (`ops.mla_prefill_gluon` knobs) against the Triton kernel and
+torch SDPA, causal, d_qk 192 / d_v 128, bf16, in one run; each variant timed in interleaved rounds so
+GPU clock drift hits all of them alike.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/prefill_probe.py [--out DIR] [--rounds N]
+"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+from bench_prefill import timeit
+from limits import gemm_rate
+
+from specmla.ops import mla_prefill_gluon as P
+from specmla.ops.mla_prefill import mla_prefill_triton
+
+VARIANTS = {  # name → keyword arguments of mla_prefill_gluon
+    "gluon": {},
+    "gluon_pingpong": {"pingpong": True},
+    "gluon_heads_1": {"heads_per_group": 1},  # one head's tiles after another
+    "gluon_heads_all": {"heads_per_group": 128},  # every head's longest tiles first
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=8192)
+    args = ap.parse_args()
+    gemm = gemm_rate() / 1e12
+    print(f"gemm {gemm:.0f} TFLOP/s", flush=True)
+    rows = []
+    S = args.seq
+    for H in (128, 16):
+        q = torch.randn(S, H, 192, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn(S, H, 128, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+        flops = H * S * S * (192 + 128)
+        want = mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False).float()
+        fns = {name: (lambda kw=kw: P.mla_prefill_gluon(q, k, v, cu, cu, S, S, 0.072, **kw))
+               for name, kw in VARIANTS.items()}
+        fns["triton"] = lambda: mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False)
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
+        fns["sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.072)
+        times = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                times[name].append(timeit(fn, reps=5, warmup=1))
+        row = {"H": H, "S": S, "gemm_TFLOPs": gemm}
+        for name, fn in fns.items():
+            tf = flops / statistics.median(times[name]) / 1e12
+            row[name] = round(tf, 1)
+            if name.startswith("gluon"):
+                err = ((fn().float() - want).norm() / want.norm()).item()
+                row[name + "_err"] = err
+        row["sdpa_over_gluon"] = row["sdpa"] / row["gluon"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    with open(os.path.join(args.out, "prefill_probe.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
