@@ -70,6 +70,22 @@ if G.HAVE_GLUON:
         cp.commit_group()
 
     @gluon.jit
+    def _load_block(KV32, KV16, k_r_buf, BT, b, stride_btb, n0, end, stride_kvp, stride_kvt,
+                    PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
+                    WORDS: gl.constexpr, ROPE: gl.constexpr):
+        """Start the key block at n0: its codes and scales into registers (returned), its rope part
+        into k_r_buf by cp.async."""
+        rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, n0, end, stride_kvp, stride_kvt,
+                                           PAGE_SIZE, BLOCK_N, WORDS)
+        w0 = _load_words(KV32, rows_w, ok_w, 0, WORDS)
+        w1 = _load_words(KV32, rows_w, ok_w, 1, WORDS)
+        sc0, sc1, sc2, sc3 = _load_scales(KV32, rows_w, ok_w, DC, WORDS)
+        rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, n0, end, stride_kvp, stride_kvt,
+                                           PAGE_SIZE, BLOCK_N, ROPE)
+        _load_rope(KV16, k_r_buf, rows_r, ok_r, DC, DR, ROPE)
+        return w0, w1, sc0, sc1, sc2, sc3
+
+    @gluon.jit
     def _store_half(k_c_smem, words, s_lo, s_hi, half: gl.constexpr, dtype: gl.constexpr, WORDS: gl.constexpr):
         """Dequantise half a key block into the shared tile. Byte k of word w is latent column
         256·half + 4w + k; it goes to tile column 256·half + 64k + w (`latent_column` inverts this),
@@ -134,14 +150,8 @@ if G.HAVE_GLUON:
         q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0).to(gl.bfloat16))
 
         # the first block: codes and scales into registers, rope into its shared buffer
-        rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt,
-                                           PAGE_SIZE, BLOCK_N, WORDS)
-        w0 = _load_words(KV32, rows_w, ok_w, 0, WORDS)
-        w1 = _load_words(KV32, rows_w, ok_w, 1, WORDS)
-        sc0, sc1, sc2, sc3 = _load_scales(KV32, rows_w, ok_w, DC, WORDS)
-        rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt,
-                                           PAGE_SIZE, BLOCK_N, ROPE)
-        _load_rope(KV16, k_r_smem.index(0), rows_r, ok_r, DC, DR, ROPE)
+        w0, w1, sc0, sc1, sc2, sc3 = _load_block(KV32, KV16, k_r_smem.index(0), BT, b, stride_btb, start, end,
+                                                 stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, DC, DR, WORDS, ROPE)
 
         cols_r = gl.arange(0, BLOCK_M, layout=ROW)
         s_idx = g * FOLD + cols_r // BLOCK_H
@@ -164,14 +174,9 @@ if G.HAVE_GLUON:
             _store_half(k_c_smem, w1, sc2, sc3, 1, dtype, WORDS)
             # the next block's bytes fly while this one computes
             n1 = start + (it + 1) * BLOCK_N
-            rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, n1, end, stride_kvp, stride_kvt,
-                                               PAGE_SIZE, BLOCK_N, WORDS)
-            w0 = _load_words(KV32, rows_w, ok_w, 0, WORDS)
-            w1 = _load_words(KV32, rows_w, ok_w, 1, WORDS)
-            sc0, sc1, sc2, sc3 = _load_scales(KV32, rows_w, ok_w, DC, WORDS)
-            rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, n1, end, stride_kvp, stride_kvt,
-                                               PAGE_SIZE, BLOCK_N, ROPE)
-            _load_rope(KV16, k_r_smem.index((it + 1) % 2), rows_r, ok_r, DC, DR, ROPE)
+            w0, w1, sc0, sc1, sc2, sc3 = _load_block(KV32, KV16, k_r_smem.index((it + 1) % 2), BT, b, stride_btb,
+                                                     n1, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, DC, DR,
+                                                     WORDS, ROPE)
             cp.wait_group(1)  # this block's rope has landed
             fence_async_shared()
             _cta_barrier()
