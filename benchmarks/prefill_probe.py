@@ -1,17 +1,16 @@
 """Issue-8 probe: Gluon prefill variants (`ops.mla_prefill_gluon` knobs) against the Triton kernel and
-torch SDPA, causal, d_qk 192 / d_v 128, bf16, in one run; each variant timed in interleaved rounds so
-GPU clock drift hits all of them alike.
+torch SDPA, causal, d_qk 192 / d_v 128, bf16, in one run, timed in interleaved rounds
+(`bench_prefill.interleaved`).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/prefill_probe.py [--out DIR] [--rounds N]
 """
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
-from bench_prefill import timeit
+from bench_prefill import interleaved
 from limits import gemm_rate
 
 from specmla.ops import mla_prefill_gluon as P
@@ -46,14 +45,10 @@ def main():
         fns["triton"] = lambda: mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False)
         qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
         fns["sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.072)
-        times = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                times[name].append(timeit(fn, reps=5, warmup=1))
+        times = interleaved(list(fns.values()), rounds=args.rounds)
         row = {"H": H, "S": S, "gemm_TFLOPs": gemm}
-        for name, fn in fns.items():
-            tf = flops / statistics.median(times[name]) / 1e12
-            row[name] = round(tf, 1)
+        for (name, fn), t in zip(fns.items(), times):
+            row[name] = round(flops / t / 1e12, 1)
             if name.startswith("gluon"):
                 err = ((fn().float() - want).norm() / want.norm()).item()
                 row[name + "_err"] = err

@@ -35,6 +35,8 @@ for sm_90.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from specmla.ops import mla_decode_gluon as G
@@ -327,8 +329,6 @@ def _smem_bytes(d1: int, dt: int, dv: int, elem: int) -> int:
 def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> bool:
     """Whether the Gluon kernel takes this call: Hopper, bf16/fp16, each tensor's heads packed in its
     rows (stride(1) = head dim, TMA-aligned rows), power-of-two dims that fit the tile ring."""
-    import os
-
     if not (G.HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and k.shape[0] > 0):
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9 or softmax_scale <= 0:
@@ -347,8 +347,8 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return _smem_bytes(d1, dt, dv, q.element_size()) <= SMEM_LIMIT
 
 
-def _descriptor(t: torch.Tensor, rows: int, col0: int, width: int):
-    """2-D TMA view [tokens, heads·dim] of t with [rows, width] boxes (col0 only sizes the layout)."""
+def _descriptor(t: torch.Tensor, rows: int, width: int):
+    """2-D TMA view [tokens, heads·dim] of t with [rows, width] boxes (the kernel picks the columns)."""
     T, H, D = t.shape
     gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([rows, width], gdt)
@@ -370,8 +370,8 @@ def mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_se
         tail = max(dt, 16)  # a stand-in box when there is no tail (never loaded)
         grid = (-(-max_seqlen_q // BLOCK_M) * H, B)
         _mla_prefill_ws_kernel[grid](
-            _descriptor(q, BLOCK_M, 0, d1), _descriptor(q, BLOCK_M, d1, tail), _descriptor(k, BLOCK_N, 0, d1),
-            _descriptor(k, BLOCK_N, d1, tail), _descriptor(v, BLOCK_N, 0, dv), o, lse, cu_seqlens_q, cu_seqlens_kv, H,
+            _descriptor(q, BLOCK_M, d1), _descriptor(q, BLOCK_M, tail), _descriptor(k, BLOCK_N, d1),
+            _descriptor(k, BLOCK_N, tail), _descriptor(v, BLOCK_N, dv), o, lse, cu_seqlens_q, cu_seqlens_kv, H,
             heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, q.element_size(), q.device),
             o.stride(0), o.stride(1), lse.stride(0), softmax_scale * 1.4426950408889634,
             D1=d1, DT=dt, TAIL=tail, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
