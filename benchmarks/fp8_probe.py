@@ -4,6 +4,7 @@ through the Triton kernel, against bf16, in one run (CUDA-graph timing as bench_
     PYTHONPATH=.:benchmarks python3 benchmarks/fp8_probe.py [--out DIR]
 """
 import argparse
+import contextlib
 import json
 import os
 
@@ -11,12 +12,39 @@ import torch
 from bench_mla_decode import SCALE, kv_decode_bytes, make_problem, time_fn
 from limits import copy_bandwidth
 
+from specmla.ops import mla_decode_gluon_fp8 as F
 from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import mla_decode_triton
 
 CASES = [(16, 32, 32768, 1), (16, 4, 81920, 1), (16, 32, 32768, 2), (16, 1, 8192, 1), (16, 128, 4096, 1)]
-VARIANTS = (("bf16", "bf16", None), ("fp8_default", "fp8", None), ("fp8_gluon", "fp8", True),
-            ("fp8_triton", "fp8", False))
+if os.environ.get("FP8_PROBE_CASES"):  # e.g. "16x32x32768x1,16x4x81920x1"
+    CASES = [tuple(int(v) for v in c.split("x")) for c in os.environ["FP8_PROBE_CASES"].split(",")]
+# name, cache format, mla_decode_triton(gluon=), settings of ops.mla_decode_gluon_fp8 for the call
+VARIANTS = (("bf16", "bf16", None, {}), ("fp8_default", "fp8", None, {}), ("fp8_gluon", "fp8", True, {}),
+            ("fp8_triton", "fp8", False, {}),
+            # timing probes of the Gluon kernel (wrong results): no unpacking; no consumer matmuls
+            ("probe_no_unpack", "fp8", True, dict(PROBE=1)), ("probe_no_mma", "fp8", True, dict(PROBE=2)),
+            ("probe_raw_stores", "fp8", True, dict(PROBE=3)), ("probe_no_loads", "fp8", True, dict(PROBE=4)))
+if os.environ.get("FP8_PROBE_CACHE"):  # cache modifiers of the code loads to try: ".cg,.cs"
+    VARIANTS = VARIANTS[:3] + tuple((f"cache{v}", "fp8", True, dict(CODE_CACHE=v))
+                                    for v in os.environ["FP8_PROBE_CACHE"].split(","))
+if os.environ.get("FP8_PROBE_SHAPES"):  # register splits to try: "16:8:104:152,32:4:152:208" (rows:warps:cons:prod)
+    VARIANTS = VARIANTS[:2] + tuple(
+        (f"shape_{v}", "fp8", True, dict(SHAPES={**F.SHAPES, int(v.split(":")[0]): tuple(int(x) for x in v.split(":")[1:])}))
+        for v in os.environ["FP8_PROBE_SHAPES"].split(","))
+
+
+@contextlib.contextmanager
+def settings(values: dict):
+    """Module settings of the fp8 kernel for one variant, restored after."""
+    old = {k: getattr(F, k) for k in values}
+    for k, v in values.items():
+        setattr(F, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(F, k, v)
 
 
 def main():
@@ -34,19 +62,20 @@ def main():
             out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
             ref = mla_decode_torch(qs[0][:2].float(), caches[0], table[:2], seq[:2], SCALE, head_dim_v=512,
                                    kv_format=kv)
-            for name, fmt, gluon in VARIANTS:
+            for name, fmt, gluon, values in VARIANTS:
                 if fmt != kv:
                     continue
-                got = mla_decode_triton(qs[0][:2], caches[0], table[:2], seq[:2], SCALE, head_dim_v=512,
-                                        kv_format=kv, gluon=gluon)
-                t = time_fn(lambda i, qs=qs, caches=caches: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out,
-                                                                              head_dim_v=512, kv_format=kv,
-                                                                              gluon=gluon), 4, graph=True)
+                with settings(values):
+                    got = mla_decode_triton(qs[0][:2], caches[0], table[:2], seq[:2], SCALE, head_dim_v=512,
+                                            kv_format=kv, gluon=gluon)
+                    t = time_fn(lambda i, qs=qs, caches=caches: mla_decode_triton(
+                        qs[i], caches[i], table, seq, SCALE, out=out, head_dim_v=512, kv_format=kv, gluon=gluon),
+                        4, graph=True)
                 res[name] = dict(us=t * 1e6, pct_copy=100 * nb / t / bw,
                                  rel_err=((got.float() - ref).norm() / ref.norm()).item())
             del caches, qs
             torch.cuda.empty_cache()
-        for name, _, _ in VARIANTS[1:]:
+        for name, *_ in VARIANTS[1:]:
             res[name]["x_bf16"] = res["bf16"]["us"] / res[name]["us"]
         print(json.dumps(res), flush=True)
         rows.append(res)

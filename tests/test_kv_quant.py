@@ -210,13 +210,13 @@ def _poison_tails(cache, table, seq):
     (16, 1, 64, [333, 1, 64, 65, 200], None, True),  # H=16: 16 rows, the routed default
     (16, 2, 16, [700, 129, 5], 3, True),  # two tokens folded: 32 rows
     (8, 1, 64, [1000, 3], 1, False),  # one split, written directly; 8 heads padded to 16 rows
-    (16, 1, 32, [1, 2, 127, 128, 129, 4096], 7, True),  # lengths around the 128-key block, many splits
+    (16, 1, 32, [1, 2, 63, 127, 128, 129, 4096], 7, True),  # lengths around key blocks (64 and 128), many splits
     (3, 2, 1, [70, 9], 2, True),  # one-token pages, odd head count
 ])
 def test_gpu_fp8_gluon_kernel_matches_the_reference(H, S, page, lens, splits, causal):
-    """The Hopper fp8 kernel (keys as M, each block dequantised once into shared memory) against the
-    fp32 reference on the dequantised rows, NaN-poisoned tails, permuted tables; the Triton fp8
-    kernel on the same call agrees too."""
+    """The Hopper fp8 kernel (warp-specialised: codes unpacked exactly into a shared-memory tile, scales
+    folded into the scores and P, keys as M) against the fp32 reference on the dequantised rows,
+    NaN-poisoned tails, permuted tables; the Triton fp8 kernel on the same call agrees too."""
     from specmla.ops import mla_decode_gluon_fp8 as F
     from specmla.ops.mla_decode_triton import mla_decode_triton
 
@@ -239,6 +239,33 @@ def test_gpu_fp8_gluon_kernel_matches_the_reference(H, S, page, lens, splits, ca
         # both kernels round each dequantised key to bf16 (2⁻⁹ relative) before the dot: scores of
         # magnitude ~10 here move the lse by up to ~1e-2, where a bf16 cache's stays under 1e-3
         assert (got_lse[seen] - want_lse[seen]).abs().max() < 2e-2, gluon
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_gluon_kernel_with_zero_and_subnormal_codes():
+    """The Gluon kernel unpacks codes with integer operations, exactly for normal codes; zeros and
+    subnormal codes (|code| < 2⁻⁶) come out within 2⁻⁷ of their value in code units. A cache whose chunks
+    span six decades holds many of them; the output still matches the reference on the dequantised rows."""
+    from specmla.ops.mla_decode_triton import mla_decode_triton
+
+    g = torch.Generator().manual_seed(11)
+    B, S, H, T, page = 3, 1, 16, 700, 64
+    c_kv = torch.randn(B * T, 512, generator=g) * 10.0 ** (-6 * torch.rand(B * T, 512, generator=g))
+    c_kv[:, ::7] = 0.0
+    k_pe = torch.randn(B * T, 64, generator=g)
+    pages = B * (-(-T // page))
+    cache = torch.zeros(pages, page, row_spec("fp8", 512, 64, torch.float32)[0], dtype=torch.uint8)
+    table = torch.randperm(pages, generator=g).view(B, -1).to(torch.int32)
+    slots = torch.cat([(table[b].long()[:, None] * page + torch.arange(page)).flatten()[:T] for b in range(B)])
+    write_kv_cache(cache, c_kv, k_pe, slots, "fp8")
+    codes = cache.view(-1, cache.shape[-1])[slots, :512]
+    assert ((codes & 0x78) == 0).float().mean() > 0.2  # zero or subnormal codes: exponent bits 0
+    q = torch.randn(B, S, H, 576, generator=g)
+    seq = torch.full((B,), T, dtype=torch.int32)
+    want = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format="fp8")
+    got = mla_decode_triton(q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721, head_dim_v=512,
+                            kv_format="fp8", gluon=True)
+    assert rel_err(got.float().cpu(), want) < 1e-2
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "tbq4"])

@@ -38,6 +38,15 @@ try:  # Gluon is experimental and absent from old Triton releases; the engine ne
     # cp.async global → shared: renamed async_load after Triton 3.6 (the GPU machine has 3.6, CPU machines newer)
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed likewise
+
+    @gluon.jit
+    def _reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        """The same shared memory under another dtype / shape / layout (`_reinterpret` in Triton 3.6,
+        `reinterpret` after)."""
+        if hasattr(smem, "reinterpret"):
+            return smem.reinterpret(dtype, shape, layout)
+        else:
+            return smem._reinterpret(dtype, shape, layout)
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - older Triton
     HAVE_GLUON = False

@@ -1,24 +1,35 @@
-"""Hopper MLA decode that reads the fp8 latent cache (FlashMLA's 656-byte rows) in Gluon: each key
-block is dequantised once, into the shared-memory tile both matmuls read, with the keys as the
-matmuls' M dimension.
+"""Hopper MLA decode that reads the fp8 latent cache (FlashMLA's 656-byte rows) in Gluon, warp-specialised:
+a producer warpgroup turns each key block's e4m3 codes into a bf16 tile in shared memory, and two consumer
+warpgroups run the matmuls on it, with the keys as the matmuls' M dimension.
 
-Why a third kernel: the Triton kernel dequantises in registers, and Triton stores the tile to
-shared memory twice per block (once per dot-operand layout), so fp8 ran no faster than bf16
-although it reads 1.76× fewer bytes (docs/benchmarks.md, issue 7: L1/shared-bound, DRAM 39 %).
-Here:
+Why: an fp8 row is 1.76× smaller than a bf16 one, so the kernel must unpack codes at that much more than
+the copy bandwidth. The Triton kernel dequantises in registers and stores the tile to shared memory once
+per dot operand; a one-stream Gluon kernel (the previous version of this file) waited for its loads and
+its dequantisation between matmuls. Both ran at 0.9× bf16's time (docs/benchmarks.md, issue 7).
 
-- A program's next key block (128 keys: e4m3 codes, the fp32 scale of each 128 codes, the bf16
-  rope part) is loaded into registers while the current block computes.
-- Dequantising is code · scale in fp32, rounded to bf16 and stored once into a [128, 576] bf16 tile.
-  S and P·V both read that tile.
-- Keys are the M dimension ("swap AB"): Sᵀ = K·Qᵀ is [128 keys, R rows] and Oᵀ = Vᵀ·Pᵀ is
-  [Dc, R]. With H = 16 (R = 16 query rows) nothing is padded to wgmma's M = 64, so the matmuls
-  cost 4× less than in the 64-row kernels, and the softmax reduces over keys across the warps.
+- Producer (4 warps): the codes of block j+1 (and the four fp32 scales of each key) are loaded into
+  registers while block j is unpacked; block-table lookups run one block further ahead, so no load waits
+  on another. The rope part (bf16 already) goes by cp.async into a ring of ROPE_STAGES buffers.
+- Unpacking is exact and leaves the scales out: a code's bits become the bf16 of the same value with
+  integer operations only (`_E4M3_TO_BF16`, 10 per four codes; the conversion unit, 16 results per clock
+  per SM, was the limit with cvt instructions). Subnormal codes (|code| < 2⁻⁶, beside 448 the largest) come
+  out as 2⁻⁷·(1 + m/8) instead of 2⁻⁶·m/8: an error of at most 2⁻⁷ in code units.
+- The scales are applied where they are cheap: Sᵀ is summed from one accumulator per 128-column chunk,
+  each multiplied by its per-key scale; P·V uses Pᵀ multiplied by the chunk's per-key scale (four Pᵀ
+  tiles, one per chunk). No bf16 rounding of code·scale.
+- Keys are the M dimension ("swap AB"): Sᵀ = K·Qᵀ is [64 keys, R rows], Oᵀ = Vᵀ·Pᵀ is [512, R]. With
+  H = 16 (R = 16) nothing is padded to wgmma's M = 64.
+- Consumer w owns latent chunks 2w and 2w+1 (and w = 1 the rope part): its partial scores, then its
+  half of Oᵀ. Consumer 1 hands its partial scores to consumer 0 through shared memory; consumer 0 runs
+  the softmax and writes the four scaled Pᵀ tiles and the rescale factor for both.
+- Two tile stages of 64 keys; a stage is freed once both consumers' P·V on it completed. Latent columns
+  are permuted in the tile (`_latent_column`) so that each thread's unpacked pairs are 16-byte stores;
+  q and the output are permuted to match.
 
-Same contract, split rule and partial layout as `mla_decode_triton` (its combine merges the
-splits); Dc = 512, Dr = 64 (every MLA checkpoint in scope), row tiles of 16 or 32 rows, bf16
-queries. Other shapes take the Triton kernel. Gluon does not run in the Triton interpreter: the
-checks are GPU tests against the fp64 reference, plus a CPU test that compiles it for sm_90.
+Same contract, split rule and partial layout as `mla_decode_triton` (its combine merges the splits);
+Dc = 512, Dr = 64 (every MLA checkpoint in scope), row tiles of 16 or 32 rows, bf16 queries. Other shapes
+take the Triton kernel. Gluon does not run in the Triton interpreter: the checks are GPU tests against the
+fp64 reference, plus a CPU test that compiles it for sm_90.
 """
 
 from __future__ import annotations
@@ -32,34 +43,151 @@ from specmla.ops import mla_decode_gluon as G
 if G.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_init, warpgroup_mma_wait)
 
     _cta_barrier = G._cta_barrier
 
-BLOCK_N = 128  # keys per block: two warpgroups × wgmma's M of 64
+BLOCK_N = 64  # keys per stage (wgmma's M): two bf16 stages of 64 × 576 fit beside Q
 DC, DR, CHUNK_COLS = 512, 64, 128  # the layout this kernel reads: four 128-code chunks, one scale each
-MAX_ROWS = 32  # the fp32 Oᵀ accumulator holds 2·R registers per thread
+MAX_ROWS = 32  # query rows per program (16 or 32)
+NUM_STAGES = 2
+ROPE_STAGES = 3  # the rope part of block j+1 loads while block j is unpacked (see _producer)
+# (producer warps, registers per consumer thread, per producer thread) by query rows: the producer holds
+# two blocks of codes in registers (8 warps: 80 each), the consumers' accumulators grow with the rows; the
+# file holds 2 × 128 × consumer + 32 × warps × producer ≤ 64K. Measured on the H100 (fp8_probe
+# FP8_PROBE_SHAPES): 16 rows 422 µs against 508 with 4 producer warps; 32 rows 564 against 630 for
+# (8, 160, 96) and 690 for (4, 152, 208). 16 rows compile without spills, 32 rows with 64 B.
+SHAPES = {16: (8, 120, 136), 32: (8, 144, 112)}
+CODE_CACHE = ""  # cache modifier of the code loads
+PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpacking, 2 the consumers their
+# matmuls, 3 the producer stores the codes without unpacking them, 4 it loads codes only for the first two blocks
+
+_SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
+_c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
+KV_READY = _c(0)  # +stage: the producer has unpacked a block into it
+KV_FREE = _c(NUM_STAGES)  # +stage: both consumers' matmuls that read it have completed (one arrival each)
+S_READY = _c(2 * NUM_STAGES)  # +w: consumer w's partial scores of its latest block are in shared memory
+S_READ = _c(2 * NUM_STAGES + 2)  # +w: the other consumer has read consumer w's latest partial scores
+Q_READY = _c(2 * NUM_STAGES + 4)  # consumer 0 has stored Q
+NUM_BARRIERS = _c(2 * NUM_STAGES + 5)
+
+# Four e4m3 codes (one 32-bit word, bytes b0..b3) → two bf16x2 words (b0, b1) and (b2, b3) of the same
+# values: the byte's magnitude bits shifted into bf16's exponent/mantissa fields, the exponent rebiased by
+# 127 - 7 = 120 (0x3C00 per 16-bit lane; no carry into the sign), the sign bit moved to bit 15.
+_E4M3_TO_BF16 = _c("""{
+.reg .b32 m, s, a, b;
+and.b32 m, $2, 0x7f7f7f7f;
+and.b32 s, $2, 0x80808080;
+prmt.b32 a, m, 0, 0x1404;
+shr.b32 a, a, 4;
+prmt.b32 b, s, 0, 0x1404;
+add.u32 a, a, b;
+add.u32 $0, a, 0x3C003C00;
+prmt.b32 a, m, 0, 0x3424;
+shr.b32 a, a, 4;
+prmt.b32 b, s, 0, 0x3424;
+add.u32 a, a, b;
+add.u32 $1, a, 0x3C003C00;
+}""")
 
 
 if G.HAVE_GLUON:
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
     @gluon.jit
-    def _load_words(KV32, rows, ok, half: gl.constexpr, WORDS: gl.constexpr):
-        """Half `half` of a key block's codes (256 per key) as 32-bit words of four e4m3 codes."""
-        w = half * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, WORDS))
-        at = gl.multiple_of(rows // 4, 4)  # rows start on 16 bytes (656-byte rows): 16-byte vector loads
-        return gl.load(KV32 + gl.expand_dims(at, 1) + gl.expand_dims(w, 0), mask=gl.expand_dims(ok, 1), other=0)
+    def _latent_column(j):
+        """The latent column held in tile column j. Within each 128-column chunk (one scale), word v
+        (codes 4v … 4v+3) lands as pair 0 (codes 4v, 4v+1) at columns 2v, 2v+1 and pair 1 at 64 + 2v, 65 + 2v."""
+        k = j % 128
+        return (j // 128) * 128 + 4 * ((k % 64) // 2) + 2 * (k // 64) + k % 2
 
     @gluon.jit
-    def _load_scales(KV32, rows, ok, DC: gl.constexpr, WORDS: gl.constexpr):
-        """The four fp32 scales of each key (one per 128 codes)."""
-        at = rows // 4 + DC // 4
-        return (gl.load(KV32 + at, mask=ok, other=0).to(gl.float32, bitcast=True),
-                gl.load(KV32 + at + 1, mask=ok, other=0).to(gl.float32, bitcast=True),
-                gl.load(KV32 + at + 2, mask=ok, other=0).to(gl.float32, bitcast=True),
-                gl.load(KV32 + at + 3, mask=ok, other=0).to(gl.float32, bitcast=True))
+    def _load_q(Q, q_c_smem, q_r_smem, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
+                FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, LAYOUT: gl.constexpr):
+        """Q rows (FOLD tokens × BLOCK_H heads) into shared memory, latent columns in the tile's order;
+        padded rows are zeros."""
+        rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+        s_q = g * FOLD + rows_q // BLOCK_H
+        h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
+        ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
+        q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
+        cols_qc = _latent_column(gl.arange(0, DC, layout=gl.SliceLayout(0, LAYOUT)))
+        cols_qr = gl.arange(0, DR, layout=gl.SliceLayout(0, LAYOUT))
+        q_c_smem.store(gl.load(Q + q_at + gl.expand_dims(cols_qc, 0), mask=ok_q, other=0.0))
+        q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0).to(gl.bfloat16))
+
+    @gluon.jit
+    def _softmax_keys(s, m_i, l_keys, offs_n, end, limit, scale_log2):
+        """Online softmax of Sᵀ [keys, rows] (keys offs_n; hidden at or past `end` and past each row's
+        causal `limit`): P at the new max, the old rows' rescale factor, the new max, and the row sums kept
+        per key slot (summed over the keys once, at the end: one cross-warp reduction per block, not two)."""
+        visible = gl.expand_dims(offs_n < end, 1) & (gl.expand_dims(offs_n, 1) < gl.expand_dims(limit, 0))
+        s = gl.where(visible, s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 0))
+        return p, alpha, m_new, l_keys * gl.expand_dims(alpha, 0) + p
+
+    @gluon.jit
+    def _store_out(acc, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE,
+                   stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
+                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                   BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr,
+                   C0: gl.constexpr, NC: gl.constexpr, STORE_LSE: gl.constexpr, DIRECT: gl.constexpr,
+                   ACC: gl.constexpr):
+        """Normalise Oᵀ [NC, BLOCK_M] (tile columns C0 … C0+NC) and store them in the output (one split:
+        natural-log lse) or this split's partial and log2-sum-exp; tile columns go back to latent columns."""
+        has = l_i > 0
+        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        out = acc * gl.expand_dims(1.0 / gl.where(has, l_i, 1.0), 0)
+        cols_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+        s_o = g * FOLD + cols_r // BLOCK_H
+        h_o = gl.program_id(1) * BLOCK_H + cols_r % BLOCK_H
+        ok_o = (cols_r < FOLD * BLOCK_H) & (h_o < H)
+        d = gl.expand_dims(_latent_column(C0 + gl.arange(0, NC, layout=gl.SliceLayout(1, ACC))), 1)
+        mask = gl.expand_dims(ok_o, 0) & (d < DC)
+        if DIRECT:
+            o_at = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
+            gl.store(gl.expand_dims(o_at, 0) + d, out.to(OUT.dtype.element_ty), mask=mask)
+            if STORE_LSE:
+                gl.store(LSE + b * stride_lb + s_o * stride_ls + h_o, lse2 * 0.6931471805599453, mask=ok_o)
+        else:
+            split = gl.program_id(2)
+            mo_at = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
+            gl.store(gl.expand_dims(mo_at, 0) + d, out, mask=mask)
+            if STORE_LSE:
+                gl.store(MID_LSE + b * stride_mlb + s_o * stride_mls + h_o * stride_mlh + split, lse2, mask=ok_o)
+
+    # ---------------------------------------------------------------- producer -----------------------------
+
+    @gluon.jit
+    def _fetch_codes(KV32, rows, ok, DC: gl.constexpr, WORDS: gl.constexpr, CACHE: gl.constexpr):
+        """A key block's codes as four [keys, 32] tensors of 32-bit words (one per 128-code chunk) and
+        each key's four fp32 scales, into registers; rows not ok read zeros."""
+        at = gl.expand_dims(gl.multiple_of(rows // 4, 4), 1)  # rows start on 16 bytes (656-byte rows)
+        w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WORDS)), 0)
+        ok2 = gl.expand_dims(ok, 1)
+        c0 = gl.load(KV32 + at + w, mask=ok2, other=0, cache_modifier=CACHE)
+        c1 = gl.load(KV32 + at + 32 + w, mask=ok2, other=0, cache_modifier=CACHE)
+        c2 = gl.load(KV32 + at + 64 + w, mask=ok2, other=0, cache_modifier=CACHE)
+        c3 = gl.load(KV32 + at + 96 + w, mask=ok2, other=0, cache_modifier=CACHE)
+        s_at = rows // 4 + DC // 4
+        s0 = gl.load(KV32 + s_at, mask=ok, other=0).to(gl.float32, bitcast=True)
+        s1 = gl.load(KV32 + s_at + 1, mask=ok, other=0).to(gl.float32, bitcast=True)
+        s2 = gl.load(KV32 + s_at + 2, mask=ok, other=0).to(gl.float32, bitcast=True)
+        s3 = gl.load(KV32 + s_at + 3, mask=ok, other=0).to(gl.float32, bitcast=True)
+        return c0, c1, c2, c3, s0, s1, s2, s3
+
+    @gluon.jit
+    def _unpack_chunk(tile32, words, c: gl.constexpr):
+        """Chunk c's codes → exact bf16 pairs in the tile (viewed as 32-bit words): pair 0 of word v at
+        word 64c + v, pair 1 at 64c + 32 + v."""
+        lo, hi = gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [words], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+        tile32.slice(64 * c, 32, dim=1).store(lo)
+        tile32.slice(64 * c + 32, 32, dim=1).store(hi)
 
     @gluon.jit
     def _load_rope(KV16, k_r_buf, rows, ok, DC: gl.constexpr, DR: gl.constexpr, ROPE: gl.constexpr):
@@ -70,36 +198,185 @@ if G.HAVE_GLUON:
         cp.commit_group()
 
     @gluon.jit
-    def _load_block(KV32, KV16, k_r_buf, BT, b, stride_btb, n0, end, stride_kvp, stride_kvt,
-                    PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
-                    WORDS: gl.constexpr, ROPE: gl.constexpr):
-        """Start the key block at n0: its codes and scales into registers (returned), its rope part
-        into k_r_buf by cp.async."""
-        rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, n0, end, stride_kvp, stride_kvt,
+    def _producer(shared, PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr, WARPS: gl.constexpr, CACHE: gl.constexpr,
+                  PROBE: gl.constexpr):
+        """Block j: its codes went into registers two blocks ago (one block in flight is too little to
+        keep HBM busy) and its rope part was cp.async'd into rope buffer j % ROPE_STAGES. Wait until both
+        consumers have freed tile stage j % NUM_STAGES, start block j+1's rope (its buffer last held block
+        j+1-ROPE_STAGES, whose scores were done before block j-2 was freed), unpack block j and its scales,
+        load block j+2's codes into the registers just freed (its rows were looked up a block earlier, so
+        no load waits on another) and mark the stage ready once the rope has landed."""
+        (Q, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_blocks,
+         q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, sc_smem, p_smem, s_smem, bars) = shared
+        WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
+                                               warps_per_cta=[WARPS, 1], order=[1, 0])
+        ROPE: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                              warps_per_cta=[WARPS, 1], order=[1, 0])
+        KEYS: gl.constexpr = gl.SliceLayout(1, WORDS)
+        # blocks 0 and 1 in flight; block 2's rows looked up; block 0's rope started, block 1's rows for it
+        rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N,
+                                           WORDS)
+        c0, c1, c2, c3, s0, s1, s2, s3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS, CACHE)
+        rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
+                                           BLOCK_N, WORDS)
+        d0, d1, d2, d3, t0, t1, t2, t3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS, CACHE)
+        rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start + 2 * BLOCK_N, end, stride_kvp, stride_kvt,
                                            PAGE_SIZE, BLOCK_N, WORDS)
-        w0 = _load_words(KV32, rows_w, ok_w, 0, WORDS)
-        w1 = _load_words(KV32, rows_w, ok_w, 1, WORDS)
-        sc0, sc1, sc2, sc3 = _load_scales(KV32, rows_w, ok_w, DC, WORDS)
-        rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, n0, end, stride_kvp, stride_kvt,
-                                           PAGE_SIZE, BLOCK_N, ROPE)
-        _load_rope(KV16, k_r_buf, rows_r, ok_r, DC, DR, ROPE)
-        return w0, w1, sc0, sc1, sc2, sc3
+        rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N,
+                                           ROPE)
+        _load_rope(KV16, k_r_smem.index(0), rows_r, ok_r, DC, DR, ROPE)
+        rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, start + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
+                                           BLOCK_N, ROPE)
+        for j in range(n_blocks):
+            st = j % NUM_STAGES
+            mbarrier.wait(bars.index(KV_FREE + st), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
+            _load_rope(KV16, k_r_smem.index((j + 1) % ROPE_STAGES), rows_r, ok_r, DC, DR, ROPE)
+            if PROBE == 3:  # stores without the unpacking
+                tile = k_c32_smem.index(st)
+                tile.slice(0, 32, dim=1).store(c0)
+                tile.slice(64, 32, dim=1).store(c1)
+                tile.slice(128, 32, dim=1).store(c2)
+                tile.slice(192, 32, dim=1).store(c3)
+            elif PROBE != 1:
+                tile = k_c32_smem.index(st)
+                _unpack_chunk(tile, c0, 0)
+                _unpack_chunk(tile, c1, 1)
+                _unpack_chunk(tile, c2, 2)
+                _unpack_chunk(tile, c3, 3)
+            sc_smem.index(4 * st).store(gl.convert_layout(s0, KEYS))
+            sc_smem.index(4 * st + 1).store(gl.convert_layout(s1, KEYS))
+            sc_smem.index(4 * st + 2).store(gl.convert_layout(s2, KEYS))
+            sc_smem.index(4 * st + 3).store(gl.convert_layout(s3, KEYS))
+            # block j's registers are free: block j+2's codes go in flight (block j+1's have been since block j-1)
+            if PROBE == 4:  # no loads after the first two blocks
+                e0, e1, e2, e3, u0, u1, u2, u3 = c0 + 1, c1, c2, c3, s0, s1, s2, s3
+            else:
+                e0, e1, e2, e3, u0, u1, u2, u3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS, CACHE)
+            nx = start + (j + 2) * BLOCK_N
+            rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, nx + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
+                                               BLOCK_N, WORDS)
+            rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, nx, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N,
+                                               ROPE)
+            cp.wait_group(1)  # block j's rope has landed (block j+1's may still fly)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(bars.index(KV_READY + st))
+            c0, c1, c2, c3, s0, s1, s2, s3 = d0, d1, d2, d3, t0, t1, t2, t3
+            d0, d1, d2, d3, t0, t1, t2, t3 = e0, e1, e2, e3, u0, u1, u2, u3
+        cp.wait_group(0)
+
+    # ---------------------------------------------------------------- consumers ----------------------------
 
     @gluon.jit
-    def _store_half(k_c_smem, words, s_lo, s_hi, half: gl.constexpr, dtype: gl.constexpr, WORDS: gl.constexpr):
-        """Dequantise half a key block into the shared tile. Byte k of word w is latent column
-        256·half + 4w + k; it goes to tile column 256·half + 64k + w (`latent_column` inverts this),
-        so each byte position is one whole 64-column slice. Code · scale in fp32, rounded once."""
-        w = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, WORDS)), 0)
-        scale = gl.where(w < 32, gl.expand_dims(s_lo, 1), gl.expand_dims(s_hi, 1))  # 4w + k < 128
-        for k in gl.static_range(4):
-            code = ((words >> (8 * k)) & 0xFF).to(gl.uint8).to(gl.float8e4nv, bitcast=True)
-            k_c_smem.slice(half * 256 + k * 64, 64, dim=1).store((code.to(gl.float32) * scale).to(dtype))
+    def _scores(k_c, k_r, q_c_smem, q_r_smem, s_zero, ROLE: gl.constexpr):
+        """Issue consumer ROLE's partial Sᵀ: one accumulator per 128-column chunk of its half (they take
+        different scales), and for consumer 1 the rope part (unscaled)."""
+        c0: gl.constexpr = 256 * ROLE
+        sa = warpgroup_mma(k_c.slice(c0, 128, dim=1), q_c_smem.slice(c0, 128, dim=1).permute((1, 0)), s_zero,
+                           use_acc=False, is_async=True)
+        sb = warpgroup_mma(k_c.slice(c0 + 128, 128, dim=1), q_c_smem.slice(c0 + 128, 128, dim=1).permute((1, 0)),
+                           s_zero, use_acc=False, is_async=True)
+        if ROLE == 1:
+            sr = warpgroup_mma(k_r, q_r_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        else:
+            sr = s_zero
+        return sa, sb, sr
 
     @gluon.jit
-    def _latent_column(j):
-        """The latent column held in tile column j (the inverse of `_store_half`'s placement)."""
-        return (j // 256) * 256 + 4 * (j % 64) + (j % 256) // 64
+    def _consumer(ROLE: gl.constexpr, shared, args, DC: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr,
+                  FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  ROPE_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PROBE: gl.constexpr):
+        """Consumer ROLE (latent chunks 2·ROLE, 2·ROLE+1). Block j: issue its partial Sᵀ_j once stage j is
+        ready, free stage j-1 as soon as its P_{j-1}·V_{j-1} is done, scale each chunk's scores per key, swap
+        partials with the other consumer through shared memory, and run the same softmax on the same sums
+        (a + b = b + a, so both hold identical P, max and row sums). Then store Pᵀ scaled for its own two
+        chunks and issue Vᵀ_j·Pᵀ_j for them. (With one consumer running the softmax for both, the other
+        waited on it half its time.)"""
+        (Q, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_blocks,
+         q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, sc_smem, p_smem, s_smem, bars) = shared
+        (MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh, stride_mosp,
+         stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+         scale_log2, S, H, g, seq_len) = args
+        dtype: gl.constexpr = k_c_smem.dtype
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])
+        ROPE: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                              warps_per_cta=[4, 1], order=[1, 0])
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        KEY: gl.constexpr = gl.SliceLayout(1, ACC)
+        OTHER: gl.constexpr = 1 - ROLE
+        OUTSTANDING: gl.constexpr = 2 + ROLE  # the partial-score groups issued after this consumer's last P·V
+        if ROLE == 0:
+            _load_q(Q, q_c_smem, q_r_smem, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, DC, DR,
+                    ROPE)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(bars.index(Q_READY))
+        else:
+            mbarrier.wait(bars.index(Q_READY), 0)
+
+        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
+        if CAUSAL:
+            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
+        l_keys = s_zero
+        oa = warpgroup_mma_init(gl.zeros([128, BLOCK_M], gl.float32, layout=ACC))  # Oᵀ rows of chunk 2·ROLE
+        ob = warpgroup_mma_init(gl.zeros([128, BLOCK_M], gl.float32, layout=ACC))  # ... and of chunk 2·ROLE+1
+        keys = gl.arange(0, BLOCK_N, layout=KEY)
+        for j in range(n_blocks):
+            st = j % NUM_STAGES
+            mbarrier.wait(bars.index(KV_READY + st), (j // NUM_STAGES) & 1)
+            if PROBE == 2:  # the producer alone: hand the stage straight back
+                _cta_barrier()
+                mbarrier.arrive(bars.index(KV_FREE + st))
+            else:
+                k_c = k_c_smem.index(st)
+                sa, sb, sr = _scores(k_c, k_r_smem.index(j % ROPE_STAGES), q_c_smem, q_r_smem, s_zero, ROLE)
+                oa, ob = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(oa, ob))  # this consumer's P_{j-1}·V_{j-1}
+                # free stage j-1 now: the producer unpacks block j+1 into it while this block computes
+                _cta_barrier()
+                mbarrier.arrive(bars.index(KV_FREE + (j - 1) % NUM_STAGES), pred=j > 0)
+                sa, sb, sr = warpgroup_mma_wait(num_outstanding=0, deps=(sa, sb, sr))
+                s = (sa * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE).load(KEY), 1)
+                     + sb * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE + 1).load(KEY), 1))
+                if ROLE == 1:
+                    s = s + sr
+                # swap partial scores: this buffer is free once the other consumer has read block j-1's
+                mbarrier.wait(bars.index(S_READ + ROLE), (j + 1) & 1, pred=j > 0)
+                s_smem.index(ROLE).store(s)
+                _cta_barrier()
+                mbarrier.arrive(bars.index(S_READY + ROLE))
+                mbarrier.wait(bars.index(S_READY + OTHER), j & 1)
+                s = s + s_smem.index(OTHER).load(ACC)
+                _cta_barrier()
+                mbarrier.arrive(bars.index(S_READ + OTHER))
+                p, alpha, m_i, l_keys = _softmax_keys(s, m_i, l_keys, start + j * BLOCK_N + keys, end, limit,
+                                                      scale_log2)
+                p_smem.index(2 * ROLE).store((p * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE).load(KEY), 1))
+                                             .to(dtype))
+                p_smem.index(2 * ROLE + 1).store(
+                    (p * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE + 1).load(KEY), 1)).to(dtype))
+                fence_async_shared()
+                _cta_barrier()  # every warp's Pᵀ is stored
+                oa = oa * gl.expand_dims(alpha, 0)
+                ob = ob * gl.expand_dims(alpha, 0)
+                c0: gl.constexpr = 256 * ROLE
+                oa = warpgroup_mma(k_c.slice(c0, 128, dim=1).permute((1, 0)), p_smem.index(2 * ROLE), oa,
+                                   is_async=True)
+                ob = warpgroup_mma(k_c.slice(c0 + 128, 128, dim=1).permute((1, 0)), p_smem.index(2 * ROLE + 1), ob,
+                                   is_async=True)
+        oa, ob = warpgroup_mma_wait(num_outstanding=0, deps=(oa, ob))
+        l_i = gl.sum(l_keys, axis=0)
+        _store_out(oa, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
+                   stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                   BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE, 128, ROLE == 0, DIRECT, ACC)
+        _store_out(ob, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
+                   stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                   BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE + 128, 128, False, DIRECT, ACC)
 
     @gluon.jit
     def _mla_decode_fp8_kernel(
@@ -117,111 +394,42 @@ if G.HAVE_GLUON:
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
-        P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+        K_C32_SMEM: gl.constexpr, P_SMEM: gl.constexpr, NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CACHE: gl.constexpr,
+        PROBE: gl.constexpr,
+        SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
-        # Sᵀ [BLOCK_N keys, BLOCK_M] and Oᵀ [DC, BLOCK_M]: the two warpgroups stack along M (keys / latent columns)
-        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                      instr_shape=[16, BLOCK_M, 16])
-        WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[2, 16],
-                                               warps_per_cta=[num_warps, 1], order=[1, 0])
-        ROPE: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                              warps_per_cta=[num_warps, 1], order=[1, 0])
-        KEY: gl.constexpr = gl.SliceLayout(1, ACC)  # along keys (or tile columns)
-        ROW: gl.constexpr = gl.SliceLayout(0, ACC)  # along query rows
-
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
-
+        n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
         q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DC], Q_C_SMEM)
         q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DR], Q_R_SMEM)
-        k_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, DC], K_C_SMEM)
-        k_r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], K_R_SMEM)  # the rope part is stored bf16
-        p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], P_SMEM)
+        # the unpacked tiles: written as 32-bit words (bf16 pairs) by the producer, read as bf16 by the matmuls
+        k_c32_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, DC // 2], K_C32_SMEM)
+        k_c_smem = G._reinterpret(k_c32_smem, dtype, [NUM_STAGES, BLOCK_N, DC], K_C_SMEM)
+        k_r_smem = gl.allocate_shared_memory(gl.bfloat16, [ROPE_STAGES, BLOCK_N, DR], K_R_SMEM)
+        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        sc_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * 4, BLOCK_N], VEC)  # [stage · 4 + chunk, key]
+        p_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_N, BLOCK_M], P_SMEM)  # Pᵀ · each chunk's scales
+        # each consumer's partial scores of its latest block
+        s_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BARRIERS):
+            mbarrier.init(bars.index(i), count=2 if i >= KV_FREE and i < S_READY else 1)
+        fence_async_shared()
 
-        # Q rows: FOLD tokens × BLOCK_H heads, latent columns in the tile's order; padded rows are zeros
-        rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ROPE))
-        s_q = g * FOLD + rows_q // BLOCK_H
-        h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
-        ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
-        q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
-        cols_qc = _latent_column(gl.arange(0, DC, layout=gl.SliceLayout(0, ROPE)))
-        cols_qr = gl.arange(0, DR, layout=gl.SliceLayout(0, ROPE))
-        q_c_smem.store(gl.load(Q + q_at + gl.expand_dims(cols_qc, 0), mask=ok_q, other=0.0))
-        q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0).to(gl.bfloat16))
-
-        # the first block: codes and scales into registers, rope into its shared buffer
-        w0, w1, sc0, sc1, sc2, sc3 = _load_block(KV32, KV16, k_r_smem.index(0), BT, b, stride_btb, start, end,
-                                                 stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, DC, DR, WORDS, ROPE)
-
-        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
-        s_idx = g * FOLD + cols_r // BLOCK_H
-        if CAUSAL:
-            limit = seq_len - S + s_idx + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
-        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW)
-        # carried through the loop as an in-flight wgmma accumulator (each iteration waits on it first)
-        acc = warpgroup_mma_init(gl.zeros([DC, BLOCK_M], gl.float32, layout=ACC))
-        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
-        keys = gl.arange(0, BLOCK_N, layout=KEY)
-
-        n_iters = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-        for it in range(n_iters):
-            # the previous P·V has read the tile, P and the other rope buffer: overwrite them
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            _store_half(k_c_smem, w0, sc0, sc1, 0, dtype, WORDS)
-            _store_half(k_c_smem, w1, sc2, sc3, 1, dtype, WORDS)
-            # the next block's bytes fly while this one computes
-            n1 = start + (it + 1) * BLOCK_N
-            w0, w1, sc0, sc1, sc2, sc3 = _load_block(KV32, KV16, k_r_smem.index((it + 1) % 2), BT, b, stride_btb,
-                                                     n1, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, DC, DR,
-                                                     WORDS, ROPE)
-            cp.wait_group(1)  # this block's rope has landed
-            fence_async_shared()
-            _cta_barrier()
-
-            # Sᵀ = K·Qᵀ
-            s = warpgroup_mma(k_c_smem, q_c_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(k_r_smem.index(it % 2), q_r_smem.permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-            offs_n = start + it * BLOCK_N + keys
-            visible = gl.expand_dims(offs_n < end, 1) & (gl.expand_dims(offs_n, 1) < gl.expand_dims(limit, 0))
-            s = gl.where(visible, s * scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 0))
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            # Oᵀ = Oᵀ·alpha + Vᵀ·Pᵀ
-            acc = acc * gl.expand_dims(alpha, 0)
-            acc = warpgroup_mma(k_c_smem.permute((1, 0)), p_smem, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        cp.wait_group(0)
-
-        # ---- finish: normalise; the output (one split) or this split's partial + log2-sum-exp ----
-        has = l_i > 0
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        out = acc * gl.expand_dims(1.0 / gl.where(has, l_i, 1.0), 0)
-        s_o = g * FOLD + cols_r // BLOCK_H
-        h_o = gl.program_id(1) * BLOCK_H + cols_r % BLOCK_H
-        ok_o = (cols_r < FOLD * BLOCK_H) & (h_o < H)
-        d = gl.expand_dims(_latent_column(gl.arange(0, DC, layout=KEY)), 1)
-        mask = gl.expand_dims(ok_o, 0) & (d < DC)
-        if DIRECT:
-            o_at = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
-            gl.store(gl.expand_dims(o_at, 0) + d, out.to(OUT.dtype.element_ty), mask=mask)
-            gl.store(LSE + b * stride_lb + s_o * stride_ls + h_o, lse2 * 0.6931471805599453, mask=ok_o)
-        else:
-            split = gl.program_id(2)
-            mo_at = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
-            gl.store(gl.expand_dims(mo_at, 0) + d, out, mask=mask)
-            gl.store(MID_LSE + b * stride_mlb + s_o * stride_mls + h_o * stride_mlh + split, lse2, mask=ok_o)
+        shared = (Q, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_blocks,
+                  q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, sc_smem, p_smem, s_smem, bars)
+        args = (MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
+                stride_ls, scale_log2, S, H, g, seq_len)
+        gl.warp_specialize([
+            (_consumer, (0, shared, args, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NUM_STAGES, ROPE_STAGES, CAUSAL,
+                         DIRECT, PROBE)),
+            (_consumer, (1, shared, args, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NUM_STAGES, ROPE_STAGES, CAUSAL,
+                         DIRECT, PROBE)),
+            (_producer, (shared, PAGE_SIZE, DC, DR, BLOCK_N, NUM_STAGES, ROPE_STAGES, PRODUCER_WARPS, CACHE, PROBE)),
+        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def fp8_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
@@ -238,14 +446,12 @@ def fp8_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int
 
 def auto_takes(cfg: dict, B: int, S: int) -> bool:
     """Whether `mla_decode_triton(gluon=None)` sends a supported fp8 call here rather than to the
-    Triton kernel. Measured on the H100 (fp8 time vs bf16 time, this kernel / Triton's): 32-row
-    tiles (two folded tokens at H=16) 0.81 / 0.35; few programs with long splits (B=4 T=80k,
-    33 splits of ~20 blocks) 0.85 / 0.71. Triton stays ahead with 32 programs of 16 rows
-    (B=32 T=32k: 0.89 / 0.95) and with one-block splits (B=1 T=8k: 0.60 / 0.96)."""
+    Triton kernel: splits of at least two key blocks. Measured on the H100 (time against bf16's, this
+    kernel / Triton's, docs/benchmarks.md): B=32 T=32k 1.11 / 0.95, B=4 T=80k 1.09 / 0.72, B=128 T=4k
+    1.10 / 0.93, two folded tokens 0.85 / 0.35; one-block splits (B=1 T=8k) 0.86 / 0.94."""
     if not G.AUTO:
         return False
-    programs = B * (S // cfg["FOLD"]) * cfg["head_blocks"]
-    return cfg["BLOCK_M"] == 32 or (programs < 32 and cfg["keys_per_split"] >= 8 * BLOCK_N)
+    return cfg["keys_per_split"] >= 2 * BLOCK_N
 
 
 def launch_fp8_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
@@ -257,4 +463,9 @@ def launch_fp8_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, ls
                                              cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
                                              block_n=BLOCK_N, block_m=rows,
                                              kv_views=(kv_cache.view(torch.bfloat16), kv_cache.view(torch.int32)))
-    _mla_decode_fp8_kernel[grid](*args, **consts, P_SMEM=G._smem_layout([BLOCK_N, rows], q.dtype), num_warps=8)
+    consts["K_C32_SMEM"] = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    producer_warps, consumer_regs, producer_regs = SHAPES[rows]
+    _mla_decode_fp8_kernel[grid](*args, **consts, P_SMEM=G._smem_layout([BLOCK_N, rows], q.dtype),
+                                 NUM_STAGES=NUM_STAGES, ROPE_STAGES=ROPE_STAGES, CONSUMER_REGS=consumer_regs,
+                                 PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CACHE=CODE_CACHE, PROBE=PROBE,
+                                 SOURCE_KEY=_SOURCE_KEY, num_warps=4)
