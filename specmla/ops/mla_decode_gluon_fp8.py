@@ -5,11 +5,12 @@ warpgroups run the matmuls on it, with the keys as the matmuls' M dimension.
 Why: an fp8 row is 1.76× smaller than a bf16 one, so the kernel must unpack codes at that much more than
 the copy bandwidth. The Triton kernel dequantises in registers and stores the tile to shared memory once
 per dot operand; a one-stream Gluon kernel (the previous version of this file) waited for its loads and
-its dequantisation between matmuls. Both ran at 0.9× bf16's time (docs/benchmarks.md, issue 7).
+its dequantisation between matmuls. Both took about 1.06× bf16's time (0.94× its speed); this kernel
+runs at 1.1× bf16's speed (docs/benchmarks.md, issue 7).
 
-- Producer (4 warps): the codes of block j+1 (and the four fp32 scales of each key) are loaded into
-  registers while block j is unpacked; block-table lookups run one block further ahead, so no load waits
-  on another. The rope part (bf16 already) goes by cp.async into a ring of ROPE_STAGES buffers.
+- Producer (8 warps): each block's codes (and the four fp32 scales of each key) go into registers two
+  blocks ahead (one block in flight left HBM idle); block-table lookups run a block further ahead, so
+  no load waits on another. The rope part (bf16 already) goes by cp.async into a ring of ROPE_STAGES.
 - Unpacking is exact and leaves the scales out: a code's bits become the bf16 of the same value with
   integer operations only (`_E4M3_TO_BF16`, 10 per four codes; the conversion unit, 16 results per clock
   per SM, was the limit with cvt instructions). Subnormal codes (|code| < 2⁻⁶, beside 448 the largest) come
@@ -20,9 +21,9 @@ its dequantisation between matmuls. Both ran at 0.9× bf16's time (docs/benchmar
 - Keys are the M dimension ("swap AB"): Sᵀ = K·Qᵀ is [64 keys, R rows], Oᵀ = Vᵀ·Pᵀ is [512, R]. With
   H = 16 (R = 16) nothing is padded to wgmma's M = 64.
 - Consumer w owns latent chunks 2w and 2w+1 (and w = 1 the rope part): its partial scores, then its
-  half of Oᵀ. Consumer 1 hands its partial scores to consumer 0 through shared memory; consumer 0 runs
-  the softmax and writes the four scaled Pᵀ tiles and the rescale factor for both.
-- Two tile stages of 64 keys; a stage is freed once both consumers' P·V on it completed. Latent columns
+  half of Oᵀ. The consumers swap partial scores through shared memory and both run the same softmax
+  (with one consumer running it for both, the other waited on it half its time).
+- Two tile stages of 64 keys; a stage is freed as soon as both consumers' P·V on it completed. Latent columns
   are permuted in the tile (`_latent_column`) so that each thread's unpacked pairs are 16-byte stores;
   q and the output are permuted to match.
 
@@ -56,11 +57,11 @@ NUM_STAGES = 2
 ROPE_STAGES = 3  # the rope part of block j+1 loads while block j is unpacked (see _producer)
 # (producer warps, registers per consumer thread, per producer thread) by query rows: the producer holds
 # two blocks of codes in registers (8 warps: 80 each), the consumers' accumulators grow with the rows; the
-# file holds 2 × 128 × consumer + 32 × warps × producer ≤ 64K. Measured on the H100 (fp8_probe
-# FP8_PROBE_SHAPES): 16 rows 422 µs against 508 with 4 producer warps; 32 rows 564 against 630 for
-# (8, 160, 96) and 690 for (4, 152, 208). 16 rows compile without spills, 32 rows with 64 B.
+# file holds 2 × 128 × consumer + 32 × warps × producer ≤ 64K. Measured on the H100 (fp8_probe with
+# FP8_PROBE_SHAPES, B=32 T=32k): 16 rows 377 µs against 400 for (8, 112, 144), 410 for (8, 104, 152) and
+# 508 with 4 producer warps; 32 rows 492 µs against 527 for (8, 152, 104). 16 rows compile without
+# spills, 32 rows with 112 B (Triton 3.6).
 SHAPES = {16: (8, 120, 136), 32: (8, 144, 112)}
-CODE_CACHE = ""  # cache modifier of the code loads
 PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpacking, 2 the consumers their
 # matmuls, 3 the producer stores the codes without unpacking them, 4 it loads codes only for the first two blocks
 
@@ -163,16 +164,16 @@ if G.HAVE_GLUON:
     # ---------------------------------------------------------------- producer -----------------------------
 
     @gluon.jit
-    def _fetch_codes(KV32, rows, ok, DC: gl.constexpr, WORDS: gl.constexpr, CACHE: gl.constexpr):
+    def _fetch_codes(KV32, rows, ok, DC: gl.constexpr, WORDS: gl.constexpr):
         """A key block's codes as four [keys, 32] tensors of 32-bit words (one per 128-code chunk) and
         each key's four fp32 scales, into registers; rows not ok read zeros."""
         at = gl.expand_dims(gl.multiple_of(rows // 4, 4), 1)  # rows start on 16 bytes (656-byte rows)
         w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WORDS)), 0)
         ok2 = gl.expand_dims(ok, 1)
-        c0 = gl.load(KV32 + at + w, mask=ok2, other=0, cache_modifier=CACHE)
-        c1 = gl.load(KV32 + at + 32 + w, mask=ok2, other=0, cache_modifier=CACHE)
-        c2 = gl.load(KV32 + at + 64 + w, mask=ok2, other=0, cache_modifier=CACHE)
-        c3 = gl.load(KV32 + at + 96 + w, mask=ok2, other=0, cache_modifier=CACHE)
+        c0 = gl.load(KV32 + at + w, mask=ok2, other=0)
+        c1 = gl.load(KV32 + at + 32 + w, mask=ok2, other=0)
+        c2 = gl.load(KV32 + at + 64 + w, mask=ok2, other=0)
+        c3 = gl.load(KV32 + at + 96 + w, mask=ok2, other=0)
         s_at = rows // 4 + DC // 4
         s0 = gl.load(KV32 + s_at, mask=ok, other=0).to(gl.float32, bitcast=True)
         s1 = gl.load(KV32 + s_at + 1, mask=ok, other=0).to(gl.float32, bitcast=True)
@@ -199,8 +200,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr, WARPS: gl.constexpr, CACHE: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr, WARPS: gl.constexpr, PROBE: gl.constexpr):
         """Block j: its codes went into registers two blocks ago (one block in flight is too little to
         keep HBM busy) and its rope part was cp.async'd into rope buffer j % ROPE_STAGES. Wait until both
         consumers have freed tile stage j % NUM_STAGES, start block j+1's rope (its buffer last held block
@@ -217,10 +217,10 @@ if G.HAVE_GLUON:
         # blocks 0 and 1 in flight; block 2's rows looked up; block 0's rope started, block 1's rows for it
         rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N,
                                            WORDS)
-        c0, c1, c2, c3, s0, s1, s2, s3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS, CACHE)
+        c0, c1, c2, c3, s0, s1, s2, s3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS)
         rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
                                            BLOCK_N, WORDS)
-        d0, d1, d2, d3, t0, t1, t2, t3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS, CACHE)
+        d0, d1, d2, d3, t0, t1, t2, t3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS)
         rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start + 2 * BLOCK_N, end, stride_kvp, stride_kvt,
                                            PAGE_SIZE, BLOCK_N, WORDS)
         rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N,
@@ -252,7 +252,7 @@ if G.HAVE_GLUON:
             if PROBE == 4:  # no loads after the first two blocks
                 e0, e1, e2, e3, u0, u1, u2, u3 = c0 + 1, c1, c2, c3, s0, s1, s2, s3
             else:
-                e0, e1, e2, e3, u0, u1, u2, u3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS, CACHE)
+                e0, e1, e2, e3, u0, u1, u2, u3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS)
             nx = start + (j + 2) * BLOCK_N
             rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, nx + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
                                                BLOCK_N, WORDS)
@@ -395,8 +395,7 @@ if G.HAVE_GLUON:
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
         K_C32_SMEM: gl.constexpr, P_SMEM: gl.constexpr, NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CACHE: gl.constexpr,
-        PROBE: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr,
         SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -428,7 +427,7 @@ if G.HAVE_GLUON:
                          DIRECT, PROBE)),
             (_consumer, (1, shared, args, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NUM_STAGES, ROPE_STAGES, CAUSAL,
                          DIRECT, PROBE)),
-            (_producer, (shared, PAGE_SIZE, DC, DR, BLOCK_N, NUM_STAGES, ROPE_STAGES, PRODUCER_WARPS, CACHE, PROBE)),
+            (_producer, (shared, PAGE_SIZE, DC, DR, BLOCK_N, NUM_STAGES, ROPE_STAGES, PRODUCER_WARPS, PROBE)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -467,5 +466,5 @@ def launch_fp8_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, ls
     producer_warps, consumer_regs, producer_regs = SHAPES[rows]
     _mla_decode_fp8_kernel[grid](*args, **consts, P_SMEM=G._smem_layout([BLOCK_N, rows], q.dtype),
                                  NUM_STAGES=NUM_STAGES, ROPE_STAGES=ROPE_STAGES, CONSUMER_REGS=consumer_regs,
-                                 PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, CACHE=CODE_CACHE, PROBE=PROBE,
+                                 PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, PROBE=PROBE,
                                  SOURCE_KEY=_SOURCE_KEY, num_warps=4)
