@@ -1,4 +1,4 @@
-"""Issue-7 probe: the fp8 cache through the Hopper Gluon fp8 kernel (`ops.mla_decode_gluon_fp8`) and
+"""Issue-7 probe: fp8 and tbq4 caches through the Hopper Gluon kernel (`ops.mla_decode_gluon_fp8`) and
 through the Triton kernel, against bf16, in one run (CUDA-graph timing as bench_mla_decode), plus the
 Gluon kernel's timing probes (`PROBE`: one half of its work left out, so the results are wrong).
 
@@ -26,7 +26,8 @@ VARIANTS = (("bf16", "bf16", None, {}), ("fp8_default", "fp8", None, {}), ("fp8_
             ("fp8_triton", "fp8", False, {}),
             # timing probes (wrong results): no unpacking; no consumer matmuls; raw stores; no code loads
             ("probe_no_unpack", "fp8", True, dict(PROBE=1)), ("probe_no_mma", "fp8", True, dict(PROBE=2)),
-            ("probe_raw_stores", "fp8", True, dict(PROBE=3)), ("probe_no_loads", "fp8", True, dict(PROBE=4)))
+            ("probe_raw_stores", "fp8", True, dict(PROBE=3)), ("probe_no_loads", "fp8", True, dict(PROBE=4)),
+            ("tbq4_default", "tbq4", None, {}), ("tbq4_gluon", "tbq4", True, {}), ("tbq4_triton", "tbq4", False, {}))
 if os.environ.get("FP8_PROBE_SHAPES"):  # register splits to try: "16:8:104:152,32:4:152:208" (rows:warps:cons:prod)
     VARIANTS = VARIANTS[:2] + tuple(
         (f"shape_{v}", "fp8", True, dict(SHAPES={**F.SHAPES, int(v.split(":")[0]): tuple(int(x) for x in v.split(":")[1:])}))
@@ -55,7 +56,7 @@ def main():
     rows = []
     for H, B, T, S in CASES:
         res = {"case": [H, B, T, S]}
-        for kv in ("bf16", "fp8"):
+        for kv in ("bf16", "fp8", "tbq4"):
             caches, table, seq, qs = make_problem(H, B, T, S, 4, kv)
             nb = kv_decode_bytes(kv, B * T, B, S, H)
             out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")

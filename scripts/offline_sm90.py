@@ -82,8 +82,8 @@ def offline_sm90(capability: int = 90):
 def gluon_decode_usage(cases) -> list[dict]:
     """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct[, block_n]) and
     report its resources (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
-    interpreter mode, which the test suite turns on, cannot compile). dtype "fp8": the fp8-cache kernel
-    (`ops.mla_decode_gluon_fp8`) with bf16 queries."""
+    interpreter mode, which the test suite turns on, cannot compile). dtype "fp8" / "tbq4": the kernel for
+    quantised caches (`ops.mla_decode_gluon_fp8`) with bf16 queries."""
     import torch
 
     from specmla.ops import mla_decode_gluon as G
@@ -94,12 +94,12 @@ def gluon_decode_usage(cases) -> list[dict]:
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         block_n = rest[0] if rest else 64
-        fp8 = dtype_name == "fp8"
+        fp8 = dtype_name in ("fp8", "tbq4")  # a quantised cache: the Gluon kernel for fp8 / tbq4 rows
         dtype = torch.bfloat16 if fp8 else getattr(torch, dtype_name)
         B = 2
         q = torch.randn(B, S, H, dc + dr, dtype=dtype)
         if fp8:
-            kv = torch.zeros(8, 64, row_spec("fp8", dc, dr, dtype)[0], dtype=torch.uint8)
+            kv = torch.zeros(8, 64, row_spec(dtype_name, dc, dr, dtype)[0], dtype=torch.uint8)
         else:
             kv = torch.randn(8, 64, dc + dr, dtype=dtype)
         table = torch.zeros(B, 4, dtype=torch.int32)
@@ -109,8 +109,8 @@ def gluon_decode_usage(cases) -> list[dict]:
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         with offline_sm90() as kernels:
             if fp8:
-                F.launch_fp8_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True, direct=direct,
-                                   num_splits=1 if direct else 2)
+                F.launch_quant_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
+                                     direct=direct, num_splits=1 if direct else 2, kv_format=dtype_name)
             else:
                 G.launch_gluon_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, dc=dc, causal=True,
                                      direct=direct, num_splits=1 if direct else 2, block_n=block_n)

@@ -206,6 +206,7 @@ def _poison_tails(cache, table, seq):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "tbq4"])
 @pytest.mark.parametrize("H,S,page,lens,splits,causal", [
     (16, 1, 64, [333, 1, 64, 65, 200], None, True),  # H=16: 16 rows, the routed default
     (16, 2, 16, [700, 129, 5], 3, True),  # two tokens folded: 32 rows
@@ -213,31 +214,33 @@ def _poison_tails(cache, table, seq):
     (16, 1, 32, [1, 2, 63, 127, 128, 129, 4096], 7, True),  # lengths around key blocks (64 and 128), many splits
     (3, 2, 1, [70, 9], 2, True),  # one-token pages, odd head count
 ])
-def test_gpu_fp8_gluon_kernel_matches_the_reference(H, S, page, lens, splits, causal):
-    """The Hopper fp8 kernel (warp-specialised: codes unpacked exactly into a shared-memory tile, scales
-    folded into the scores and P, keys as M) against the fp32 reference on the dequantised rows,
-    NaN-poisoned tails, permuted tables; the Triton fp8 kernel on the same call agrees too."""
+def test_gpu_quant_gluon_kernel_matches_the_reference(fmt, H, S, page, lens, splits, causal):
+    """The Hopper kernel for quantised caches (warp-specialised: codes unpacked exactly into a shared-memory
+    tile, fp8 scales / tbq4 norms folded into the scores and P, keys as M; tbq4 in the rotated domain) against
+    the fp32 reference on the dequantised rows, NaN-poisoned tails, permuted tables; the Triton kernel on the
+    same call agrees too."""
     from specmla.ops import mla_decode_gluon_fp8 as F
     from specmla.ops.mla_decode_triton import mla_decode_triton
 
     B, T = len(lens), max(lens)
-    q, cache, table, _ = decode_case("fp8", seed=H * 7 + S + page, B=B, S=S, H=H, T=T, page=page)
+    q, cache, table, _ = decode_case(fmt, seed=H * 7 + S + page, B=B, S=S, H=H, T=T, page=page)
     seq = torch.tensor(lens, dtype=torch.int32)
     _poison_tails(cache, table, seq)
-    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format="fp8",
+    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
                                 causal=causal, return_lse=True)
     args = (q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721)
-    assert F.fp8_supported(args[0], args[1], 512, 16 if S * H <= 16 else 32)
+    assert F.quant_supported(args[0], args[1], 512, 16 if S * H <= 16 else 32, fmt)
     seen = torch.isfinite(want_lse)
     for gluon in (True, False):
-        got, got_lse = mla_decode_triton(*args, head_dim_v=512, kv_format="fp8", causal=causal, return_lse=True,
+        got, got_lse = mla_decode_triton(*args, head_dim_v=512, kv_format=fmt, causal=causal, return_lse=True,
                                          num_splits=splits, gluon=gluon)
         got, got_lse = got.float().cpu(), got_lse.cpu()
         assert not got.isnan().any()
         assert rel_err(got, want) < 1e-2, gluon
         assert torch.equal(torch.isfinite(got_lse), seen)
-        # both kernels round each dequantised key to bf16 (2⁻⁹ relative) before the dot: scores of
-        # magnitude ~10 here move the lse by up to ~1e-2, where a bf16 cache's stays under 1e-3
+        # keys reach the dots rounded to bf16 (the Triton kernel: code·scale or centroid·norm; the Gluon
+        # kernel: tbq4 centroids, 2⁻⁹ relative): scores of magnitude ~10 here move the lse by up to ~1e-2,
+        # where a bf16 cache's stays under 1e-3
         assert (got_lse[seen] - want_lse[seen]).abs().max() < 2e-2, gluon
 
 

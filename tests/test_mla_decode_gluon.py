@@ -31,6 +31,7 @@ CPU_COMPILE_CASES = [  # H, S, dc, dr, dtype, direct[, block_n]
     [128, 1, 512, 64, "bfloat16", False, 32],  # 32-key blocks: the one-stream kernel
     [16, 1, 512, 64, "fp8", True],  # an fp8 cache: keys as M, 16 rows (ops/mla_decode_gluon_fp8.py)
     [16, 2, 512, 64, "fp8", False],  # ... 32 rows, split partials
+    [16, 1, 512, 64, "tbq4", False],  # a tbq4 cache through the same kernel
 ]
 FP8_STACK_BYTES = 256  # fp8, 32 rows: 112 B with Triton 3.6 (the GPU machine's), 192 B with 3.9; 16 rows: 0
 SEESAW_STACK_BYTES = 256  # the seesaw warpgroups keep loop-invariant words on the stack (96 B with Triton 3.6, 232 B with 3.9)
@@ -51,9 +52,9 @@ def test_compiles_for_sm90_within_hopper_limits():
     assert [r["case"] for r in rows] == CPU_COMPILE_CASES
     for r in rows:
         (use,) = r["kernels"]
-        fp8 = r["case"][4] == "fp8"
+        fp8 = r["case"][4] in ("fp8", "tbq4")
         seesaw = r["case"][3] == 64 and len(r["case"]) == 6 and not fp8
-        assert use["name"] == ("_mla_decode_fp8_kernel" if fp8 else "_mla_decode_seesaw_kernel" if seesaw
+        assert use["name"] == ("_mla_decode_quant_kernel" if fp8 else "_mla_decode_seesaw_kernel" if seesaw
                                else "_mla_decode_wgmma_kernel"), r
         # the fp8 kernel: two consumer warpgroups and a producer of 8 warps
         assert use["warps"] == (16 if fp8 else 8) and 0 < use["regs"] <= 255 and use["local"] == 0, r

@@ -211,15 +211,10 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torc
     flat = kv_cache.view(-1, width)
     wide = flat.view(torch.float16 if tbq else torch.float32)
     bf = flat.view(torch.bfloat16)
-    had = _hadamard(c_kv.device) if tbq else flat
+    had = tbq4.hadamard(c_kv.device) if tbq else flat
     cent = tbq4.centroids(c_kv.device) if tbq else flat
     _write_quantized_kernel[(triton.cdiv(T, block_t),)](
         c_kv, k_pe, slot_mapping, flat, wide, bf, had, cent,
         T, c_kv.stride(0), k_pe.stride(0), flat.stride(0), wide.stride(0), bf.stride(0),
         DC=dc, DR=dr, BLOCK_T=block_t, TBQ4=tbq,
     )
-
-
-def _hadamard(device) -> torch.Tensor:
-    """The orthonormal 128×128 Sylvester Hadamard matrix (x @ H == tbq4.fwht(x))."""
-    return tbq4.fwht(torch.eye(tbq4.BLOCK)).to(device).contiguous()

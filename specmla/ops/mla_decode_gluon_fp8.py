@@ -1,6 +1,7 @@
-"""Hopper MLA decode that reads the fp8 latent cache (FlashMLA's 656-byte rows) in Gluon, warp-specialised:
-a producer warpgroup turns each key block's e4m3 codes into a bf16 tile in shared memory, and two consumer
-warpgroups run the matmuls on it, with the keys as the matmuls' M dimension.
+"""Hopper MLA decode that reads a quantised latent cache — fp8 (FlashMLA's 656-byte rows) or tbq4 (392-byte
+rows, attention in the FWHT-rotated domain) — in Gluon, warp-specialised: a producer warpgroup turns each key
+block's codes into a bf16 tile in shared memory, and two consumer warpgroups run the matmuls on it, with the
+keys as the matmuls' M dimension.
 
 Why: an fp8 row is 1.76× smaller than a bf16 one, so the kernel must unpack codes at that much more than
 the copy bandwidth. The Triton kernel dequantises in registers and stores the tile to shared memory once
@@ -11,10 +12,12 @@ runs at 1.1× bf16's speed (docs/benchmarks.md, issue 7).
 - Producer (8 warps): each block's codes (and the four fp32 scales of each key) go into registers two
   blocks ahead (one block in flight left HBM idle); block-table lookups run a block further ahead, so
   no load waits on another. The rope part (bf16 already) goes by cp.async into a ring of ROPE_STAGES.
-- Unpacking is exact and leaves the scales out: a code's bits become the bf16 of the same value with
+- Unpacking is exact and leaves the scales out. fp8: a code's bits become the bf16 of the same value with
   integer operations only (`_E4M3_TO_BF16`, 10 per four codes; the conversion unit, 16 results per clock
   per SM, was the limit with cvt instructions). Subnormal codes (|code| < 2⁻⁶, beside 448 the largest) come
-  out as 2⁻⁷·(1 + m/8) instead of 2⁻⁶·m/8: an error of at most 2⁻⁷ in code units.
+  out as 2⁻⁷·(1 + m/8) instead of 2⁻⁶·m/8: an error of at most 2⁻⁷ in code units. tbq4: a byte-permute
+  table lookup gives each 4-bit code's centroid in bf16 (`_TBQ4_PAIRS`); the block norms take the scales'
+  place.
 - The scales are applied where they are cheap: Sᵀ is summed from one accumulator per 128-column chunk,
   each multiplied by its per-key scale; P·V uses Pᵀ multiplied by the chunk's per-key scale (four Pᵀ
   tiles, one per chunk). No bf16 rounding of code·scale.
@@ -65,6 +68,9 @@ SHAPES = {16: (8, 120, 136), 32: (8, 144, 112)}
 PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpacking, 2 the consumers their
 # matmuls, 3 the producer stores the codes without unpacking them, 4 it loads codes only for the first two blocks
 
+FORMATS = {"fp8": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention in the rotated domain)
+ROW_BYTES = {"fp8": 656, "tbq4": 392}  # Dc = 512, Dr = 64
+
 _SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 KV_READY = _c(0)  # +stage: the producer has unpacked a block into it
@@ -94,18 +100,52 @@ add.u32 $1, a, 0x3C003C00;
 }""")
 
 
+
+def _tbq4_pairs_asm() -> str:
+    """PTX that turns one 32-bit word of 8 tbq4 codes into the bf16 centroids of coordinates (0, 1), (2, 3),
+    (4, 5), (6, 7) as four bf16x2 words: the byte-permute table lookup of `mla_decode_triton._tbq4_lut_asm`
+    without the norm (this kernel applies the norms to the scores and P, as the fp8 scales)."""
+    import torch
+
+    from specmla.ops import tbq4
+    bits = torch.tensor(tbq4.lloyd_max_centroids(), dtype=torch.bfloat16).view(torch.int16).tolist()
+    lo = [b & 0xFF for b in bits]
+    hi = [(b >> 8) & 0xFF for b in bits]
+
+    def word(t, i):
+        return hex(t[4 * i] | t[4 * i + 1] << 8 | t[4 * i + 2] << 16 | t[4 * i + 3] << 24)
+
+    tables = "".join(f"mov.b32 tl{i}, {word(lo, i)}; mov.b32 tg{i}, {word(hi, i)};\n" for i in range(4))
+    half = """prmt.b32 ta, tl0, tl1, ts; prmt.b32 tc, tl2, tl3, ts; prmt.b32 tlo, ta, tc, th;
+prmt.b32 ta, tg0, tg1, ts; prmt.b32 tc, tg2, tg3, ts; prmt.b32 thi, ta, tc, th;
+prmt.b32 $%d, tlo, thi, 0x5140; prmt.b32 $%d, tlo, thi, 0x7362;
+"""
+    return ("{\n.reg .b32 tl0, tl1, tl2, tl3, tg0, tg1, tg2, tg3, ts, th, tt, ta, tc, tlo, thi;\n" + tables +
+            "and.b32 ts, $4, 0x77777777;\nand.b32 tt, $4, 0x88888888;\nshr.b32 tt, tt, 1;\nor.b32 th, tt, 0x32103210;\n"
+            + half % (0, 1) + "shr.b32 ts, ts, 16;\nshr.b32 th, th, 16;\n" + half % (2, 3) + "}")
+
+
+_TBQ4_PAIRS = _c(_tbq4_pairs_asm())
+
+
 if G.HAVE_GLUON:
 
     @gluon.jit
-    def _latent_column(j):
-        """The latent column held in tile column j. Within each 128-column chunk (one scale), word v
-        (codes 4v … 4v+3) lands as pair 0 (codes 4v, 4v+1) at columns 2v, 2v+1 and pair 1 at 64 + 2v, 65 + 2v."""
+    def _latent_column(j, FMT: gl.constexpr):
+        """The latent column held in tile column j. Within each 128-column chunk (one scale or norm):
+        fp8 word v (codes 4v … 4v+3) lands as pair 0 (codes 4v, 4v+1) at columns 2v, 2v+1 and pair 1 at
+        64 + 2v, 65 + 2v; tbq4 word v (codes 8v … 8v+7) as pair k (codes 8v+2k, 8v+2k+1) at 32k + 2v, 32k + 2v + 1."""
         k = j % 128
-        return (j // 128) * 128 + 4 * ((k % 64) // 2) + 2 * (k // 64) + k % 2
+        if FMT == 0:
+            col = 4 * ((k % 64) // 2) + 2 * (k // 64) + k % 2
+        else:
+            col = 8 * ((k % 32) // 2) + 2 * (k // 32) + k % 2
+        return (j // 128) * 128 + col
 
     @gluon.jit
     def _load_q(Q, q_c_smem, q_r_smem, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
-                FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, LAYOUT: gl.constexpr):
+                FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, FMT: gl.constexpr,
+                LAYOUT: gl.constexpr):
         """Q rows (FOLD tokens × BLOCK_H heads) into shared memory, latent columns in the tile's order;
         padded rows are zeros."""
         rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
@@ -113,7 +153,7 @@ if G.HAVE_GLUON:
         h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
         ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
         q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
-        cols_qc = _latent_column(gl.arange(0, DC, layout=gl.SliceLayout(0, LAYOUT)))
+        cols_qc = _latent_column(gl.arange(0, DC, layout=gl.SliceLayout(0, LAYOUT)), FMT)
         cols_qr = gl.arange(0, DR, layout=gl.SliceLayout(0, LAYOUT))
         q_c_smem.store(gl.load(Q + q_at + gl.expand_dims(cols_qc, 0), mask=ok_q, other=0.0))
         q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0).to(gl.bfloat16))
@@ -137,7 +177,7 @@ if G.HAVE_GLUON:
                    stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                    BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr,
                    C0: gl.constexpr, NC: gl.constexpr, STORE_LSE: gl.constexpr, DIRECT: gl.constexpr,
-                   ACC: gl.constexpr):
+                   FMT: gl.constexpr, ACC: gl.constexpr):
         """Normalise Oᵀ [NC, BLOCK_M] (tile columns C0 … C0+NC) and store them in the output (one split:
         natural-log lse) or this split's partial and log2-sum-exp; tile columns go back to latent columns."""
         has = l_i > 0
@@ -147,7 +187,7 @@ if G.HAVE_GLUON:
         s_o = g * FOLD + cols_r // BLOCK_H
         h_o = gl.program_id(1) * BLOCK_H + cols_r % BLOCK_H
         ok_o = (cols_r < FOLD * BLOCK_H) & (h_o < H)
-        d = gl.expand_dims(_latent_column(C0 + gl.arange(0, NC, layout=gl.SliceLayout(1, ACC))), 1)
+        d = gl.expand_dims(_latent_column(C0 + gl.arange(0, NC, layout=gl.SliceLayout(1, ACC)), FMT), 1)
         mask = gl.expand_dims(ok_o, 0) & (d < DC)
         if DIRECT:
             o_at = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
@@ -164,43 +204,73 @@ if G.HAVE_GLUON:
     # ---------------------------------------------------------------- producer -----------------------------
 
     @gluon.jit
-    def _fetch_codes(KV32, rows, ok, DC: gl.constexpr, WORDS: gl.constexpr):
-        """A key block's codes as four [keys, 32] tensors of 32-bit words (one per 128-code chunk) and
-        each key's four fp32 scales, into registers; rows not ok read zeros."""
-        at = gl.expand_dims(gl.multiple_of(rows // 4, 4), 1)  # rows start on 16 bytes (656-byte rows)
-        w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WORDS)), 0)
+    def _fetch_codes(KV16, KV32, rows, ok, DC: gl.constexpr, FMT: gl.constexpr, WORDS: gl.constexpr):
+        """A key block's codes as four [keys, words] tensors of 32-bit words (one per 128-code chunk: fp8 32
+        words, tbq4 16) and each key's four fp32 scales (fp8) or norms (tbq4, stored fp16), into registers;
+        rows not ok read zeros."""
         ok2 = gl.expand_dims(ok, 1)
-        c0 = gl.load(KV32 + at + w, mask=ok2, other=0)
-        c1 = gl.load(KV32 + at + 32 + w, mask=ok2, other=0)
-        c2 = gl.load(KV32 + at + 64 + w, mask=ok2, other=0)
-        c3 = gl.load(KV32 + at + 96 + w, mask=ok2, other=0)
-        s_at = rows // 4 + DC // 4
-        s0 = gl.load(KV32 + s_at, mask=ok, other=0).to(gl.float32, bitcast=True)
-        s1 = gl.load(KV32 + s_at + 1, mask=ok, other=0).to(gl.float32, bitcast=True)
-        s2 = gl.load(KV32 + s_at + 2, mask=ok, other=0).to(gl.float32, bitcast=True)
-        s3 = gl.load(KV32 + s_at + 3, mask=ok, other=0).to(gl.float32, bitcast=True)
+        if FMT == 0:  # 656-byte rows: 16-byte aligned; [codes 512 | 4 fp32 scales | rope]
+            at = gl.expand_dims(gl.multiple_of(rows // 4, 4), 1)
+            w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WORDS)), 0)
+            c0 = gl.load(KV32 + at + w, mask=ok2, other=0)
+            c1 = gl.load(KV32 + at + 32 + w, mask=ok2, other=0)
+            c2 = gl.load(KV32 + at + 64 + w, mask=ok2, other=0)
+            c3 = gl.load(KV32 + at + 96 + w, mask=ok2, other=0)
+            s_at = rows // 4 + DC // 4
+            s0 = gl.load(KV32 + s_at, mask=ok, other=0).to(gl.float32, bitcast=True)
+            s1 = gl.load(KV32 + s_at + 1, mask=ok, other=0).to(gl.float32, bitcast=True)
+            s2 = gl.load(KV32 + s_at + 2, mask=ok, other=0).to(gl.float32, bitcast=True)
+            s3 = gl.load(KV32 + s_at + 3, mask=ok, other=0).to(gl.float32, bitcast=True)
+        else:  # 392-byte rows: 8-byte aligned; [codes 256 | 4 fp16 norms | rope]
+            at = gl.expand_dims(gl.multiple_of(rows // 4, 2), 1)
+            w = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)), 0)
+            c0 = gl.load(KV32 + at + w, mask=ok2, other=0)
+            c1 = gl.load(KV32 + at + 16 + w, mask=ok2, other=0)
+            c2 = gl.load(KV32 + at + 32 + w, mask=ok2, other=0)
+            c3 = gl.load(KV32 + at + 48 + w, mask=ok2, other=0)
+            n_at = rows // 2 + DC // 4
+            s0 = gl.load(KV16 + n_at, mask=ok, other=0.0).to(gl.float16, bitcast=True).to(gl.float32)
+            s1 = gl.load(KV16 + n_at + 1, mask=ok, other=0.0).to(gl.float16, bitcast=True).to(gl.float32)
+            s2 = gl.load(KV16 + n_at + 2, mask=ok, other=0.0).to(gl.float16, bitcast=True).to(gl.float32)
+            s3 = gl.load(KV16 + n_at + 3, mask=ok, other=0.0).to(gl.float16, bitcast=True).to(gl.float32)
         return c0, c1, c2, c3, s0, s1, s2, s3
 
     @gluon.jit
-    def _unpack_chunk(tile32, words, c: gl.constexpr):
-        """Chunk c's codes → exact bf16 pairs in the tile (viewed as 32-bit words): pair 0 of word v at
-        word 64c + v, pair 1 at 64c + 32 + v."""
-        lo, hi = gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [words], dtype=(gl.int32, gl.int32),
-                                           is_pure=True, pack=1)
-        tile32.slice(64 * c, 32, dim=1).store(lo)
-        tile32.slice(64 * c + 32, 32, dim=1).store(hi)
+    def _unpack_chunk(tile32, words, c: gl.constexpr, FMT: gl.constexpr):
+        """Chunk c's codes → exact bf16 values (fp8: the code; tbq4: its centroid) in the tile, viewed as
+        32-bit words of bf16 pairs. fp8: pair 0 of word v at word 64c + v, pair 1 at 64c + 32 + v; tbq4:
+        pair k of word v at 64c + 16k + v."""
+        if FMT == 0:
+            lo, hi = gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [words], dtype=(gl.int32, gl.int32),
+                                               is_pure=True, pack=1)
+            tile32.slice(64 * c, 32, dim=1).store(lo)
+            tile32.slice(64 * c + 32, 32, dim=1).store(hi)
+        else:
+            p0, p1, p2, p3 = gl.inline_asm_elementwise(_TBQ4_PAIRS, "=r,=r,=r,=r,r", [words],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
+                                                       pack=1)
+            tile32.slice(64 * c, 16, dim=1).store(p0)
+            tile32.slice(64 * c + 16, 16, dim=1).store(p1)
+            tile32.slice(64 * c + 32, 16, dim=1).store(p2)
+            tile32.slice(64 * c + 48, 16, dim=1).store(p3)
 
     @gluon.jit
-    def _load_rope(KV16, k_r_buf, rows, ok, DC: gl.constexpr, DR: gl.constexpr, ROPE: gl.constexpr):
-        """cp.async a key block's bf16 rope part into its shared buffer (rows past the end: zeros)."""
+    def _load_rope(KV16, k_r_buf, rows, ok, DC: gl.constexpr, DR: gl.constexpr, FMT: gl.constexpr,
+                   ROPE: gl.constexpr):
+        """cp.async a key block's bf16 rope part into its shared buffer (rows past the end: zeros). It
+        starts at byte 528 of an fp8 row (16-byte aligned), 264 of a tbq4 row (8-byte aligned)."""
         cols = gl.arange(0, DR, layout=gl.SliceLayout(0, ROPE))
-        at = gl.multiple_of(rows // 2 + (DC + 4 * (DC // 128)) // 2, 8)  # 16-byte aligned (byte 528 of the row)
+        if FMT == 0:
+            at = gl.multiple_of(rows // 2 + (DC + 4 * (DC // 128)) // 2, 8)
+        else:
+            at = gl.multiple_of(rows // 2 + (DC // 2 + 2 * (DC // 128)) // 2, 4)
         G._cp_async(k_r_buf, KV16 + gl.expand_dims(at, 1) + gl.expand_dims(cols, 0), mask=gl.expand_dims(ok, 1))
         cp.commit_group()
 
     @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr, WARPS: gl.constexpr, PROBE: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr, WARPS: gl.constexpr, FMT: gl.constexpr,
+                  PROBE: gl.constexpr):
         """Block j: its codes went into registers two blocks ago (one block in flight is too little to
         keep HBM busy) and its rope part was cp.async'd into rope buffer j % ROPE_STAGES. Wait until both
         consumers have freed tile stage j % NUM_STAGES, start block j+1's rope (its buffer last held block
@@ -209,29 +279,30 @@ if G.HAVE_GLUON:
         no load waits on another) and mark the stage ready once the rope has landed."""
         (Q, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_blocks,
          q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, sc_smem, p_smem, s_smem, bars) = shared
-        WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8],
+        VEC: gl.constexpr = 4 if FMT == 0 else 2  # 32-bit words per load: rows are 16- (fp8) or 8-byte (tbq4) aligned
+        WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[4, 8],
                                                warps_per_cta=[WARPS, 1], order=[1, 0])
-        ROPE: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+        ROPE: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2 * VEC], threads_per_warp=[4, 8],
                                               warps_per_cta=[WARPS, 1], order=[1, 0])
         KEYS: gl.constexpr = gl.SliceLayout(1, WORDS)
         # blocks 0 and 1 in flight; block 2's rows looked up; block 0's rope started, block 1's rows for it
         rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N,
                                            WORDS)
-        c0, c1, c2, c3, s0, s1, s2, s3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS)
+        c0, c1, c2, c3, s0, s1, s2, s3 = _fetch_codes(KV16, KV32, rows_w, ok_w, DC, FMT, WORDS)
         rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
                                            BLOCK_N, WORDS)
-        d0, d1, d2, d3, t0, t1, t2, t3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS)
+        d0, d1, d2, d3, t0, t1, t2, t3 = _fetch_codes(KV16, KV32, rows_w, ok_w, DC, FMT, WORDS)
         rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, start + 2 * BLOCK_N, end, stride_kvp, stride_kvt,
                                            PAGE_SIZE, BLOCK_N, WORDS)
         rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N,
                                            ROPE)
-        _load_rope(KV16, k_r_smem.index(0), rows_r, ok_r, DC, DR, ROPE)
+        _load_rope(KV16, k_r_smem.index(0), rows_r, ok_r, DC, DR, FMT, ROPE)
         rows_r, ok_r = G._block_page_rows(BT, b, stride_btb, start + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
                                            BLOCK_N, ROPE)
         for j in range(n_blocks):
             st = j % NUM_STAGES
             mbarrier.wait(bars.index(KV_FREE + st), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
-            _load_rope(KV16, k_r_smem.index((j + 1) % ROPE_STAGES), rows_r, ok_r, DC, DR, ROPE)
+            _load_rope(KV16, k_r_smem.index((j + 1) % ROPE_STAGES), rows_r, ok_r, DC, DR, FMT, ROPE)
             if PROBE == 3:  # stores without the unpacking
                 tile = k_c32_smem.index(st)
                 tile.slice(0, 32, dim=1).store(c0)
@@ -240,10 +311,10 @@ if G.HAVE_GLUON:
                 tile.slice(192, 32, dim=1).store(c3)
             elif PROBE != 1:
                 tile = k_c32_smem.index(st)
-                _unpack_chunk(tile, c0, 0)
-                _unpack_chunk(tile, c1, 1)
-                _unpack_chunk(tile, c2, 2)
-                _unpack_chunk(tile, c3, 3)
+                _unpack_chunk(tile, c0, 0, FMT)
+                _unpack_chunk(tile, c1, 1, FMT)
+                _unpack_chunk(tile, c2, 2, FMT)
+                _unpack_chunk(tile, c3, 3, FMT)
             sc_smem.index(4 * st).store(gl.convert_layout(s0, KEYS))
             sc_smem.index(4 * st + 1).store(gl.convert_layout(s1, KEYS))
             sc_smem.index(4 * st + 2).store(gl.convert_layout(s2, KEYS))
@@ -252,7 +323,7 @@ if G.HAVE_GLUON:
             if PROBE == 4:  # no loads after the first two blocks
                 e0, e1, e2, e3, u0, u1, u2, u3 = c0 + 1, c1, c2, c3, s0, s1, s2, s3
             else:
-                e0, e1, e2, e3, u0, u1, u2, u3 = _fetch_codes(KV32, rows_w, ok_w, DC, WORDS)
+                e0, e1, e2, e3, u0, u1, u2, u3 = _fetch_codes(KV16, KV32, rows_w, ok_w, DC, FMT, WORDS)
             nx = start + (j + 2) * BLOCK_N
             rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, nx + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
                                                BLOCK_N, WORDS)
@@ -286,7 +357,8 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, DC: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr,
                   FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  ROPE_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PROBE: gl.constexpr):
+                  ROPE_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FMT: gl.constexpr,
+                  PROBE: gl.constexpr):
         """Consumer ROLE (latent chunks 2·ROLE, 2·ROLE+1). Block j: issue its partial Sᵀ_j once stage j is
         ready, free stage j-1 as soon as its P_{j-1}·V_{j-1} is done, scale each chunk's scores per key, swap
         partials with the other consumer through shared memory, and run the same softmax on the same sums
@@ -309,7 +381,7 @@ if G.HAVE_GLUON:
         OUTSTANDING: gl.constexpr = 2 + ROLE  # the partial-score groups issued after this consumer's last P·V
         if ROLE == 0:
             _load_q(Q, q_c_smem, q_r_smem, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, DC, DR,
-                    ROPE)
+                    FMT, ROPE)
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(bars.index(Q_READY))
@@ -373,13 +445,13 @@ if G.HAVE_GLUON:
         l_i = gl.sum(l_keys, axis=0)
         _store_out(oa, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
                    stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE, 128, ROLE == 0, DIRECT, ACC)
+                   BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE, 128, ROLE == 0, DIRECT, FMT, ACC)
         _store_out(ob, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
                    stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE + 128, 128, False, DIRECT, ACC)
+                   BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE + 128, 128, False, DIRECT, FMT, ACC)
 
     @gluon.jit
-    def _mla_decode_fp8_kernel(
+    def _mla_decode_quant_kernel(
         Q, KV16, KV32, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
         stride_qb, stride_qs, stride_qh,
         stride_kvp, stride_kvt,
@@ -395,7 +467,8 @@ if G.HAVE_GLUON:
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
         K_C32_SMEM: gl.constexpr, P_SMEM: gl.constexpr, NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FMT: gl.constexpr,
+        PROBE: gl.constexpr,
         SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -424,39 +497,42 @@ if G.HAVE_GLUON:
                 stride_ls, scale_log2, S, H, g, seq_len)
         gl.warp_specialize([
             (_consumer, (0, shared, args, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NUM_STAGES, ROPE_STAGES, CAUSAL,
-                         DIRECT, PROBE)),
+                         DIRECT, FMT, PROBE)),
             (_consumer, (1, shared, args, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NUM_STAGES, ROPE_STAGES, CAUSAL,
-                         DIRECT, PROBE)),
-            (_producer, (shared, PAGE_SIZE, DC, DR, BLOCK_N, NUM_STAGES, ROPE_STAGES, PRODUCER_WARPS, PROBE)),
+                         DIRECT, FMT, PROBE)),
+            (_producer, (shared, PAGE_SIZE, DC, DR, BLOCK_N, NUM_STAGES, ROPE_STAGES, PRODUCER_WARPS, FMT, PROBE)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def fp8_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
-    """Whether this kernel takes an fp8-cache call: Hopper, bf16 queries (the rope part is bf16), Dc = 512, Dr = 64,
-    row tiles of at most MAX_ROWS, contiguous uint8 rows."""
-    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+def quant_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8") -> bool:
+    """Whether this kernel takes a quantised-cache call: Hopper, an fp8 or tbq4 cache, bf16 queries (the rope
+    part is bf16), Dc = 512, Dr = 64, row tiles of at most MAX_ROWS, contiguous uint8 rows."""
+    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or kv_format not in FORMATS:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
     return (q.dtype == torch.bfloat16 and dc == DC and q.shape[-1] == DC + DR
             and block_m <= MAX_ROWS and kv_cache.dtype == torch.uint8 and kv_cache.is_contiguous()
-            and kv_cache.data_ptr() % 16 == 0)  # the kernel reads the rows in 16-byte vectors
+            and kv_cache.shape[-1] == ROW_BYTES[kv_format]
+            and kv_cache.data_ptr() % 16 == 0)  # the kernel reads the rows in 16- (fp8) or 8-byte (tbq4) vectors
 
 
 def auto_takes(cfg: dict, B: int, S: int) -> bool:
-    """Whether `mla_decode_triton(gluon=None)` sends a supported fp8 call here rather than to the
-    Triton kernel: splits of at least two key blocks. Measured on the H100 (time against bf16's, this
-    kernel / Triton's, docs/benchmarks.md): B=32 T=32k 1.11 / 0.95, B=4 T=80k 1.09 / 0.72, B=128 T=4k
-    1.10 / 0.93, two folded tokens 0.85 / 0.35; one-block splits (B=1 T=8k) 0.86 / 0.94."""
+    """Whether `mla_decode_triton(gluon=None)` sends a supported fp8 / tbq4 call here rather than to the
+    Triton kernel: splits of at least two key blocks. Measured on the H100 (speed against bf16, this
+    kernel / Triton's, docs/benchmarks.md): fp8 B=32 T=32k 1.11 / 0.95, B=4 T=80k 1.09 / 0.72, B=128 T=4k
+    1.10 / 0.93, two folded tokens 0.85 / 0.35, one-block splits (B=1 T=8k) 0.86 / 0.94; tbq4 1.01 / 0.96,
+    0.90 / 0.64, 0.89 / 0.80, 0.75 / 0.65, and at B=1 T=8k 0.30 / 0.25 (left to Triton by the same rule)."""
     if not G.AUTO:
         return False
     return cfg["keys_per_split"] >= 2 * BLOCK_N
 
 
-def launch_fp8_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
-                     causal: bool, direct: bool, num_splits: int):
-    """Stage 1 of `mla_decode_triton` for an fp8 cache (grid, split rule and outputs as the others):
-    the kernel reads the uint8 rows as bf16 (rope) and 32-bit words (codes, scales)."""
+def launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
+                       causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8"):
+    """Stage 1 of `mla_decode_triton` for an fp8 or tbq4 cache (grid, split rule and outputs as the others;
+    tbq4: q already rotated): the kernel reads the uint8 rows as bf16 (rope, tbq4 norms) and 32-bit words
+    (codes, fp8 scales)."""
     rows = max(16, cfg["BLOCK_M"])
     grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                              cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
@@ -464,7 +540,7 @@ def launch_fp8_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, ls
                                              kv_views=(kv_cache.view(torch.bfloat16), kv_cache.view(torch.int32)))
     consts["K_C32_SMEM"] = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     producer_warps, consumer_regs, producer_regs = SHAPES[rows]
-    _mla_decode_fp8_kernel[grid](*args, **consts, P_SMEM=G._smem_layout([BLOCK_N, rows], q.dtype),
-                                 NUM_STAGES=NUM_STAGES, ROPE_STAGES=ROPE_STAGES, CONSUMER_REGS=consumer_regs,
-                                 PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, PROBE=PROBE,
-                                 SOURCE_KEY=_SOURCE_KEY, num_warps=4)
+    _mla_decode_quant_kernel[grid](*args, **consts, P_SMEM=G._smem_layout([BLOCK_N, rows], q.dtype),
+                                   NUM_STAGES=NUM_STAGES, ROPE_STAGES=ROPE_STAGES, CONSUMER_REGS=consumer_regs,
+                                   PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs,
+                                   FMT=FORMATS[kv_format], PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY, num_warps=4)

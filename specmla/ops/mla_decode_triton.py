@@ -523,18 +523,18 @@ def mla_decode_triton(
     gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
-    gluon_fp8 = kv_format == "fp8" and mla_decode_gluon_fp8.fp8_supported(q, kv_cache, dc, cfg["BLOCK_M"])
-    supported = gluon_fp8 or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
+    gluon_quant = mla_decode_gluon_fp8.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
+    supported = gluon_quant or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
                                                                      cfg["BLOCK_M"])
     if gluon and not supported:
         raise ValueError("the Gluon decode kernels take Hopper only: a 16-bit cache with Dc a multiple of 64 up to "
-                         "512 and Dr a multiple of 16 up to 64, or an fp8 cache with Dc=512, Dr=64 and ≤ 32 rows")
+                         "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 rows")
     gluon_cfg = None
-    if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key (fp8: 128) blocks
-        gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_fp8.BLOCK_N if gluon_fp8 else gluon_block_n,
+    if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
+        gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_fp8.BLOCK_N if gluon_quant else gluon_block_n,
                          max_rows, waves=1)
     if gluon is None:
-        run_gluon = supported and (mla_decode_gluon_fp8.auto_takes(gluon_cfg, B, S) if gluon_fp8
+        run_gluon = supported and (mla_decode_gluon_fp8.auto_takes(gluon_cfg, B, S) if gluon_quant
                                    else mla_decode_gluon.AUTO)
     else:
         run_gluon = supported and gluon
@@ -585,9 +585,10 @@ def mla_decode_triton(
         cent = tbq4.centroids(q.device)
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
-    if run_gluon and gluon_fp8:
-        mla_decode_gluon_fp8.launch_fp8_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                              softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns)
+    if run_gluon and gluon_quant:
+        mla_decode_gluon_fp8.launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                                softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns,
+                                                kv_format=kv_format)
     elif run_gluon:
         mla_decode_gluon.launch_gluon_split(
             q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,

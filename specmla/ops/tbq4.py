@@ -72,12 +72,25 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return (y / math.sqrt(n)).view(x.shape)
 
 
+_HADAMARD: dict = {}
+
+
+def hadamard(device=None) -> torch.Tensor:
+    """The orthonormal 128×128 Sylvester Hadamard matrix (x @ H == fwht(x)), fp32, cached per device."""
+    key = str(device)
+    if key not in _HADAMARD:
+        _HADAMARD[key] = fwht(torch.eye(BLOCK)).to(device).contiguous()
+    return _HADAMARD[key]
+
+
 def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
-    """FWHT on each 128-wide block of the last dim."""
+    """FWHT on each 128-wide block of the last dim, in fp32, as one matmul by the Hadamard matrix: the
+    butterflies of `fwht` are ~25 small kernels, which cost a tbq4 decode call ~85 µs on the H100 for q and
+    the output (docs/benchmarks.md)."""
     *lead, d = x.shape
     if d % BLOCK:
         raise ValueError(f"width {d} is not a multiple of {BLOCK}")
-    return fwht(x.reshape(*lead, d // BLOCK, BLOCK)).reshape(*lead, d)
+    return (x.reshape(-1, BLOCK).float() @ hadamard(x.device)).reshape(*lead, d)
 
 
 def quantize(c_kv: torch.Tensor) -> torch.Tensor:
