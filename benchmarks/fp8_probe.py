@@ -1,4 +1,4 @@
-"""Issue-7 probe: fp8 and tbq4 caches through the Hopper Gluon kernel (`ops.mla_decode_gluon_fp8`) and
+"""Issue-7 probe: fp8 and tbq4 caches through the Hopper Gluon kernel (`ops.mla_decode_gluon_quant`) and
 through the Triton kernel, against bf16, in one run (CUDA-graph timing as bench_mla_decode), plus the
 Gluon kernel's timing probes (`PROBE`: one half of its work left out, so the results are wrong).
 
@@ -14,14 +14,14 @@ import torch
 from bench_mla_decode import SCALE, kv_decode_bytes, make_problem, time_fn
 from limits import copy_bandwidth
 
-from specmla.ops import mla_decode_gluon_fp8 as F
+from specmla.ops import mla_decode_gluon_quant as F
 from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import mla_decode_triton
 
 CASES = [(16, 32, 32768, 1), (16, 4, 81920, 1), (16, 32, 32768, 2), (16, 1, 8192, 1), (16, 128, 4096, 1)]
 if os.environ.get("FP8_PROBE_CASES"):  # e.g. "16x32x32768x1,16x4x81920x1"
     CASES = [tuple(int(v) for v in c.split("x")) for c in os.environ["FP8_PROBE_CASES"].split(",")]
-# name, cache format, mla_decode_triton(gluon=), settings of ops.mla_decode_gluon_fp8 for the call
+# name, cache format, mla_decode_triton(gluon=), settings of ops.mla_decode_gluon_quant for the call
 VARIANTS = (("bf16", "bf16", None, {}), ("fp8_default", "fp8", None, {}), ("fp8_gluon", "fp8", True, {}),
             ("fp8_triton", "fp8", False, {}),
             # timing probes (wrong results): no unpacking; no consumer matmuls; raw stores; no code loads

@@ -83,11 +83,11 @@ def gluon_decode_usage(cases) -> list[dict]:
     """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct[, block_n]) and
     report its resources (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
     interpreter mode, which the test suite turns on, cannot compile). dtype "fp8" / "tbq4": the kernel for
-    quantised caches (`ops.mla_decode_gluon_fp8`) with bf16 queries."""
+    quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries."""
     import torch
 
     from specmla.ops import mla_decode_gluon as G
-    from specmla.ops import mla_decode_gluon_fp8 as F
+    from specmla.ops import mla_decode_gluon_quant as F
     from specmla.ops.kv_cache import row_spec
     from specmla.ops.mla_decode_triton import plan
 

@@ -219,7 +219,7 @@ def test_gpu_quant_gluon_kernel_matches_the_reference(fmt, H, S, page, lens, spl
     tile, fp8 scales / tbq4 norms folded into the scores and P, keys as M; tbq4 in the rotated domain) against
     the fp32 reference on the dequantised rows, NaN-poisoned tails, permuted tables; the Triton kernel on the
     same call agrees too."""
-    from specmla.ops import mla_decode_gluon_fp8 as F
+    from specmla.ops import mla_decode_gluon_quant as F
     from specmla.ops.mla_decode_triton import mla_decode_triton
 
     B, T = len(lens), max(lens)

@@ -29,7 +29,7 @@ CPU_COMPILE_CASES = [  # H, S, dc, dr, dtype, direct[, block_n]
     [16, 4, 512, 64, "bfloat16", False],  # four tokens folded into 64 rows, split partials
     [32, 2, 256, 32, "float16", False],  # other latent / rope widths, fp16: the one-stream kernel
     [128, 1, 512, 64, "bfloat16", False, 32],  # 32-key blocks: the one-stream kernel
-    [16, 1, 512, 64, "fp8", True],  # an fp8 cache: keys as M, 16 rows (ops/mla_decode_gluon_fp8.py)
+    [16, 1, 512, 64, "fp8", True],  # an fp8 cache: keys as M, 16 rows (ops/mla_decode_gluon_quant.py)
     [16, 2, 512, 64, "fp8", False],  # ... 32 rows, split partials
     [16, 1, 512, 64, "tbq4", False],  # a tbq4 cache through the same kernel
 ]
@@ -81,7 +81,7 @@ def test_seesaw_rule_padded_small_tiles_need_many_programs():
 
 def test_fp8_rule_takes_splits_of_two_blocks_or_more():
     """Which fp8 calls the Gluon fp8 kernel takes by default (measured, docs/benchmarks.md)."""
-    from specmla.ops import mla_decode_gluon_fp8 as F
+    from specmla.ops import mla_decode_gluon_quant as F
     from specmla.ops.mla_decode_triton import plan
     cpu = torch.device("cpu")
     cfg = lambda B, S, T: plan(B, S, 16, T, cpu, F.BLOCK_N, waves=1)  # noqa: E731

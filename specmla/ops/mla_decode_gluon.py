@@ -316,7 +316,7 @@ def split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, l
                       causal: bool, direct: bool, num_splits: int, block_n: int, block_m: int = BLOCK_M,
                       kv_views: tuple | None = None):
     """Grid, positional arguments and common constexprs of the Gluon split kernels (this file's,
-    `ops.mla_decode_seesaw`'s and `ops.mla_decode_gluon_fp8`'s), which share the Triton kernel's grid,
+    `ops.mla_decode_seesaw`'s and `ops.mla_decode_gluon_quant`'s), which share the Triton kernel's grid,
     split rule and outputs. kv_views: the cache as the kernel takes it (default: the cache itself);
     its strides are the cache's."""
     B, S, H, D = q.shape

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops import mla_decode_gluon, mla_decode_gluon_fp8, tbq4
+from specmla.ops import mla_decode_gluon, mla_decode_gluon_quant, tbq4
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -504,8 +504,8 @@ def mla_decode_triton(
     while this one computes, since a register-dequantised tile cannot ride the dot's shared-memory
     pipeline. `kv_align` caps the codes' load vector (fp8: 8 bytes by default; 16-byte vectors made
     a register layout whose shared-memory stores conflict). `gluon`: run stage 1 through the Hopper
-    Gluon kernels (`ops.mla_decode_gluon`, `ops.mla_decode_seesaw`, fp8: `ops.mla_decode_gluon_fp8`);
-    None takes them where supported (fp8: where measured faster, `mla_decode_gluon_fp8.auto_takes`)."""
+    Gluon kernels (`ops.mla_decode_gluon`, `ops.mla_decode_seesaw`, fp8: `ops.mla_decode_gluon_quant`);
+    None takes them where supported (fp8: where measured faster, `mla_decode_gluon_quant.auto_takes`)."""
     B, S, H, D = q.shape
     dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
@@ -523,7 +523,7 @@ def mla_decode_triton(
     gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
-    gluon_quant = mla_decode_gluon_fp8.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
+    gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     supported = gluon_quant or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
                                                                      cfg["BLOCK_M"])
     if gluon and not supported:
@@ -531,10 +531,10 @@ def mla_decode_triton(
                          "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 rows")
     gluon_cfg = None
     if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
-        gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_fp8.BLOCK_N if gluon_quant else gluon_block_n,
+        gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N if gluon_quant else gluon_block_n,
                          max_rows, waves=1)
     if gluon is None:
-        run_gluon = supported and (mla_decode_gluon_fp8.auto_takes(gluon_cfg, B, S) if gluon_quant
+        run_gluon = supported and (mla_decode_gluon_quant.auto_takes(gluon_cfg, B, S) if gluon_quant
                                    else mla_decode_gluon.AUTO)
     else:
         run_gluon = supported and gluon
@@ -586,7 +586,7 @@ def mla_decode_triton(
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
     if run_gluon and gluon_quant:
-        mla_decode_gluon_fp8.launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+        mla_decode_gluon_quant.launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                 softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns,
                                                 kv_format=kv_format)
     elif run_gluon:
