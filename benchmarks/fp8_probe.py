@@ -36,7 +36,7 @@ if os.environ.get("FP8_PROBE_SHAPES"):  # register splits to try: "16:8:104:152,
 
 @contextlib.contextmanager
 def settings(values: dict):
-    """Module settings of the fp8 kernel for one variant, restored after."""
+    """Module settings of the Gluon kernel for one variant, restored after."""
     old = {k: getattr(F, k) for k in values}
     for k, v in values.items():
         setattr(F, k, v)

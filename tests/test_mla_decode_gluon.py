@@ -56,9 +56,10 @@ def test_compiles_for_sm90_within_hopper_limits():
         seesaw = r["case"][3] == 64 and len(r["case"]) == 6 and not fp8
         assert use["name"] == ("_mla_decode_quant_kernel" if fp8 else "_mla_decode_seesaw_kernel" if seesaw
                                else "_mla_decode_wgmma_kernel"), r
-        # the fp8 kernel: two consumer warpgroups and a producer of 8 warps
+        # the kernel for quantised caches: two consumer warpgroups and a producer of 8 warps
         assert use["warps"] == (16 if fp8 else 8) and 0 < use["regs"] <= 255 and use["local"] == 0, r
-        # no spills in the one-stream kernel; the seesaw and fp8 kernels run at the 255-register cap
+        # no spills in the one-stream kernel; the seesaw kernel runs at the 255-register cap, the quantised-cache
+        # kernel at its register split (SHAPES)
         assert use["stack"] <= (SEESAW_STACK_BYTES if seesaw else FP8_STACK_BYTES if fp8 else 0), r
         assert 0 < use["shared"] <= H100_SMEM, r
 
@@ -80,7 +81,8 @@ def test_seesaw_rule_padded_small_tiles_need_many_programs():
 
 
 def test_fp8_rule_takes_splits_of_two_blocks_or_more():
-    """Which fp8 calls the Gluon fp8 kernel takes by default (measured, docs/benchmarks.md)."""
+    """Which fp8 / tbq4 calls the Gluon kernel for quantised caches takes by default (measured,
+    docs/benchmarks.md)."""
     from specmla.ops import mla_decode_gluon_quant as F
     from specmla.ops.mla_decode_triton import plan
     cpu = torch.device("cpu")

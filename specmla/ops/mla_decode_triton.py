@@ -504,8 +504,8 @@ def mla_decode_triton(
     while this one computes, since a register-dequantised tile cannot ride the dot's shared-memory
     pipeline. `kv_align` caps the codes' load vector (fp8: 8 bytes by default; 16-byte vectors made
     a register layout whose shared-memory stores conflict). `gluon`: run stage 1 through the Hopper
-    Gluon kernels (`ops.mla_decode_gluon`, `ops.mla_decode_seesaw`, fp8: `ops.mla_decode_gluon_quant`);
-    None takes them where supported (fp8: where measured faster, `mla_decode_gluon_quant.auto_takes`)."""
+    Gluon kernels (`ops.mla_decode_gluon`, `ops.mla_decode_seesaw`, fp8 / tbq4: `ops.mla_decode_gluon_quant`);
+    None takes them where supported (fp8 / tbq4: where measured faster, `mla_decode_gluon_quant.auto_takes`)."""
     B, S, H, D = q.shape
     dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
