@@ -43,6 +43,7 @@ import os
 import torch
 
 from specmla.ops import mla_decode_gluon as G
+from specmla.ops import tbq4
 
 if G.HAVE_GLUON:
     from triton.experimental import gluon
@@ -101,31 +102,7 @@ add.u32 $1, a, 0x3C003C00;
 
 
 
-def _tbq4_pairs_asm() -> str:
-    """PTX that turns one 32-bit word of 8 tbq4 codes into the bf16 centroids of coordinates (0, 1), (2, 3),
-    (4, 5), (6, 7) as four bf16x2 words: the byte-permute table lookup of `mla_decode_triton._tbq4_lut_asm`
-    without the norm (this kernel applies the norms to the scores and P, as the fp8 scales)."""
-    import torch
-
-    from specmla.ops import tbq4
-    bits = torch.tensor(tbq4.lloyd_max_centroids(), dtype=torch.bfloat16).view(torch.int16).tolist()
-    lo = [b & 0xFF for b in bits]
-    hi = [(b >> 8) & 0xFF for b in bits]
-
-    def word(t, i):
-        return hex(t[4 * i] | t[4 * i + 1] << 8 | t[4 * i + 2] << 16 | t[4 * i + 3] << 24)
-
-    tables = "".join(f"mov.b32 tl{i}, {word(lo, i)}; mov.b32 tg{i}, {word(hi, i)};\n" for i in range(4))
-    half = """prmt.b32 ta, tl0, tl1, ts; prmt.b32 tc, tl2, tl3, ts; prmt.b32 tlo, ta, tc, th;
-prmt.b32 ta, tg0, tg1, ts; prmt.b32 tc, tg2, tg3, ts; prmt.b32 thi, ta, tc, th;
-prmt.b32 $%d, tlo, thi, 0x5140; prmt.b32 $%d, tlo, thi, 0x7362;
-"""
-    return ("{\n.reg .b32 tl0, tl1, tl2, tl3, tg0, tg1, tg2, tg3, ts, th, tt, ta, tc, tlo, thi;\n" + tables +
-            "and.b32 ts, $4, 0x77777777;\nand.b32 tt, $4, 0x88888888;\nshr.b32 tt, tt, 1;\nor.b32 th, tt, 0x32103210;\n"
-            + half % (0, 1) + "shr.b32 ts, ts, 16;\nshr.b32 th, th, 16;\n" + half % (2, 3) + "}")
-
-
-_TBQ4_PAIRS = _c(_tbq4_pairs_asm())
+_TBQ4_PAIRS = _c(tbq4.centroid_lookup_ptx(scaled=False))  # centroids, 4 bf16x2 pairs per word
 
 
 if G.HAVE_GLUON:

@@ -35,32 +35,7 @@ def _per_block(x, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     return tl.reshape(tl.broadcast_to(tl.expand_dims(x, 2), (BLOCK_N, NB, 128)), (BLOCK_N, NB * 128))
 
 
-def _tbq4_lut_asm() -> str:
-    """PTX that turns one 32-bit word of 8 tbq4 codes into 8 bf16 values centroid·norm, by byte
-    permutes on register tables (llama.cpp's 16-entry `__byte_perm` lookup, for 16-bit values):
-    the low and the high bytes of the 16 bf16 centroids are two 16-byte tables; a 3-bit selector
-    picks among 8 entries, the code's fourth bit picks the table half. $8 = codes, $9 = the block
-    norm as bf16 in both halves; $0..$7 = coordinates 0..7 of the word."""
-    bits = torch.tensor(tbq4.lloyd_max_centroids(), dtype=torch.bfloat16).view(torch.int16).tolist()
-    lo = [b & 0xFF for b in bits]
-    hi = [(b >> 8) & 0xFF for b in bits]
-
-    def word(t, i):
-        return hex(t[4 * i] | t[4 * i + 1] << 8 | t[4 * i + 2] << 16 | t[4 * i + 3] << 24)
-
-    tables = "".join(f"mov.b32 tl{i}, {word(lo, i)}; mov.b32 tg{i}, {word(hi, i)};\n" for i in range(4))
-    half = """prmt.b32 ta, tl0, tl1, ts; prmt.b32 tc, tl2, tl3, ts; prmt.b32 tlo, ta, tc, th;
-prmt.b32 ta, tg0, tg1, ts; prmt.b32 tc, tg2, tg3, ts; prmt.b32 thi, ta, tc, th;
-prmt.b32 tp, tlo, thi, 0x5140; fma.rn.bf16x2 tp, tp, $9, tz; mov.b32 {$%d, $%d}, tp;
-prmt.b32 tp, tlo, thi, 0x7362; fma.rn.bf16x2 tp, tp, $9, tz; mov.b32 {$%d, $%d}, tp;
-"""
-    return ("{\n.reg .b32 tl0, tl1, tl2, tl3, tg0, tg1, tg2, tg3, ts, th, tt, ta, tc, tlo, thi, tp, tz;\n" + tables +
-            "mov.b32 tz, 0x80008000;\nand.b32 ts, $8, 0x77777777;\nand.b32 tt, $8, 0x88888888;\n"
-            "shr.b32 tt, tt, 1;\nor.b32 th, tt, 0x32103210;\n" + half % (0, 1, 2, 3) +
-            "shr.b32 ts, ts, 16;\nshr.b32 th, th, 16;\n" + half % (4, 5, 6, 7) + "}")
-
-
-TBQ4_LUT_ASM = tl.constexpr(_tbq4_lut_asm())
+TBQ4_LUT_ASM = tl.constexpr(tbq4.centroid_lookup_ptx(scaled=True))  # centroid · norm, 8 bf16 values per word
 
 
 @triton.jit

@@ -72,6 +72,43 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return (y / math.sqrt(n)).view(x.shape)
 
 
+def centroid_lookup_ptx(scaled: bool) -> str:
+    """PTX that turns one 32-bit word of 8 codes into the bf16 centroids of its coordinates, by byte permutes
+    on register tables (llama.cpp's 16-entry `__byte_perm` lookup, for 16-bit values): the low and the high
+    bytes of the 16 bf16 centroids are two 16-byte tables; a 3-bit selector picks among 8 entries, the
+    code's fourth bit picks the table half.
+
+    scaled (the Triton kernel): each value times the block norm, $8 = codes, $9 = the norm as bf16 in both
+    halves, $0..$7 = coordinates 0..7 of the word. Unscaled (the Gluon kernel, which applies the norms to
+    the scores and P): $4 = codes, $0..$3 = the bf16x2 pairs of coordinates (0, 1), (2, 3), (4, 5), (6, 7)."""
+    bits = torch.tensor(lloyd_max_centroids(), dtype=torch.bfloat16).view(torch.int16).tolist()
+    lo = [b & 0xFF for b in bits]
+    hi = [(b >> 8) & 0xFF for b in bits]
+
+    def word(t, i):
+        return hex(t[4 * i] | t[4 * i + 1] << 8 | t[4 * i + 2] << 16 | t[4 * i + 3] << 24)
+
+    tables = "".join(f"mov.b32 tl{i}, {word(lo, i)}; mov.b32 tg{i}, {word(hi, i)};\n" for i in range(4))
+    lookup = """prmt.b32 ta, tl0, tl1, ts; prmt.b32 tc, tl2, tl3, ts; prmt.b32 tlo, ta, tc, th;
+prmt.b32 ta, tg0, tg1, ts; prmt.b32 tc, tg2, tg3, ts; prmt.b32 thi, ta, tc, th;
+"""
+    if scaled:
+        codes, setup, outs = "$8", "mov.b32 tz, 0x80008000;\n", [(0, 1), (2, 3), (4, 5), (6, 7)]
+        pair = "prmt.b32 tp, tlo, thi, {sel}; fma.rn.bf16x2 tp, tp, $9, tz; mov.b32 {{${a}, ${b}}}, tp;\n"
+    else:
+        codes, setup, outs = "$4", "", [(0,), (1,), (2,), (3,)]
+        pair = "prmt.b32 ${a}, tlo, thi, {sel};\n"
+
+    def four(first, second):  # four coordinates' lookup, then their two output pairs
+        return lookup + "".join(pair.format(sel=sel, a=o[0], b=o[-1]) for sel, o in (("0x5140", first),
+                                                                                   ("0x7362", second)))
+
+    return ("{\n.reg .b32 tl0, tl1, tl2, tl3, tg0, tg1, tg2, tg3, ts, th, tt, ta, tc, tlo, thi, tp, tz;\n" + tables +
+            setup + f"and.b32 ts, {codes}, 0x77777777;\nand.b32 tt, {codes}, 0x88888888;\n"
+            "shr.b32 tt, tt, 1;\nor.b32 th, tt, 0x32103210;\n" + four(outs[0], outs[1]) +
+            "shr.b32 ts, ts, 16;\nshr.b32 th, th, 16;\n" + four(outs[2], outs[3]) + "}")
+
+
 _HADAMARD: dict = {}
 
 
