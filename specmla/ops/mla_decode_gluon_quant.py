@@ -185,26 +185,24 @@ if G.HAVE_GLUON:
         """A key block's codes as four [keys, words] tensors of 32-bit words (one per 128-code chunk: fp8 32
         words, tbq4 16) and each key's four fp32 scales (fp8) or norms (tbq4, stored fp16), into registers;
         rows not ok read zeros."""
+        # fp8: 656-byte rows, 16-byte aligned, [codes 512 | 4 fp32 scales | rope], 32 words per chunk;
+        # tbq4: 392-byte rows, 8-byte aligned, [codes 256 | 4 fp16 norms | rope], 16 words per chunk
+        NW: gl.constexpr = 32 if FMT == 0 else 16
+        ALIGN: gl.constexpr = 4 if FMT == 0 else 2
+        at = gl.expand_dims(gl.multiple_of(rows // 4, ALIGN), 1)
+        w = gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(0, WORDS)), 0)
         ok2 = gl.expand_dims(ok, 1)
-        if FMT == 0:  # 656-byte rows: 16-byte aligned; [codes 512 | 4 fp32 scales | rope]
-            at = gl.expand_dims(gl.multiple_of(rows // 4, 4), 1)
-            w = gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, WORDS)), 0)
-            c0 = gl.load(KV32 + at + w, mask=ok2, other=0)
-            c1 = gl.load(KV32 + at + 32 + w, mask=ok2, other=0)
-            c2 = gl.load(KV32 + at + 64 + w, mask=ok2, other=0)
-            c3 = gl.load(KV32 + at + 96 + w, mask=ok2, other=0)
+        c0 = gl.load(KV32 + at + w, mask=ok2, other=0)
+        c1 = gl.load(KV32 + at + NW + w, mask=ok2, other=0)
+        c2 = gl.load(KV32 + at + 2 * NW + w, mask=ok2, other=0)
+        c3 = gl.load(KV32 + at + 3 * NW + w, mask=ok2, other=0)
+        if FMT == 0:
             s_at = rows // 4 + DC // 4
             s0 = gl.load(KV32 + s_at, mask=ok, other=0).to(gl.float32, bitcast=True)
             s1 = gl.load(KV32 + s_at + 1, mask=ok, other=0).to(gl.float32, bitcast=True)
             s2 = gl.load(KV32 + s_at + 2, mask=ok, other=0).to(gl.float32, bitcast=True)
             s3 = gl.load(KV32 + s_at + 3, mask=ok, other=0).to(gl.float32, bitcast=True)
-        else:  # 392-byte rows: 8-byte aligned; [codes 256 | 4 fp16 norms | rope]
-            at = gl.expand_dims(gl.multiple_of(rows // 4, 2), 1)
-            w = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, WORDS)), 0)
-            c0 = gl.load(KV32 + at + w, mask=ok2, other=0)
-            c1 = gl.load(KV32 + at + 16 + w, mask=ok2, other=0)
-            c2 = gl.load(KV32 + at + 32 + w, mask=ok2, other=0)
-            c3 = gl.load(KV32 + at + 48 + w, mask=ok2, other=0)
+        else:
             n_at = rows // 2 + DC // 4
             s0 = gl.load(KV16 + n_at, mask=ok, other=0.0).to(gl.float16, bitcast=True).to(gl.float32)
             s1 = gl.load(KV16 + n_at + 1, mask=ok, other=0.0).to(gl.float16, bitcast=True).to(gl.float32)
