@@ -18,10 +18,20 @@ from specmla.ops.mla_prefill import mla_prefill_triton
 
 VARIANTS = {  # name → keyword arguments of mla_prefill_gluon
     "gluon": {},
-    "gluon_pingpong": {"pingpong": True},
-    "gluon_heads_1": {"heads_per_group": 1},  # one head's tiles after another
     "gluon_heads_all": {"heads_per_group": 128},  # every head's longest tiles first
+    "gluon_heads_4": {"heads_per_group": 4},
+    "gluon_heads_6": {"heads_per_group": 6},
+    "gluon_heads_8": {"heads_per_group": 8},
 }
+
+
+def triton_launch(q, k, v, cu, S):
+    """The default kernel launched through Triton's own path every call (`FAST_LAUNCH` off)."""
+    P.FAST_LAUNCH = False
+    try:
+        return P.mla_prefill_gluon(q, k, v, cu, cu, S, S, 0.072)
+    finally:
+        P.FAST_LAUNCH = True
 
 
 def main():
@@ -42,6 +52,7 @@ def main():
         want = mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False).float()
         fns = {name: (lambda kw=kw: P.mla_prefill_gluon(q, k, v, cu, cu, S, S, 0.072, **kw))
                for name, kw in VARIANTS.items()}
+        fns["gluon_triton_launch"] = lambda: triton_launch(q, k, v, cu, S)
         fns["triton"] = lambda: mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False)
         qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
         fns["sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.072)

@@ -103,6 +103,23 @@ def test_gluon_prefill_compiles_for_sm90():
         assert 0 < use["shared"] <= 227 * 1024, r
 
 
+
+def test_gluon_prefill_descriptor_equals_checked_construction():
+    """`mla_prefill_gluon._descriptor` builds the TMA descriptor without TensorDescriptor's checks (host
+    time); it must hold exactly what the checked constructor holds, in this Triton version's fields."""
+    from specmla.ops import mla_decode_gluon as G
+    from specmla.ops import mla_prefill_gluon as P
+
+    if not G.HAVE_GLUON:
+        pytest.fail("this Triton has no Gluon")
+    t = torch.randn(37, 3, 192, dtype=torch.float16)
+    for rows, width in ((128, 128), (128, 64), (64, 16)):
+        fast = P._descriptor(t, rows, width)
+        checked = P.TensorDescriptor(t, [37, 3 * 192], [192 * 3, 1], [rows, width], P._box_layout(rows, width, t.dtype))
+        assert vars(fast).keys() == vars(checked).keys()
+        for name, value in vars(checked).items():
+            assert (getattr(fast, name) is value) if name == "base" else getattr(fast, name) == value, name
+
 GLUON_CASES = [  # q_lens, kv_lens, H, dqk, dv
     ([1, 128, 777, 2048, 300, 0, 129], [1, 300, 777, 2048, 5000, 64, 129], 16, 192, 128),  # prefixes, empty, odd
     ([1000, 5, 64], [1000, 5, 64], 128, 192, 128),  # H=128
@@ -134,3 +151,25 @@ def test_gpu_gluon_prefill_matches_reference(case, causal):
     # the Triton kernel on the same call agrees too (the two paths the engine may take)
     tri = mla_prefill_triton(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09, causal=causal, gluon=False)
     assert rel_err(got.float(), tri.float()) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_prefill_direct_launch_respecialises():
+    """Later calls of a compiled specialisation go straight to its launcher (`mla_prefill_gluon._launch`) and
+    give the same answers as the first; calls that Triton specialises differently (H = 1, cu_seqlens at an
+    address that is not 16-byte aligned, another head count) compile and keep their own kernel."""
+    from specmla.ops import mla_prefill_gluon as P
+
+    assert P.FAST_LAUNCH
+    P._COMPILED.clear()
+    for H, unaligned in ((16, False), (1, False), (16, True), (3, False), (16, False), (1, True)):
+        q, k, v, cu_q, cu_k = ragged([300, 77], [300, 200], H, 192, 128, torch.bfloat16, device="cuda", seed=H)
+        if unaligned:  # the same offsets one int32 past a 16-byte boundary
+            cu_q, cu_k = (torch.cat([c.new_zeros(1), c])[1:] for c in (cu_q, cu_k))
+            assert cu_q.data_ptr() % 16 and cu_k.data_ptr() % 16
+        want = mla_prefill_torch(q.double(), k.double(), v.double(), cu_q, cu_k, 300, 300, 0.09, causal=True)
+        first = P.mla_prefill_gluon(q, k, v, cu_q, cu_k, 300, 300, 0.09)
+        again = P.mla_prefill_gluon(q, k, v, cu_q, cu_k, 300, 300, 0.09)
+        assert rel_err(first.double(), want) <= 1e-2
+        assert torch.equal(first, again)
+    assert len(P._COMPILED) == 5  # (16), (1), (16, unaligned), (3), (1, unaligned)

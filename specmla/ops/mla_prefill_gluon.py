@@ -26,7 +26,10 @@ FlashAttention-3's for this head size (tile 128 × 128, P·V from registers; Sha
 Grid: (query tile × head, request). Heads run in groups small enough that the group's keys and values
 stay in L2 while its tiles read them (with every head at once, 132 heads' keys stream from HBM: 342
 against 466 TFLOP/s for the Triton kernel at H=128); within a group the longest causal tiles start
-first.
+first. The groups are of equal size where they can be (a small last group ran its longest tiles alone).
+Host side: after the first call of a specialisation the compiled kernel's launcher is called directly, and
+the TMA descriptors are built without re-checking what `gluon_prefill_supported` checked (a call went from
+about 87–130 to 41–76 µs of host time on the H100 host; torch SDPA takes 19–30, `benchmarks/prefill_host.py`).
 Head dims: Dqk = D1 + DT (D1 a power of two ≥ 64, DT 0 or a power of two ≥ 16), Dv a power of two up
 to 128 (256 spills); the tile ring must fit in shared memory. Gluon does not run in the Triton
 interpreter: GPU tests check this kernel against the fp64 reference, and a CPU test compiles it
@@ -35,6 +38,8 @@ for sm_90.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import torch
@@ -106,7 +111,7 @@ if G.HAVE_GLUON:
         """One warp: TMA Q once, then K_j / V_j into stage j % NUM_STAGES once both warpgroups freed it."""
         (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, head_group, stride_ot, stride_oh, stride_lt,
          scale_log2,
-         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars) = shared
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, TIMES) = shared
         h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(CU_Q, CU_K, H, head_group, BLOCK_M, BLOCK_N, CAUSAL)
         if start_m < q_len:
             DQK: gl.constexpr = D1 + DT
@@ -213,11 +218,11 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr,
-                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TIMELINE: gl.constexpr):
         """Warpgroup ROLE: query rows ROLE·64 … +64 of the tile, over every key block of the tile."""
         (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, head_group, stride_ot, stride_oh, stride_lt,
          scale_log2,
-         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars) = shared
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, TIMES) = shared
         dtype: gl.constexpr = q_smem.dtype
         WG_M: gl.constexpr = BLOCK_M // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -228,6 +233,8 @@ if G.HAVE_GLUON:
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
         h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(CU_Q, CU_K, H, head_group, BLOCK_M, BLOCK_N, CAUSAL)
+        if TIMELINE and ROLE == 0:
+            t_start = _timeline_clock()
         if start_m < q_len:
             row0 = start_m + ROLE * WG_M
             rows = row0 + gl.arange(0, WG_M, layout=ROW_S)
@@ -283,6 +290,28 @@ if G.HAVE_GLUON:
             o_ok = gl.expand_dims(rows_o < q_len, 1) & gl.expand_dims(cols_o < DV, 0)
             gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok)
             gl.store(LSE + (q0 + rows).to(gl.int64) * stride_lt + h, lse2 * 0.6931471805599453, mask=rows < q_len)
+        if TIMELINE and ROLE == 0:
+            _timeline_record(TIMES, t_start, n_blocks)
+
+    @gluon.jit
+    def _timeline_clock():
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [gl.full([1], 0, gl.int32, ONE)],
+                                         dtype=gl.int64, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _timeline_record(TIMES, t_start, n_blocks):
+        """Probe (TIMELINE): this program's start and end (ns, %globaltimer), its SM and its key blocks
+        (benchmarks/prefill_timeline.py)."""
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        t_end = _timeline_clock()
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [gl.full([1], 0, gl.int32, ONE)], dtype=gl.int32,
+                                       is_pure=False, pack=1)
+        at = TIMES + (gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)) * 4 + gl.arange(0, 1, layout=ONE)
+        gl.store(at, t_start)
+        gl.store(at + 1, t_end)
+        gl.store(at + 2, sm.to(gl.int64))
+        gl.store(at + 3, gl.full([1], 0, gl.int64, ONE) + n_blocks)
 
     @gluon.jit
     def _mla_prefill_ws_kernel(
@@ -290,7 +319,7 @@ if G.HAVE_GLUON:
         stride_ot, stride_oh, stride_lt, scale_log2,
         D1: gl.constexpr, DT: gl.constexpr, TAIL: gl.constexpr, DV: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, TIMES, TIMELINE: gl.constexpr,
         SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
@@ -305,21 +334,34 @@ if G.HAVE_GLUON:
         fence_async_shared()
 
         shared = (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, head_group, stride_ot, stride_oh,
-                  stride_lt, scale_log2, q_smem, qt_smem, k_smem, kt_smem, v_smem, bars)
+                  stride_lt, scale_log2, q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, TIMES)
         gl.warp_specialize([
-            (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG)),
-            (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG)),
+            (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, TIMELINE)),
+            (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, TIMELINE)),
             (_producer, (shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 L2_SHARE = 0.8  # of the L2 cache that one group of heads' keys and values may fill
+FAST_LAUNCH = True  # launch through the compiled kernel once it exists (see _launch); False: Triton's path
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[int, int]:
+    """(compute capability major, L2 bytes) of a CUDA device: asked once, not on every call (about 10 µs)."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.L2_cache_size
 
 
 def head_group(H: int, kv_len: int, dim: int, elem: int, device) -> int:
-    """How many heads run side by side: as many as keep their keys and values (kv_len × (d_qk + d_v)) in L2."""
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 50 << 20
-    return max(1, min(H, int(L2_SHARE * l2) // max(1, kv_len * dim * elem)))
+    """How many heads run side by side: few enough to keep their keys and values (kv_len × (d_qk + d_v)) in
+    L2, in groups of equal size. A small last group runs its longest tiles alone at the end: at H=16, 8k,
+    groups of 7, 7, 2 measured 492 TFLOP/s against 512 for 6, 6, 4 (H100, docs/benchmarks.md)."""
+    l2 = _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1] \
+        if device.type == "cuda" else 50 << 20
+    fits = max(1, min(H, int(L2_SHARE * l2) // max(1, kv_len * dim * elem)))
+    groups = -(-H // fits)
+    return -(-H // groups)
 
 
 def _smem_bytes(d1: int, dt: int, dv: int, elem: int) -> int:
@@ -331,7 +373,8 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     rows (stride(1) = head dim, TMA-aligned rows), power-of-two dims that fit the tile ring."""
     if not (G.HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and k.shape[0] > 0):
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9 or softmax_scale <= 0:
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if _device_facts(index)[0] != 9 or softmax_scale <= 0:
         return False
     dqk, dv = q.shape[-1], v.shape[-1]
     d1, dt = head_dim_split(dqk)
@@ -347,19 +390,60 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return _smem_bytes(d1, dt, dv, q.element_size()) <= SMEM_LIMIT
 
 
+@functools.lru_cache(maxsize=None)
+def _box_layout(rows: int, width: int, dtype: torch.dtype):
+    """The shared layout of a [rows, width] TMA box (built once: about 10 µs each, five per call)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _descriptor(t: torch.Tensor, rows: int, width: int):
-    """2-D TMA view [tokens, heads·dim] of t with [rows, width] boxes (the kernel picks the columns)."""
+    """2-D TMA view [tokens, heads·dim] of t with [rows, width] boxes (the kernel picks the columns). Built
+    without TensorDescriptor's own checks (about 4 µs each, five per call): `gluon_prefill_supported` has
+    checked the same (16-byte aligned base and row stride, contiguous last dimension)."""
     T, H, D = t.shape
-    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, width], gdt)
-    return TensorDescriptor(t, [T, H * D], [t.stride(0), 1], [rows, width], layout)
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_descriptor_defaults())  # fields with defaults differ between Triton versions
+    desc.base, desc.shape, desc.strides = t, [T, H * D], [t.stride(0), 1]
+    desc.block_shape, desc.layout = [rows, width], _box_layout(rows, width, t.dtype)
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptor_defaults() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING}
+
+
+_COMPILED: dict = {}  # launch key (see _launch) → the compiled kernel
+
+
+def _int_key(x: int) -> tuple:
+    """What Triton specialises an integer argument on: the value 1, divisibility by 16, a 64-bit value."""
+    return x == 1, x % 16 == 0, not -2 ** 31 <= x < 2 ** 31
+
+
+def _launch(grid, named: dict, key: tuple):
+    """Run the kernel with the arguments `named`. Triton's launch path (binding, specialising every argument,
+    the cache lookup) took about 50 µs of host time per call, more than torch SDPA's whole call (26 µs, H100
+    host): once this specialisation (`key`: the constexprs, the integers' and pointers' properties that
+    Triton specialises on) has compiled, its launcher is called directly."""
+    compiled = _COMPILED.get(key) if FAST_LAUNCH else None
+    if compiled is None:
+        compiled = _mla_prefill_ws_kernel[grid](**named)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        if FAST_LAUNCH and hasattr(compiled, "packed_metadata"):
+            _COMPILED[key] = compiled
+        return
+    compiled[(grid[0], grid[1], 1)](*[named[name] for name in _mla_prefill_ws_kernel.arg_names])
 
 
 def mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, *,
                       causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
                       consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
-                      pingpong: bool | None = None, heads_per_group: int | None = None):
-    """Same contract as `mla_prefill_torch`; callers check `gluon_prefill_supported` first."""
+                      pingpong: bool | None = None, heads_per_group: int | None = None,
+                      timeline: torch.Tensor | None = None):
+    """Same contract as `mla_prefill_torch`; callers check `gluon_prefill_supported` first. The keywords
+    after `out` are probes (register split, turn-taking, head groups, `timeline`: an int64 tensor
+    [programs, 4] that receives each program's start, end, SM and key blocks)."""
     T, H, dqk = q.shape
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
@@ -369,13 +453,21 @@ def mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_se
     if T and B and max_seqlen_q:
         tail = max(dt, 16)  # a stand-in box when there is no tail (never loaded)
         grid = (-(-max_seqlen_q // BLOCK_M) * H, B)
-        _mla_prefill_ws_kernel[grid](
-            _descriptor(q, BLOCK_M, d1), _descriptor(q, BLOCK_M, tail), _descriptor(k, BLOCK_N, d1),
-            _descriptor(k, BLOCK_N, tail), _descriptor(v, BLOCK_N, dv), o, lse, cu_seqlens_q, cu_seqlens_kv, H,
-            heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, q.element_size(), q.device),
-            o.stride(0), o.stride(1), lse.stride(0), softmax_scale * 1.4426950408889634,
+        group = heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, q.element_size(), q.device)
+        pingpong = PINGPONG if pingpong is None else pingpong
+        times = lse if timeline is None else timeline
+        named = dict(
+            q_desc=_descriptor(q, BLOCK_M, d1), qt_desc=_descriptor(q, BLOCK_M, tail),
+            k_desc=_descriptor(k, BLOCK_N, d1), kt_desc=_descriptor(k, BLOCK_N, tail),
+            v_desc=_descriptor(v, BLOCK_N, dv), O=o, LSE=lse, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_kv, H=H,
+            head_group=group, stride_ot=o.stride(0),
+            stride_oh=o.stride(1), stride_lt=lse.stride(0), scale_log2=softmax_scale * 1.4426950408889634,
             D1=d1, DT=dt, TAIL=tail, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
-            PINGPONG=PINGPONG if pingpong is None else pingpong, CONSUMER_REGS=consumer_regs,
-            PRODUCER_REGS=producer_regs, SOURCE_KEY=_SOURCE_KEY, num_warps=4,
-        )
+            PINGPONG=pingpong, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, TIMES=times,
+            TIMELINE=timeline is not None, SOURCE_KEY=_SOURCE_KEY, num_warps=4)
+        pointers = (o, lse, cu_seqlens_q, cu_seqlens_kv, times)
+        key = (q.device, q.dtype, d1, dt, dv, causal, pingpong, consumer_regs, producer_regs, timeline is not None,
+               tuple(_int_key(x) for x in (H, group, o.stride(0), o.stride(1), lse.stride(0))),
+               tuple(t.data_ptr() % 16 == 0 for t in pointers))
+        _launch(grid, named, key)
     return (o, lse) if return_lse else o
