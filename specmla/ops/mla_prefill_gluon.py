@@ -29,7 +29,7 @@ against 466 TFLOP/s for the Triton kernel at H=128); within a group the longest 
 first. The groups are of equal size where they can be (a small last group ran its longest tiles alone).
 Host side: after the first call of a specialisation the compiled kernel's launcher is called directly, and
 the TMA descriptors are built without re-checking what `gluon_prefill_supported` checked (a call went from
-about 87–130 to 41–76 µs of host time on the H100 host; torch SDPA takes 19–30, `benchmarks/prefill_host.py`).
+about 87–130 to 41–76 µs of host time on the H100 host; torch SDPA takes 19–36, `benchmarks/prefill_host.py`).
 Head dims: Dqk = D1 + DT (D1 a power of two ≥ 64, DT 0 or a power of two ≥ 16), Dv a power of two up
 to 128 (256 spills); the tile ring must fit in shared memory. Gluon does not run in the Triton
 interpreter: GPU tests check this kernel against the fp64 reference, and a CPU test compiles it
