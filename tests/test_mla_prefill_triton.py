@@ -103,7 +103,6 @@ def test_gluon_prefill_compiles_for_sm90():
         assert 0 < use["shared"] <= 227 * 1024, r
 
 
-
 def test_gluon_prefill_descriptor_equals_checked_construction():
     """`mla_prefill_gluon._descriptor` builds the TMA descriptor without TensorDescriptor's checks (host
     time); it must hold exactly what the checked constructor holds, in this Triton version's fields."""
@@ -115,10 +114,12 @@ def test_gluon_prefill_descriptor_equals_checked_construction():
     t = torch.randn(37, 3, 192, dtype=torch.float16)
     for rows, width in ((128, 128), (128, 64), (64, 16)):
         fast = P._descriptor(t, rows, width)
-        checked = P.TensorDescriptor(t, [37, 3 * 192], [192 * 3, 1], [rows, width], P._box_layout(rows, width, t.dtype))
+        layout = G._smem_layout((rows, width), t.dtype)
+        checked = P.TensorDescriptor(t, [37, 3 * 192], [192 * 3, 1], [rows, width], layout)
         assert vars(fast).keys() == vars(checked).keys()
         for name, value in vars(checked).items():
             assert (getattr(fast, name) is value) if name == "base" else getattr(fast, name) == value, name
+
 
 GLUON_CASES = [  # q_lens, kv_lens, H, dqk, dv
     ([1, 128, 777, 2048, 300, 0, 129], [1, 300, 777, 2048, 5000, 64, 129], 16, 192, 128),  # prefixes, empty, odd

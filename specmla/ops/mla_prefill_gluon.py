@@ -346,9 +346,13 @@ L2_SHARE = 0.8  # of the L2 cache that one group of heads' keys and values may f
 FAST_LAUNCH = True  # launch through the compiled kernel once it exists (see _launch); False: Triton's path
 
 
-@functools.lru_cache(maxsize=None)
-def _device_facts(index: int) -> tuple[int, int]:
+def _device_facts(device: torch.device) -> tuple[int, int]:
     """(compute capability major, L2 bytes) of a CUDA device: asked once, not on every call (about 10 µs)."""
+    return _device_facts_at(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts_at(index: int) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(index)
     return props.major, props.L2_cache_size
 
@@ -357,8 +361,7 @@ def head_group(H: int, kv_len: int, dim: int, elem: int, device) -> int:
     """How many heads run side by side: few enough to keep their keys and values (kv_len × (d_qk + d_v)) in
     L2, in groups of equal size. A small last group runs its longest tiles alone at the end: at H=16, 8k,
     groups of 7, 7, 2 measured 492 TFLOP/s against 512 for 6, 6, 4 (H100, docs/benchmarks.md)."""
-    l2 = _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1] \
-        if device.type == "cuda" else 50 << 20
+    l2 = _device_facts(device)[1] if device.type == "cuda" else 50 << 20
     fits = max(1, min(H, int(L2_SHARE * l2) // max(1, kv_len * dim * elem)))
     groups = -(-H // fits)
     return -(-H // groups)
@@ -373,8 +376,7 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     rows (stride(1) = head dim, TMA-aligned rows), power-of-two dims that fit the tile ring."""
     if not (G.HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and k.shape[0] > 0):
         return False
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if _device_facts(index)[0] != 9 or softmax_scale <= 0:
+    if _device_facts(q.device)[0] != 9 or softmax_scale <= 0:
         return False
     dqk, dv = q.shape[-1], v.shape[-1]
     d1, dt = head_dim_split(dqk)
@@ -390,12 +392,6 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return _smem_bytes(d1, dt, dv, q.element_size()) <= SMEM_LIMIT
 
 
-@functools.lru_cache(maxsize=None)
-def _box_layout(rows: int, width: int, dtype: torch.dtype):
-    """The shared layout of a [rows, width] TMA box (built once: about 10 µs each, five per call)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, width], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
 def _descriptor(t: torch.Tensor, rows: int, width: int):
     """2-D TMA view [tokens, heads·dim] of t with [rows, width] boxes (the kernel picks the columns). Built
     without TensorDescriptor's own checks (about 4 µs each, five per call): `gluon_prefill_supported` has
@@ -404,7 +400,7 @@ def _descriptor(t: torch.Tensor, rows: int, width: int):
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(_descriptor_defaults())  # fields with defaults differ between Triton versions
     desc.base, desc.shape, desc.strides = t, [T, H * D], [t.stride(0), 1]
-    desc.block_shape, desc.layout = [rows, width], _box_layout(rows, width, t.dtype)
+    desc.block_shape, desc.layout = [rows, width], G._smem_layout((rows, width), t.dtype)
     return desc
 
 
