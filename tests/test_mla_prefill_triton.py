@@ -154,6 +154,61 @@ def test_gpu_gluon_prefill_matches_reference(case, causal):
     assert rel_err(got.float(), tri.float()) <= 1e-2
 
 
+PERSISTENT_CASES = GLUON_CASES + [  # one request: the default for the persistent grid
+    ([4097], [4097], 16, 192, 128),  # 33 × 16 tiles: some programs run several
+    ([1500], [1500], 128, 192, 128),  # 12 × 128 tiles: every program runs several, claimed at run time
+    ([300], [1000], 8, 192, 128),  # a prefix
+    ([1], [1], 1, 192, 128),  # one tile
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", PERSISTENT_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_gluon_prefill_persistent_grid_agrees(case, causal):
+    """The persistent grid (programs claim tiles from a counter, K/V rings and barrier phases run on across
+    tiles) gives what one program per tile gives and what the fp64 reference gives, on ragged batches too
+    (tiles of empty or short requests are skipped); it leaves its tile counter at zero for the next call."""
+    from specmla.ops import mla_prefill_gluon as P
+
+    q_lens, kv_lens, H, dqk, dv = case
+    q, k, v, cu_q, cu_k = ragged(q_lens, kv_lens, H, dqk, dv, torch.bfloat16, device="cuda", seed=H + 1)
+    args = (q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09)
+    want, want_lse = mla_prefill_torch(*(t.double() for t in args[:3]), *args[3:], causal=causal, return_lse=True)
+    for reverse in (False, True):  # the second call finds the counter the first left; key blocks either way
+        grid, grid_lse = P.mla_prefill_gluon(*args, causal=causal, return_lse=True, persistent=False, reverse=reverse)
+        got, lse = P.mla_prefill_gluon(*args, causal=causal, return_lse=True, persistent=True, reverse=reverse)
+        err, err_grid = rel_err(got.double(), want), rel_err(got.float(), grid.float())
+        fin = torch.isfinite(want_lse)
+        assert torch.equal(fin, torch.isfinite(lse)) and torch.equal(fin, torch.isfinite(grid_lse))
+        lse_err = (lse[fin].double() - want_lse[fin]).abs().max().item()
+        lse_grid = (lse[fin] - grid_lse[fin]).abs().max().item()
+        # tile by tile the two grids do the same arithmetic: they agree to rounding
+        assert err <= 1e-2 and lse_err <= 1e-3 and err_grid <= 1e-3 and lse_grid <= 1e-4, \
+            (reverse, err, err_grid, lse_err, lse_grid)
+        assert P._tile_counter(q.device).tolist() == [0, 0]
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_prefill_persistent_streams_keep_their_own_counter():
+    """Two persistent launches that may overlap (two streams) claim tiles from counters of their own."""
+    from specmla.ops import mla_prefill_gluon as P
+
+    q, k, v, cu_q, cu_k = ragged([2000], [2000], 32, 192, 128, torch.bfloat16, device="cuda", seed=5)
+    q2, k2, v2 = (t.flip(0).contiguous() for t in (q, k, v))
+    want = P.mla_prefill_gluon(q, k, v, cu_q, cu_k, 2000, 2000, 0.09, persistent=False)
+    want2 = P.mla_prefill_gluon(q2, k2, v2, cu_q, cu_k, 2000, 2000, 0.09, persistent=False)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        got = P.mla_prefill_gluon(q, k, v, cu_q, cu_k, 2000, 2000, 0.09, persistent=True)
+        with torch.cuda.stream(side):
+            got2 = P.mla_prefill_gluon(q2, k2, v2, cu_q, cu_k, 2000, 2000, 0.09, persistent=True)
+        torch.cuda.synchronize()
+        assert rel_err(got.float(), want.float()) <= 1e-3 and rel_err(got2.float(), want2.float()) <= 1e-3
+    assert P._tile_counter(q.device) is not P._COUNTERS[(q.device.index, side.cuda_stream)]
+
+
 @pytest.mark.gpu
 def test_gpu_gluon_prefill_direct_launch_respecialises():
     """Later calls of a compiled specialisation go straight to its launcher (`mla_prefill_gluon._launch`) and
