@@ -59,11 +59,15 @@ ROUNDS = 5
 
 def interleaved(fns, rounds=ROUNDS):
     """Median time of each fn over `rounds` rounds that take turns, so that a GPU clock drift (H100 runs
-    from about 1.5 to 1.98 GHz under this load) reaches every fn alike."""
+    from about 1.5 to 1.98 GHz under this load) reaches every fn alike. Each round starts one fn later
+    (round r: fns r, r+1, …): in a fixed order the first fn always ran right after the last one of the
+    previous round, and one configuration timed twice in a run measured 502 first and 535 sixth (H=128,
+    4k), 300 and 359 (H=16, 4k)."""
     times = [[] for _ in fns]
-    for _ in range(rounds):
-        for t, fn in zip(times, fns):
-            t.append(timeit(fn, reps=5, warmup=1))
+    for r in range(rounds):
+        for i in range(len(fns)):
+            i = (i + r) % len(fns)
+            times[i].append(timeit(fns[i], reps=5, warmup=1))
     return [statistics.median(t) for t in times]
 
 

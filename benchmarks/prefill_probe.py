@@ -17,13 +17,12 @@ from specmla.ops import mla_prefill_gluon as P
 from specmla.ops.mla_prefill import mla_prefill_triton
 
 VARIANTS = {  # name → keyword arguments of mla_prefill_gluon
-    "gluon": {},  # one request: the persistent grid, key blocks from the diagonal down, 2 heads per group at 8k
-    "gluon_forward": {"reverse": False},  # key blocks from 0 up
+    "gluon": {},  # one request: the persistent grid, key blocks from the diagonal down, heads by `head_group`
     "gluon_forward_heads_7": {"reverse": False, "heads_per_group": 7},  # the seventh session's order
     "gluon_grid": {"persistent": False},  # one program per tile
     "gluon_q_whole": {"split_q": False},  # Q loaded once both warpgroups are done with the last tile's
     "gluon_heads_1": {"heads_per_group": 1},
-    "gluon_heads_3": {"heads_per_group": 3},
+    "gluon_heads_2": {"heads_per_group": 2},
     "gluon_heads_4": {"heads_per_group": 4},
 }
 

@@ -534,12 +534,15 @@ def _device_facts_at(index: int) -> tuple[int, int, int]:
 
 
 _COUNTERS: dict = {}  # (device index, stream) → the persistent grid's tile counter
+# the current stream's handle without building a torch Stream (about 15 µs of host time per call otherwise)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def _tile_counter(device: torch.device) -> torch.Tensor:
     """Two int32 words (next tile, programs done) for the persistent grid's tile claims. The kernel leaves
     them at zero when it ends; launches that may overlap (other streams) each get their own."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    key = (device.index, _raw_stream(device.index) if device.type == "cuda" else 0)
     counter = _COUNTERS.get(key)
     if counter is None:
         counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
@@ -548,11 +551,22 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 
 def head_group(H: int, kv_len: int, dim: int, elem: int, device) -> int:
     """How many heads run side by side: few enough that their keys and values (kv_len × (d_qk + d_v)) fill
-    L2_SHARE of L2, in groups of equal size (a small last group ran its longest tiles alone at the end). With
-    key blocks visited from the diagonal down, 2 heads at 8k measured 607 TFLOP/s at H=128 against 599 for
-    1, 591 for 3 and 564 for 4 (H100, docs/benchmarks.md); from block 0 up, 7 heads had been best."""
+    L2_SHARE of L2, in groups of equal size: the largest divisor of H that fits, unless that is under half
+    of what fits, then as equal as ceilings allow. A smaller last group runs its longest tiles alone at the
+    end (at H=16, 8k, groups of 7, 7, 2 measured 492 TFLOP/s against 512 for 6, 6, 4; a scheduling model
+    puts H=128, 4k at 2.7 % for 25 × 5 + 3 against 0.3 % for 32 × 4). With key blocks visited from the
+    diagonal down, 2 heads at 8k measured 607 TFLOP/s at H=128 against 599 for 1, 591 for 3 and 564 for 4
+    (H100, docs/benchmarks.md); from block 0 up, 7 heads had been best."""
     l2 = _device_facts(device)[1] if device.type == "cuda" else 50 << 20
-    fits = max(1, min(H, int(L2_SHARE * l2) // max(1, kv_len * dim * elem)))
+    return _head_group(H, kv_len * dim * elem, l2)
+
+
+@functools.lru_cache(maxsize=None)
+def _head_group(H: int, head_bytes: int, l2: int) -> int:
+    fits = max(1, min(H, int(L2_SHARE * l2) // max(1, head_bytes)))
+    divisor = max(d for d in range(1, fits + 1) if H % d == 0)
+    if 2 * divisor >= fits:
+        return divisor
     groups = -(-H // fits)
     return -(-H // groups)
 
@@ -576,8 +590,8 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if not (d1 >= 64 and (dt == 0 or (dt >= 16 and pow2(dt))) and dv >= 64 and pow2(dv) and dv <= 128):
         return False
     for t in (q, k, v):
-        if t.stride(-1) != 1 or t.stride(1) != t.shape[-1] or (t.stride(0) * t.element_size()) % 16 \
-                or t.data_ptr() % 16:
+        stride = t.stride()  # once: this check runs on every call (host time)
+        if stride[-1] != 1 or stride[1] != t.shape[-1] or (stride[0] * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
     return _smem_bytes(d1, dt, dv, q.element_size()) <= SMEM_LIMIT
 
