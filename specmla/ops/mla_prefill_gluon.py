@@ -144,6 +144,13 @@ if G.HAVE_GLUON:
         return t
 
     @gluon.jit
+    def _next_tile(tile_ids, bars, k, CU_Q, CU_K, H, N_M, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+        """Consumer warpgroup: tile id number k and that tile's bounds (`_tile`)."""
+        t = _read_tile(tile_ids, bars, k)
+        return (t, ) + _tile(t, CU_Q, CU_K, H, N_M, head_group, BLOCK_M, BLOCK_N, CAUSAL)
+
+    @gluon.jit
     def _claim(COUNTER, N_TILES, DYNAMIC: gl.constexpr):
         """This program's next tile: DYNAMIC (persistent grid) the next unclaimed one (programs first take
         tiles 0 … grid-1, then count on from the grid size); else none."""
@@ -369,24 +376,17 @@ if G.HAVE_GLUON:
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, _block_at(0, n_blocks, REVERSE) * BLOCK_N, end, limit, scale_log2,
                                       (n_masked > 0) if REVERSE else (n_full == 0), BLOCK_N, CAUSAL, S_LAYOUT)
         p = p.to(dtype)
-        if REVERSE:  # the masked blocks from the diagonal down, then the rest without masks
-            for j in range(1, n_masked):
-                p, m_i, l_i, acc = _step(j, (last - j) * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q, qt, k_smem,
-                                         kt_smem, v_smem, bars, s_zero, end, limit, scale_log2, True, ROLE, QI, BLOCK_N,
-                                         NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
-            for j in range(gl.maximum(n_masked, 1), n_blocks):
-                p, m_i, l_i, acc = _step(j, (last - j) * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q, qt, k_smem,
-                                         kt_smem, v_smem, bars, s_zero, end, limit, scale_log2, False, ROLE, QI,
-                                         BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
-        else:  # the key blocks left of the diagonal without masks, then the rest with them
-            for j in range(1, n_full):
-                p, m_i, l_i, acc = _step(j, j * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q, qt, k_smem, kt_smem, v_smem,
-                                         bars, s_zero, end, limit, scale_log2, False, ROLE, QI, BLOCK_N, NUM_STAGES, DT,
-                                         CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
-            for j in range(gl.maximum(n_full, 1), n_blocks):
-                p, m_i, l_i, acc = _step(j, j * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q, qt, k_smem, kt_smem, v_smem,
-                                         bars, s_zero, end, limit, scale_log2, True, ROLE, QI, BLOCK_N, NUM_STAGES, DT,
-                                         CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
+        # REVERSE: the masked blocks from the diagonal down, then the rest without masks; else the blocks left
+        # of the diagonal without masks, then the rest with them
+        split = n_masked if REVERSE else n_full
+        for j in range(1, split):
+            p, m_i, l_i, acc = _step(j, _block_at(j, n_blocks, REVERSE) * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q,
+                                     qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2, REVERSE, ROLE,
+                                     QI, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
+        for j in range(gl.maximum(split, 1), n_blocks):
+            p, m_i, l_i, acc = _step(j, _block_at(j, n_blocks, REVERSE) * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q,
+                                     qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2, not REVERSE,
+                                     ROLE, QI, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
         c_last = c0 + last
         mbarrier.wait(bars.index(V_READY + c_last % NUM_STAGES), (c_last // NUM_STAGES) & 1)
         p_op = gl.convert_layout(p, P_OPERAND)
@@ -433,10 +433,9 @@ if G.HAVE_GLUON:
         k = 0  # tile ids read
         tiles = 0  # tiles run
         c0 = 0  # key blocks so far (K/V ring position); matmul rounds so far (turn parity): c0 + tiles
-        t = _read_tile(tile_ids, bars, k)
+        t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H, N_M,
+                                                                          head_group, BLOCK_M, BLOCK_N, CAUSAL)
         k += 1
-        h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(t, CU_Q, CU_K, H, N_M, head_group, BLOCK_M,
-                                                                   BLOCK_N, CAUSAL)
         if TIMELINE and ROLE == 0:
             t_start = _timeline_clock()
         while t < N_TILES:
@@ -446,17 +445,17 @@ if G.HAVE_GLUON:
                                         BLOCK_M, BLOCK_N, NUM_STAGES, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
                                         S_LAYOUT, O_LAYOUT)
                 h_done, q0_done, q_len_done, row0 = h, q0, q_len, start_m + ROLE * WG_M
-                t = _read_tile(tile_ids, bars, k)
-                h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(t, CU_Q, CU_K, H, N_M, head_group,
-                                                                           BLOCK_M, BLOCK_N, CAUSAL)
+                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H,
+                                                                                  N_M, head_group, BLOCK_M, BLOCK_N,
+                                                                                  CAUSAL)
                 _store_rows(acc, m_i, l_i, O, LSE, q0_done, q_len_done, row0, h_done, stride_ot, stride_oh,
                             stride_lt, scale_log2, WG_M, DV, S_LAYOUT, O_LAYOUT)
                 tiles += 1
                 c0 += n_done
             else:
-                t = _read_tile(tile_ids, bars, k)
-                h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(t, CU_Q, CU_K, H, N_M, head_group,
-                                                                           BLOCK_M, BLOCK_N, CAUSAL)
+                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H,
+                                                                                  N_M, head_group, BLOCK_M, BLOCK_N,
+                                                                                  CAUSAL)
             k += 1
             if TIMELINE and ROLE == 0:
                 t_start = _timeline_record(TIMES, t_done, t_start, n_done)
