@@ -193,7 +193,6 @@ def test_gpu_gluon_prefill_persistent_grid_agrees(case, causal):
 def test_gpu_gluon_prefill_persistent_streams_keep_their_own_counter():
     """Two persistent launches that may overlap (two streams) claim tiles from counters of their own."""
     from specmla.ops import mla_prefill_gluon as P
-    from specmla.ops import stream_counters
 
     q, k, v, cu_q, cu_k = ragged([2000], [2000], 32, 192, 128, torch.bfloat16, device="cuda", seed=5)
     q2, k2, v2 = (t.flip(0).contiguous() for t in (q, k, v))
@@ -207,7 +206,7 @@ def test_gpu_gluon_prefill_persistent_streams_keep_their_own_counter():
             got2 = P.mla_prefill_gluon(q2, k2, v2, cu_q, cu_k, 2000, 2000, 0.09, persistent=True)
         torch.cuda.synchronize()
         assert rel_err(got.float(), want.float()) <= 1e-3 and rel_err(got2.float(), want2.float()) <= 1e-3
-    assert P._tile_counter(q.device) is not stream_counters._WORDS[(q.device.index, side.cuda_stream, "prefill tiles")]
+    assert P._tile_counter(q.device) is not P._COUNTERS[(q.device.index, side.cuda_stream)]
 
 
 @pytest.mark.gpu

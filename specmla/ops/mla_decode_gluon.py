@@ -30,8 +30,6 @@ import os
 
 import torch
 
-from specmla.ops import stream_counters
-
 try:  # Gluon is experimental and absent from old Triton releases; the engine never needs it on CPU
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -62,9 +60,6 @@ AUTO_MIN_PROGRAMS = 32  # padded tiles take the seesaw kernel from this many (re
 # one-stream kernel below it (fewer programs mean many short splits, where the one-stream start-up is cheaper:
 # B=4 T=80k 91.1 % vs 86.0 %; with 32 or more, one split or a few long ones: B=32 T=32k seesaw 99.4 %)
 SEESAW = True  # 64-key blocks with Dr = 64 run the warp-specialised schedule (`ops.mla_decode_seesaw`)
-FUSED_COMBINE = False  # one-wave one-stream calls merge their splits in the same launch (`_combine_in_kernel`):
-# correct, but slower than the combine kernel in every case measured (H100, H=16: B=1 T=8k 14.6 against 12.3 µs,
-# B=16 T=8k 77.9 against 64.6 µs; benchmarks/decode_fused_probe.py)
 
 
 if HAVE_GLUON:
@@ -138,66 +133,6 @@ if HAVE_GLUON:
                 gl.store(MID_LSE + b * stride_mlb + s_idx * stride_mls + h_s * stride_mlh + split, lse2, mask=ok_s)
 
     @gluon.jit
-    def _merge_chunk(MID_O, MID_LSE, OUT, LSE, b, s, h, col0, NUM_SPLITS,
-                     stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
-                     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                     NS_PAD: gl.constexpr, CW: gl.constexpr, num_warps: gl.constexpr):
-        """Merge the splits of one output row's columns [col0, col0 + CW): the combine kernel's sum, with
-        every split's partial loaded at once (one L2 round trip) and read from L2 (.cg), since other SMs
-        wrote them during this launch."""
-        L: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // (CW // 4), CW // 4],
-                                           warps_per_cta=[num_warps, 1], order=[1, 0])
-        sp = gl.arange(0, NS_PAD, layout=gl.SliceLayout(1, L))
-        ok = sp < NUM_SPLITS
-        lse = gl.load(MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh + sp, mask=ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        m = gl.max(lse, axis=0)
-        m_safe = gl.where(m == float("-inf"), 0.0, m)
-        w = gl.exp2(lse - m_safe)
-        total = gl.sum(w, axis=0)
-        w = w / gl.where(total > 0, total, 1.0)
-        cols = col0 + gl.arange(0, CW, layout=gl.SliceLayout(0, L))
-        base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
-        o = gl.load(base + gl.expand_dims(sp, 1) * stride_mosp + gl.expand_dims(cols, 0), mask=gl.expand_dims(ok, 1),
-                    other=0.0, cache_modifier=".cg")
-        acc = gl.sum(o * gl.expand_dims(w, 1), axis=0)
-        gl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + cols, acc.to(OUT.dtype.element_ty))
-        if col0 == 0:  # natural log for the caller
-            gl.store(LSE + b * stride_lb + s * stride_ls + h,
-                     gl.where(total > 0, (m_safe + gl.log2(gl.where(total > 0, total, 1.0))) * 0.6931471805599453,
-                              float("-inf")))
-
-    @gluon.jit
-    def _combine_in_kernel(CTR, MID_O, MID_LSE, OUT, LSE, b, g, H, NUM_SPLITS,
-                           stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
-                           stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                           BLOCK_H: gl.constexpr, FOLD: gl.constexpr, DC: gl.constexpr, NS_PAD: gl.constexpr,
-                           CW: gl.constexpr, num_warps: gl.constexpr):
-        """The combine step inside the split launch, for grids of one wave (every program resident): each
-        split of a (request, token group, head block) takes a ticket once its partial is stored, waits
-        until all of that row tile's splits have stored theirs, then merges every NUM_SPLITS-th
-        (row, CW columns) chunk. This saves the second launch, which at B=1 cost about as much as the
-        merge itself. The last program out resets the two counter words for the next call (and graph
-        replay). A partial grid could deadlock here: the caller fuses only when the grid fits the SMs."""
-        ctr = CTR + (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * 2
-        _cta_barrier()  # every thread's partial stores precede the release below
-        ticket = gl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu")
-        arrived = ticket + 1
-        while arrived < NUM_SPLITS:
-            arrived = gl.atomic_add(ctr, 0, sem="acquire", scope="gpu")
-        N_COL: gl.constexpr = DC // CW
-        for c in range(ticket, FOLD * BLOCK_H * N_COL, NUM_SPLITS):
-            row = c // N_COL
-            h = gl.program_id(1) * BLOCK_H + row % BLOCK_H
-            if h < H:
-                _merge_chunk(MID_O, MID_LSE, OUT, LSE, b, g * FOLD + row // BLOCK_H, h, (c % N_COL) * CW, NUM_SPLITS,
-                             stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
-                             stride_ob, stride_os, stride_oh, stride_lb, stride_ls, NS_PAD, CW, num_warps)
-        if gl.atomic_add(ctr + 1, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            gl.atomic_xchg(ctr, 0)
-            gl.atomic_xchg(ctr + 1, 0)
-
-    @gluon.jit
     def _mla_decode_wgmma_kernel(
         Q, KV, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
         stride_qb, stride_qs, stride_qh,
@@ -208,12 +143,12 @@ if HAVE_GLUON:
         stride_ob, stride_os, stride_oh,
         stride_lb, stride_ls,
         scale_log2,
-        S, H, NUM_SPLITS, CTR,
+        S, H, NUM_SPLITS,
         PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
-        P_SMEM: gl.constexpr, FUSED: gl.constexpr, NS_PAD: gl.constexpr, CW: gl.constexpr, num_warps: gl.constexpr,
+        P_SMEM: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
         # S [BLOCK_M, BLOCK_N]: the two warpgroups take half the key columns each; O [BLOCK_M, DC]: half
@@ -318,10 +253,6 @@ if HAVE_GLUON:
                       LSE, stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
                       stride_ob, stride_os, stride_oh, stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, DC, DIRECT, True,
                       ROW_O, ROW_S)
-        if FUSED:
-            _combine_in_kernel(CTR, MID_O, MID_LSE, OUT, LSE, b, g, H, NUM_SPLITS, stride_mob, stride_mos, stride_moh,
-                               stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh,
-                               stride_lb, stride_ls, BLOCK_H, FOLD, DC, NS_PAD, CW, num_warps)
 
 def source_key(path: str) -> int:
     """A checksum of a kernel module's source, passed to its warp-specialised kernels as a constexpr: Triton's
@@ -373,36 +304,20 @@ def takes_seesaw(cfg: dict, B: int, S: int, dc: int, dr: int, block_n: int) -> b
 
 def launch_gluon_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
                        dc: int, causal: bool, direct: bool, num_splits: int, block_n: int = 64, num_stages: int = 2,
-                       num_warps: int = 8, fused: bool | None = None) -> bool:
+                       num_warps: int = 8):
     """Stage 1 of `mla_decode_triton` through the Gluon kernel (same grid, arguments and outputs;
-    num_splits is the workspace's, which may differ from cfg's plan). Returns whether the launch also
-    merged the splits into out / lse (`fused`, default FUSED_COMBINE: one-stream grids that fit the SMs),
-    so that the caller skips the combine kernel."""
+    num_splits is the workspace's, which may differ from cfg's plan)."""
     from specmla.ops import mla_decode_seesaw
     B, S = q.shape[:2]
     if takes_seesaw(cfg, B, S, dc, q.shape[-1] - dc, block_n):
-        mla_decode_seesaw.launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                              scale_log2, cfg, dc=dc, causal=causal, direct=direct,
-                                              num_splits=num_splits)
-        return False
+        return mla_decode_seesaw.launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                                     scale_log2, cfg, dc=dc, causal=causal, direct=direct,
+                                                     num_splits=num_splits)
     grid, args, consts = split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                            cfg, dc=dc, causal=causal, direct=direct, num_splits=num_splits,
                                            block_n=block_n)
-    tiles = grid[0] * grid[1]
-    fuse = (not direct and (FUSED_COMBINE if fused is None else fused)
-            and tiles * num_splits <= (torch.cuda.get_device_properties(q.device).multi_processor_count
-                                       if q.is_cuda else 8))  # (offline compiles run on CPU tensors)
-    ns_pad, cw = 2, 32  # constexprs of the merge: fixed when there is none, so they add no compiled variants
-    if fuse:  # every split's partial of a CW-column chunk in one load: at most 32 fp32 registers a thread
-        ns_pad = max(2, 1 << (num_splits - 1).bit_length())
-        cw = next((w for w in (128, 64) if dc % w == 0 and ns_pad * w <= 8192), 32)
-    ctr = stream_counters.zeroed_words(q.device, "decode combine", 2 * 1024) if fuse else mid_lse
-    if fuse and tiles > 1024:
-        raise AssertionError("one wave of programs has more tiles than the combine's counter words")
-    _mla_decode_wgmma_kernel[grid](*args, CTR=ctr, **consts, NUM_STAGES=num_stages,
-                                   P_SMEM=_smem_layout([BLOCK_M, block_n], q.dtype), FUSED=fuse, NS_PAD=ns_pad, CW=cw,
-                                   num_warps=num_warps)
-    return fuse
+    _mla_decode_wgmma_kernel[grid](*args, **consts, NUM_STAGES=num_stages,
+                                   P_SMEM=_smem_layout([BLOCK_M, block_n], q.dtype), num_warps=num_warps)
 
 
 def split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *, dc: int,

@@ -565,12 +565,10 @@ def mla_decode_triton(
                                                 softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns,
                                                 kv_format=kv_format)
     elif run_gluon:
-        merged = mla_decode_gluon.launch_gluon_split(
+        mla_decode_gluon.launch_gluon_split(
             q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
             causal=causal, direct=direct, num_splits=ns, block_n=gluon_block_n,
             num_stages=num_stages or 2)
-        if merged:
-            return _finish(out, lse, return_lse, tbq)
     else:
         if tbq:
             kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (cent,), {}

@@ -53,7 +53,6 @@ import os
 import torch
 
 from specmla.ops import mla_decode_gluon as G
-from specmla.ops import stream_counters
 from specmla.ops.mla_prefill import head_dim_split
 
 if G.HAVE_GLUON:
@@ -533,9 +532,20 @@ def _device_facts_at(index: int) -> tuple[int, int, int]:
     return props.major, props.L2_cache_size, props.multi_processor_count
 
 
+_COUNTERS: dict = {}  # (device index, stream) → the persistent grid's tile counter
+# the current stream's handle without building a torch Stream (about 15 µs of host time per call otherwise)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
 def _tile_counter(device: torch.device) -> torch.Tensor:
-    """Two int32 words (next tile, programs done) for the persistent grid's tile claims, per stream."""
-    return stream_counters.zeroed_words(device, "prefill tiles", 2)
+    """Two int32 words (next tile, programs done) for the persistent grid's tile claims. The kernel leaves
+    them at zero when it ends; launches that may overlap (other streams) each get their own."""
+    key = (device.index, _raw_stream(device.index) if device.type == "cuda" else 0)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
 
 
 def head_group(H: int, kv_len: int, dim: int, elem: int, device) -> int:
