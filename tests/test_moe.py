@@ -37,6 +37,18 @@ def test_sync_free_paths_equal_grouped(kind, tokens):
     assert ((got - want).norm() / want.norm()).item() <= 1e-5
 
 
+def test_cpu_batches_keep_the_grouped_path():
+    """The eager dense shortcut is for CUDA only: on CPU the extra expert FLOPs cost real time."""
+    moe = make_moe("v3")
+    x = torch.randn(40, 48)
+    assert not moe._dense_is_cheap(x)
+    calls = []
+    moe._grouped = lambda *a: calls.append(1) or MoE._grouped(moe, *a)
+    with torch.no_grad():
+        moe(x)
+    assert calls == [1]
+
+
 def test_checkpoint_views_write_through_to_the_stacked_tensors():
     moe = make_moe("v3")
     views = moe.checkpoint_tensors()

@@ -5,6 +5,7 @@ import pytest
 import torch
 from test_moe import make_moe
 
+from specmla.model.deepseek import MoE
 from specmla.ops.moe import RouteSpec, moe_experts_torch, moe_experts_triton, moe_route_torch, moe_route_triton
 
 SPECS = {
@@ -117,10 +118,34 @@ def test_gpu_fused_module_path_equals_grouped(kind, tokens):
         assert moe._fusable(x, torch.zeros(tokens, 3))
         got = moe(x)
         moe.local_experts = (0, 12)  # expert parallelism covering every expert: the grouped path
+        assert not moe._dense_is_cheap(x)
         assert not moe._fusable(x, torch.zeros(tokens, 3))
         want = moe(x)
         moe.local_experts = None
         r_want = sorted_route(*moe_route_torch(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.spec))
         r_got = sorted_route(*moe_route_triton(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.spec))
     assert torch.equal(r_got[1], r_want[1]) and torch.allclose(r_got[0], r_want[0], rtol=1e-5)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+@pytest.mark.parametrize("tokens", [9, 23, 300])  # T·k past the fused kernels' 2E = 24
+def test_gpu_eager_mid_batches_take_the_dense_path(kind, tokens):
+    """bf16 on the GPU, batches past the fused kernels' limit: eager calls compute every expert densely
+    (no host sync) while the intermediate is small, and agree with the grouped path; past the limit they
+    keep the grouped path."""
+    moe = make_moe(kind, seed=tokens).cuda().to(torch.bfloat16)
+    moe.gate.float()
+    x = torch.randn(tokens, 48, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert not moe._fusable(x, torch.zeros(tokens, 3)) and moe._dense_is_cheap(x)
+        calls = []
+        moe._grouped = lambda *a: calls.append(1) or MoE._grouped(moe, *a)
+        got = moe(x)
+        assert not calls  # the dense (or gather) path ran
+        moe.dense_max_elements = 0
+        assert not moe._dense_is_cheap(x)
+        want = moe(x)
+        assert calls == [1]
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= 2e-2

@@ -87,7 +87,8 @@ class MoE(nn.Module):
       weights — reads only the chosen experts, for T·k ≤ E;
     - dense (sync-free, many tokens): every expert on every token, weighted by the (mostly zero)
       routing matrix — reads every expert once, which a large batch does anyway.
-    The sync-free paths are used while a CUDA graph is being captured or when `sync_free` is set.
+    The sync-free paths are used while a CUDA graph is being captured, when `sync_free` is set, and on
+    CUDA for eager batches whose dense intermediate is small (`_dense_is_cheap`).
     On CUDA, small batches (T·k ≤ 2E) take none of these: `ops.moe.moe_experts_triton` computes
     routed and shared experts in two kernels (the router is one more, `ops.moe.moe_route`).
     """
@@ -129,7 +130,7 @@ class MoE(nn.Module):
         if self.local_experts is not None:  # other ranks add the other experts' shares
             e0, e1 = self.local_experts
             weights = weights * ((idx >= e0) & (idx < e1)).to(weights.dtype)
-        if not (capturing or self.sync_free):
+        if not (capturing or self.sync_free or self._dense_is_cheap(x)):
             out = self._grouped(x, weights, idx)
         elif idx.numel() <= self.w_down.shape[0]:
             out = self._gather(x, weights, idx)
@@ -146,6 +147,19 @@ class MoE(nn.Module):
         shared = self.shared_experts
         return (x.is_cuda and self.local_experts is None and not self.tp_reduce
                 and (shared is None or not shared.tp_reduce) and idx.numel() <= 2 * self.w_down.shape[0])
+
+    dense_max_elements = 1 << 24  # [E, T, 2I] intermediate of the eager dense path on CUDA (32 MB in bf16)
+
+    def _dense_is_cheap(self, x) -> bool:
+        """Eager batches on CUDA too large for the fused kernels but small enough that computing every
+        expert on every token costs less than the grouped path's host work: a sync for the per-expert
+        counts, then about seven launches per expert. A 23-token prefill of the embedded model spent
+        1.0 ms per MoE layer there against a 0.56 ms GPU time for the whole step (H100,
+        docs/benchmarks.md). The limit keeps big models (DeepSeek-V3: T ≤ 16) on the grouped path,
+        and CPU runs too, where the extra expert FLOPs are not free."""
+        E, two_i = self.w_gate_up.shape[:2]
+        return (x.is_cuda and self.local_experts is None and not self.tp_reduce
+                and E * x.shape[0] * two_i <= self.dense_max_elements)
 
     def _shared_weights(self):
         s = self.shared_experts
