@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,13 +72,26 @@ def interleaved(fns, rounds=ROUNDS):
     return [statistics.median(t) for t in times]
 
 
-def single_sequence(H, S, dev, dtype):
+class CausalProblem(NamedTuple):
+    """One causal request of S tokens in the MHA form (d_qk 192, d_v 128), as every prefill probe builds it."""
+    q: torch.Tensor  # [S, H, 192]
+    k: torch.Tensor  # [S, H, 192]
+    v: torch.Tensor  # [S, H, 128]
+    cu: torch.Tensor  # [0, S], int32: the cu_seqlens of one request
+    flops: int  # H·S²·(192 + 128): half of 2·S²·H·(d_qk + d_v), as the benchmarks count causal attention
+    sdpa_qkv: tuple  # q, k, v viewed [1, H, S, d], as torch SDPA takes them
+
+
+def causal_problem(H: int, S: int, dev="cuda", dtype=torch.bfloat16) -> CausalProblem:
     q = torch.randn(S, H, 192, device=dev, dtype=dtype)
     k = torch.randn(S, H, 192, device=dev, dtype=dtype)
     v = torch.randn(S, H, 128, device=dev, dtype=dtype)
     cu = torch.tensor([0, S], dtype=torch.int32, device=dev)
-    flops = H * S * S * (192 + 128)  # causal: half of 2·S²·H·(dqk+dv)
-    qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
+    return CausalProblem(q, k, v, cu, H * S * S * (192 + 128), tuple(t.transpose(0, 1)[None] for t in (q, k, v)))
+
+
+def single_sequence(H, S, dev, dtype):
+    q, k, v, cu, flops, (qs, ks, vs) = causal_problem(H, S, dev, dtype)
     ours, triton_only, sdpa = interleaved([
         lambda: prefill_ops.mla_prefill(q, k, v, cu, cu, S, S, 0.072),
         lambda: prefill_ops.mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False),

@@ -7,16 +7,14 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from bench_prefill import causal_problem
 
 from specmla.ops.mla_prefill import mla_prefill_triton
 
 H, S = int(sys.argv[1]), int(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else ""
 gluon = False if mode == "triton" else None
-q = torch.randn(S, H, 192, device="cuda", dtype=torch.bfloat16)
-k, v = torch.randn_like(q), torch.randn(S, H, 128, device="cuda", dtype=torch.bfloat16)
-cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
+q, k, v, cu, _, (qs, ks, vs) = causal_problem(H, S)
 
 
 def calls():

@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bench_prefill import causal_problem
 
 from specmla.ops import mla_prefill as prefill_ops
 from specmla.ops.mla_prefill_gluon import mla_prefill_gluon
@@ -80,11 +81,7 @@ def main():
     rows = []
     for H in (128, 16):
         S = 8192
-        q = torch.randn(S, H, 192, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn(S, H, 128, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
-        flops = H * S * S * (192 + 128)
+        q, k, v, cu, flops, (qs, ks, vs) = causal_problem(H, S)
         fns = {"ours": lambda: prefill_ops.mla_prefill(q, k, v, cu, cu, S, S, 0.072),
                "ours_grid": lambda: mla_prefill_gluon(q, k, v, cu, cu, S, S, 0.072, persistent=False),
                "sdpa": lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.072)}

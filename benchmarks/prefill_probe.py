@@ -8,9 +8,8 @@ import argparse
 import json
 import os
 
-import torch
 import torch.nn.functional as F
-from bench_prefill import interleaved
+from bench_prefill import causal_problem, interleaved
 from limits import gemm_rate
 
 from specmla.ops import mla_prefill_gluon as P
@@ -47,16 +46,12 @@ def main():
     rows = []
     S = args.seq
     for H in (128, 16):
-        q = torch.randn(S, H, 192, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn(S, H, 128, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
-        flops = H * S * S * (192 + 128)
+        q, k, v, cu, flops, (qs, ks, vs) = causal_problem(H, S)
         want = mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False).float()
         fns = {name: (lambda kw=kw: P.mla_prefill_gluon(q, k, v, cu, cu, S, S, 0.072, **kw))
                for name, kw in VARIANTS.items()}
         fns["gluon_triton_launch"] = lambda: triton_launch(q, k, v, cu, S)
         fns["triton"] = lambda: mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False)
-        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q, k, v))
         fns["sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.072)
         times = interleaved(list(fns.values()), rounds=args.rounds)
         row = {"H": H, "S": S, "gemm_TFLOPs": gemm}

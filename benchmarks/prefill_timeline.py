@@ -10,6 +10,7 @@ import json
 import os
 
 import torch
+from bench_prefill import causal_problem
 
 from specmla.ops import mla_prefill_gluon as P
 
@@ -44,9 +45,7 @@ def main():
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     S, rows, raw = args.seq, [], {}
     for H, kw in ((128, {}), (16, {}), (16, {"heads_per_group": 16})):
-        q = torch.randn(S, H, 192, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn(S, H, 128, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor([0, S], dtype=torch.int32, device="cuda")
+        q, k, v, cu, *_ = causal_problem(H, S)
         times = torch.zeros(-(-S // P.BLOCK_M) * H, 4, dtype=torch.int64, device="cuda")
         for _ in range(3):  # the last call's timeline is kept
             times.zero_()
