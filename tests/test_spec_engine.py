@@ -192,3 +192,23 @@ def test_static_buffer_verify_path_with_padding_is_lossless(tiny_model_dir, kind
     assert calls and max(calls) == 11  # padded to 16
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+
+
+def test_spec_sweep_reports_output_and_decode_speedups(tiny_model_dir):
+    """`specmla bench spec`'s sweep: each speculative row carries both speedups over the no-spec row (whole
+    requests, and decode alone with first tokens left out), which are the ratios of the reported rates, and
+    greedy outputs equal no-spec's."""
+    from specmla.bench import format_spec_rows, run_spec_sweep
+
+    def make_llm(mode, k):
+        return LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, speculative=mode,
+                   num_speculative_tokens=k)
+
+    rows = run_spec_sweep(make_llm, mixed_prompts(3, seed=4), 6, ["none", "ngram"], [2], batch=2)
+    base, spec = rows
+    assert base["speedup"] == 1.0 and base["decode_speedup"] == 1.0 and spec["same_output"]
+    assert spec["speedup"] == pytest.approx(spec["output_tok_per_s"] / base["output_tok_per_s"])
+    assert spec["decode_speedup"] == pytest.approx(
+        spec["decode_tok_per_s_per_request"] / base["decode_tok_per_s_per_request"])
+    table = format_spec_rows(rows)
+    assert "decode" in table.splitlines()[0] and f"{spec['decode_speedup']:.2f}x" in table.splitlines()[2]
