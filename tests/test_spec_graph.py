@@ -113,3 +113,27 @@ def test_gpu_one_replay_step_is_lossless_under_graph_capture(batch):
     # every spec step was graphed: 8 × 39 tokens after prefill, at most k + 1 = 4 per request and step
     assert len(sizes) >= 8 * 39 // (4 * batch) and g.graphs
     assert llm.engine.spec_stats.mean_acceptance_length > 1.5
+
+
+def test_one_draft_after_prefill_is_lossless_and_drafts_k_later(monkeypatch):
+    """With graphed decode steps the MTP module drafts a single token after a prefill (further drafts there
+    would be eager passes). Forced on here with the static buffers run eagerly: the first decode step sees
+    one draft, later steps k, and the output equals plain greedy."""
+    from specmla.engine.engine import LLMEngine
+
+    k = 3
+    prompts = code_prompts(5)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLM(ASSETS, device="cpu", page_size=4, num_pages=1024).generate(prompts, params)
+    llm = spec_llm(ASSETS, "mtp", k)
+    assert llm.engine._drafts_after_prefill() == k  # static buffers without CUDA graphs: every draft
+    with_spec_step(llm, k)
+    monkeypatch.setattr(LLMEngine, "_drafts_after_prefill", lambda self: 1)
+    seqs = [llm.engine.add_request(p, params) for p in prompts]
+    llm.engine.step()  # the prefill step (every prompt fits the token budget)
+    assert all(s.num_cached == s.total_len - 1 and len(s.drafts) == 1 for s in seqs)
+    llm.engine.step()
+    assert all(len(s.drafts) == k for s in seqs if not s.is_finished)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in plain]

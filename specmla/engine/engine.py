@@ -134,7 +134,8 @@ class LLMEngine:
         with graphed decode steps only the catch-up's own draft is kept; eager engines (CPU) draft them
         all, since every pass costs the same there."""
         n = self.proposer.num_mtp_drafts
-        return min(n, 1) if self.runner.graphed_mtp is not None else n
+        graphs = self.runner.graphed_mtp
+        return min(n, 1) if graphs is not None and graphs.use_graphs else n
 
     def _speculative_decode(self, seqs: list[Sequence]) -> None:
         """Draft, verify all drafts in one S = 1 + k pass, keep the accepted prefix + one token."""
