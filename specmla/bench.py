@@ -104,43 +104,75 @@ def format_report(r: dict, label: str = "specmla") -> str:
 
 
 def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], ks: list[int],
-                   batch: int | None = None) -> list[dict]:
+                   batch: int | None = None, rounds: int = 1) -> list[dict]:
     """Decode tok/s and acceptance for each speculative mode and draft length, same prompts (greedy);
-    `batch` requests run at a time (the LLM's max_num_seqs), default all prompts at once."""
+    `batch` requests run at a time (the LLM's max_num_seqs), default all prompts at once.
+
+    rounds > 1: every configuration is built and warmed up first, then timed once per round, each round
+    starting one configuration later, and the rates are the medians over rounds (rates alone: `runs`).
+    A B=1 run of the embedded model is host-bound, and the host's speed drifts: one timing per
+    configuration, in a fixed order, measured the same k=2 at 1.11x and 1.53x in two runs."""
     from specmla import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    rows, base = [], None
-    for mode in modes:
-        for k in ([0] if mode == "none" else ks):
-            llm = make_llm(None if mode == "none" else mode, max(k, 1))
-            # warm up on the same workload: every kernel variant the growing lengths and the varying
-            # accepted counts reach is compiled (and the graphs captured) before the timed run
-            llm.generate(prompts, params)
-            llm.engine.spec_stats.__init__()
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            wall = time.perf_counter() - t0
-            decode_s = sum((o.metrics["e2e_s"] - (o.metrics["ttft_s"] or 0)) for o in outs) / len(outs)
-            n = sum(len(o.token_ids) for o in outs)
-            row = {"mode": mode, "k": k, "batch": batch or len(prompts), "prompts": len(prompts),
-                   "output_tok_per_s": n / wall,
-                   "decode_tok_per_s_per_request": (output_len - 1) / decode_s if decode_s > 0 else None,
-                   "spec": llm.engine.spec_stats.as_dict(), "token_ids": [o.token_ids for o in outs]}
-            if base is None and mode == "none":
-                base = row
-            if base is not None:
-                row["speedup"] = row["output_tok_per_s"] / base["output_tok_per_s"]
-                # decode alone (each request's first token excluded): the issue's "decode tok/s"; the
-                # prefill step, which speculation cannot shorten and the MTP catch-up lengthens, is left out
-                if row["decode_tok_per_s_per_request"] and base["decode_tok_per_s_per_request"]:
-                    row["decode_speedup"] = row["decode_tok_per_s_per_request"] / base["decode_tok_per_s_per_request"]
-                row["same_output"] = row["token_ids"] == base["token_ids"]
-            rows.append(row)
+    configs = [(mode, k) for mode in modes for k in ([0] if mode == "none" else ks)]
+    shape = (batch or len(prompts), len(prompts))
+    done, live = {}, {}
+    for mode, k in configs:
+        llm = make_llm(None if mode == "none" else mode, max(k, 1))
+        # warm up on the same workload: every kernel variant the growing lengths and the varying
+        # accepted counts reach is compiled (and the graphs captured) before the timed runs
+        llm.generate(prompts, params)
+        if rounds == 1:  # timed at once and dropped: nothing else is alive while it runs
+            done[(mode, k)] = _spec_row(mode, k, *shape, [_timed_generate(llm, prompts, params)])
             del llm
+        else:
+            live[(mode, k)] = llm
+    if rounds > 1:
+        runs = {c: [] for c in configs}
+        for r in range(rounds):
+            for c in configs[r % len(configs):] + configs[: r % len(configs)]:
+                runs[c].append(_timed_generate(live[c], prompts, params))
+        done = {c: _spec_row(*c, *shape, runs[c]) for c in configs}
+    rows = [done[c] for c in configs]
+    base = next((r for r in rows if r["mode"] == "none"), None)
+    for row in rows:
+        if base is not None:
+            row["speedup"] = row["output_tok_per_s"] / base["output_tok_per_s"]
+            # decode alone (each request's first token excluded): the issue's "decode tok/s"; the
+            # prefill step, which speculation cannot shorten and the MTP catch-up lengthens, is left out
+            if row["decode_tok_per_s_per_request"] and base["decode_tok_per_s_per_request"]:
+                row["decode_speedup"] = row["decode_tok_per_s_per_request"] / base["decode_tok_per_s_per_request"]
+            row["same_output"] = row["token_ids"] == base["token_ids"]
     for r in rows:
         r.pop("token_ids")
     return rows
+
+
+def _timed_generate(llm, prompts, params) -> dict:
+    """One timed pass over the prompts: output tok/s, per-request decode tok/s, acceptance, tokens."""
+    llm.engine.spec_stats.__init__()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    decode_s = sum((o.metrics["e2e_s"] - (o.metrics["ttft_s"] or 0)) for o in outs) / len(outs)
+    n = sum(len(o.token_ids) for o in outs)
+    return {"output_tok_per_s": n / wall,
+            "decode_tok_per_s_per_request": (params.max_tokens - 1) / decode_s if decode_s > 0 else None,
+            "spec": llm.engine.spec_stats.as_dict(), "token_ids": [o.token_ids for o in outs]}
+
+
+def _spec_row(mode, k, batch, n_prompts, runs: list[dict]) -> dict:
+    """A configuration's row: median rates over its runs (each run's rates kept in `runs`)."""
+    dec = [r["decode_tok_per_s_per_request"] for r in runs if r["decode_tok_per_s_per_request"]]
+    row = {"mode": mode, "k": k, "batch": batch, "prompts": n_prompts,
+           "output_tok_per_s": statistics.median(r["output_tok_per_s"] for r in runs),
+           "decode_tok_per_s_per_request": statistics.median(dec) if dec else None,
+           "spec": runs[-1]["spec"], "token_ids": runs[0]["token_ids"]}
+    if len(runs) > 1:
+        row["runs"] = [{key: r[key] for key in ("output_tok_per_s", "decode_tok_per_s_per_request")} for r in runs]
+        row["same_across_runs"] = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
+    return row
 
 
 def format_spec_rows(rows: list[dict]) -> str:

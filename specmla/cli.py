@@ -110,7 +110,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     for B in args.batch:  # B requests at a time (max_num_seqs), over max(B, --num-prompts) prompts
         prompts = load_prompts(args.dataset, max(B, args.num_prompts or B), args.input_len, vocab, args.seed)
         rows = run_spec_sweep(lambda mode, k, B=B: make_llm(mode, k, B), prompts, args.output_len, args.modes,
-                              args.k, batch=B)
+                              args.k, batch=B, rounds=args.rounds)
         print(f"batch {B}:\n{format_spec_rows(rows)}")
         results += rows
     if args.json:
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--output-len", type=int, default=128)
     sp.add_argument("--dataset", default=None, help="prompts file (e.g. code-editing prompts)")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--rounds", type=int, default=1,
+                    help="time every configuration this many times, interleaved, and report medians")
     sp.add_argument("--json", default=None)
     sp.set_defaults(func=cmd_bench_spec, speculative=None)
     return parser

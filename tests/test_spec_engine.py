@@ -212,3 +212,28 @@ def test_spec_sweep_reports_output_and_decode_speedups(tiny_model_dir):
         spec["decode_tok_per_s_per_request"] / base["decode_tok_per_s_per_request"])
     table = format_spec_rows(rows)
     assert "decode" in table.splitlines()[0] and f"{spec['decode_speedup']:.2f}x" in table.splitlines()[2]
+
+
+def test_spec_sweep_rounds_report_medians_of_interleaved_runs(tiny_model_dir):
+    """--rounds: every configuration timed once per round; its rates are the medians of its runs, and every
+    run produced the same tokens."""
+    import statistics
+
+    from specmla.bench import run_spec_sweep
+
+    built = []
+
+    def make_llm(mode, k):
+        built.append(mode)
+        return LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, speculative=mode,
+                   num_speculative_tokens=k)
+
+    rows = run_spec_sweep(make_llm, mixed_prompts(2, seed=5), 5, ["none", "ngram"], [1, 2], batch=2, rounds=3)
+    assert built == [None, "ngram", "ngram"] and [(r["mode"], r["k"]) for r in rows] == [("none", 0), ("ngram", 1),
+                                                                                         ("ngram", 2)]
+    for r in rows:
+        assert len(r["runs"]) == 3 and r["same_across_runs"] and r["same_output"]
+        assert r["output_tok_per_s"] == statistics.median(x["output_tok_per_s"] for x in r["runs"])
+        assert r["decode_tok_per_s_per_request"] == statistics.median(x["decode_tok_per_s_per_request"]
+                                                                       for x in r["runs"])
+    assert rows[1]["speedup"] == pytest.approx(rows[1]["output_tok_per_s"] / rows[0]["output_tok_per_s"])
