@@ -155,8 +155,8 @@ class MoE(nn.Module):
         expert on every token costs less than the grouped path's host work: a sync for the per-expert
         counts, then about seven launches per expert. A 23-token prefill of the embedded model spent
         1.0 ms per MoE layer there against a 0.56 ms GPU time for the whole step (H100,
-        docs/benchmarks.md). The limit keeps big models (DeepSeek-V3: T ≤ 16) on the grouped path,
-        and CPU runs too, where the extra expert FLOPs are not free."""
+        docs/benchmarks.md). The size limit sends big models to the grouped path beyond a few tokens
+        (DeepSeek-V3: beyond T = 16); CPU runs always group, since the extra expert FLOPs are not free there."""
         E, two_i = self.w_gate_up.shape[:2]
         return (x.is_cuda and self.local_experts is None and not self.tp_reduce
                 and E * x.shape[0] * two_i <= self.dense_max_elements)
