@@ -23,22 +23,13 @@ import torch
 import triton
 import triton.language as tl
 from bench_mla_decode import PAGE, SCALE, make_problem, time_fn
+from decode_probe import NoLaunch
 from limits import copy_bandwidth
 
 import specmla.ops.mla_decode_triton as mdt
 from specmla.ops import mla_decode_gluon
 from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import decode_bytes, mla_decode_triton, plan
-
-
-class _NoLaunch:
-    """Stands in for a kernel launch: launches nothing (times one stage of the call without the other)."""
-
-    def __getitem__(self, grid):
-        return self
-
-    def __call__(self, *args, **kwargs):
-        return None
 
 
 STAGES = {  # the call with one of its two launches left out: (module, attribute) to replace
@@ -106,7 +97,7 @@ def main():
                 module, attr = STAGES.get(v.get("stage"), (None, None))
                 saved = module and getattr(module, attr)
                 if module:
-                    setattr(module, attr, _NoLaunch())
+                    setattr(module, attr, NoLaunch())
                 try:
                     times[name].append(time_fn(lambda i: mla_decode_triton(
                         qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws, head_dim_v=512,

@@ -23,11 +23,14 @@ from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
 
 
-class _NoLaunch:
-    """Stands in for a Triton kernel: `k[grid](...)` launches nothing."""
+class NoLaunch:
+    """Stands in for a Triton kernel or a launching function: `k[grid](...)` and `k(...)` launch nothing."""
 
     def __getitem__(self, grid):
-        return lambda *a, **k: None
+        return self
+
+    def __call__(self, *args, **kwargs):
+        return None
 
 
 def timed(H, B, T, S, v, copies, stage="both"):
@@ -44,9 +47,9 @@ def timed(H, B, T, S, v, copies, stage="both"):
     ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
     saved = mdt._mla_decode_split_kernel, mdt._mla_decode_combine_kernel
     if stage == "split":
-        mdt._mla_decode_combine_kernel = _NoLaunch()
+        mdt._mla_decode_combine_kernel = NoLaunch()
     elif stage == "combine":
-        mdt._mla_decode_split_kernel = _NoLaunch()
+        mdt._mla_decode_split_kernel = NoLaunch()
     try:
         t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
                                                 head_dim_v=512, **v), copies, graph=True)

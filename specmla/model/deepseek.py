@@ -145,8 +145,12 @@ class MoE(nn.Module):
         (token, expert) pairs that reading each chosen expert per token costs at most about what the
         dense path's one read of every expert does."""
         shared = self.shared_experts
-        return (x.is_cuda and self.local_experts is None and not self.tp_reduce
-                and (shared is None or not shared.tp_reduce) and idx.numel() <= 2 * self.w_down.shape[0])
+        return (self._whole_on_cuda(x) and (shared is None or not shared.tp_reduce)
+                and idx.numel() <= 2 * self.w_down.shape[0])
+
+    def _whole_on_cuda(self, x) -> bool:
+        """On CUDA, with every expert's share computed here (no tensor or expert parallelism)."""
+        return x.is_cuda and self.local_experts is None and not self.tp_reduce
 
     dense_max_elements = 1 << 24  # [E, T, 2I] intermediate of the eager dense path on CUDA (32 MB in bf16)
 
@@ -158,8 +162,7 @@ class MoE(nn.Module):
         docs/benchmarks.md). The size limit sends big models to the grouped path beyond a few tokens
         (DeepSeek-V3: beyond T = 16); CPU runs always group, since the extra expert FLOPs are not free there."""
         E, two_i = self.w_gate_up.shape[:2]
-        return (x.is_cuda and self.local_experts is None and not self.tp_reduce
-                and E * x.shape[0] * two_i <= self.dense_max_elements)
+        return self._whole_on_cuda(x) and E * x.shape[0] * two_i <= self.dense_max_elements
 
     def _shared_weights(self):
         s = self.shared_experts
