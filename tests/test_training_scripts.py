@@ -124,3 +124,81 @@ def test_training_attention_path_equals_reference_forward_and_grad():
     assert g1.keys() == g0.keys()
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_distill_mtp_changes_only_the_mtp_module(pipeline, tmp_path):
+    """scripts/distill_mtp.py: the trunk's tensors come out bit for bit the same, the run is recorded in
+    training.json and the card, and the kept MTP weights are no worse on held-out acceptance."""
+    from safetensors.torch import load_file
+
+    data, model_dir = pipeline
+    out = tmp_path / "distilled"
+    run("scripts/distill_mtp.py", "--model", str(model_dir), "--data", str(data), "--out", str(out), "--smoke",
+        "--lr", "0.01")
+    before, after = load_file(model_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    n = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    mtp = [k for k in before if k.startswith(f"model.layers.{n}.")]
+    assert mtp and len(mtp) < len(before)
+    for k in before:
+        if k not in mtp:
+            assert torch.equal(before[k], after[k]), k
+    record = json.loads((out / "training.json").read_text())["mtp_distillation"]
+    assert record["result"]["steps"] == 3 and record["args"]["recursive_weight"] == 0.5
+    assert record["result"]["after"]["mtp_acceptance"] >= record["result"]["before"]["mtp_acceptance"]
+    assert record["result"]["after"]["heldout_ppl"] == record["result"]["before"]["heldout_ppl"]
+    assert "MTP self-distillation" in (out / "MODEL_CARD.md").read_text()
+    assert (out / "tokenizer.json").read_bytes() == (model_dir / "tokenizer.json").read_bytes()
+
+
+def test_distill_loss_scores_each_draft_step_against_the_right_trunk_position():
+    """distill_loss's two terms, against a per-request loop written out position by position: step 1's
+    row i (trunk state i, token i+1) against the trunk's distribution at i+1; step 2's row i (step 1's
+    state i, token i+2) against the trunk at i+2."""
+    import importlib
+    import sys
+
+    from specmla.config import ModelConfig
+    from specmla.model.deepseek import DeepseekForCausalLM
+    from specmla.model.default import TINY_RANDOM_CONFIG
+    from specmla.model.metadata import AttentionMetadata
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        distill_loss = importlib.import_module("distill_mtp").distill_loss
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    cfg = ModelConfig.from_dict(dict(TINY_RANDOM_CONFIG, hidden_size=64, kv_lora_rank=32, qk_nope_head_dim=16,
+                                     qk_rope_head_dim=16, v_head_dim=24, intermediate_size=96,
+                                     moe_intermediate_size=32, num_nextn_predict_layers=1))
+    torch.manual_seed(1)
+    model = DeepseekForCausalLM(cfg, max_positions=64)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 if p.dim() > 1 else 1 + 0.1 * torch.randn_like(p))
+    B, L = 3, 11
+    tokens = torch.randint(0, cfg.vocab_size, (B, L + 1))
+    with torch.no_grad():
+        first, _ = distill_loss(model, tokens, 0.0)
+        both, _ = distill_loss(model, tokens, 2.0)
+
+    def kl(t, s):  # KL(teacher ‖ student) of one row, from log-probabilities
+        return (t.exp() * (t - s)).sum().item()
+
+    ref1, ref2 = [], []
+    with torch.no_grad():
+        for b in range(B):
+            t = tokens[b]
+            hidden = model(t[:L], AttentionMetadata.for_contiguous([L]))
+            trunk = model.compute_logits(hidden).log_softmax(-1)  # trunk[j]: the token after position j
+            h1 = model.mtp_forward(0, t[1 : L + 1], hidden, AttentionMetadata.for_contiguous([L]))
+            s1 = model.mtp_logits(0, h1).log_softmax(-1)
+            h2 = model.mtp_forward(0, t[2 : L + 1], h1[: L - 1], AttentionMetadata.for_contiguous([L - 1]))
+            s2 = model.mtp_logits(0, h2).log_softmax(-1)
+            ref1 += [kl(trunk[i + 1], s1[i]) for i in range(L - 1)]
+            ref2 += [kl(trunk[i + 2], s2[i]) for i in range(L - 2)]
+    want1 = sum(ref1) / len(ref1)
+    want2 = sum(ref2) / len(ref2)
+    assert want1 > 0.01 and want2 > 0.01
+    assert abs(first.item() - want1) <= 1e-4 * want1
+    assert abs((both - first).item() / 2.0 - want2) <= 1e-4 * want2
