@@ -74,7 +74,7 @@ def record_run(out: Path, run: dict) -> None:
     card = out / "MODEL_CARD.md"
     text = card.read_text() if card.exists() else "# model\n"
     rec = f", the second (recursive) draft step's loss weighted {a['recursive_weight']}" if a["recursive_weight"] else ""
-    text = text.split("\n- MTP self-distillation:")[0].rstrip("\n") + f"""
+    text = text.split("\n- MTP self-distillation")[0].rstrip("\n") + f"""
 - MTP self-distillation (`scripts/distill_mtp.py`): the MTP module alone, {result['steps']} steps of
   {a['batch']} × {a['seq']} tokens against the trunk's own next-token distribution (KL{rec}; the trunk is
   frozen and bit-identical), AdamW lr {a['lr']}, {result['train_s'] / 60:.1f} min on {result['device']}:

@@ -51,3 +51,50 @@ def test_rope_kernel_in_place_on_a_strided_view(interleave, heads):
     untouched = torch.ones_like(full, dtype=torch.bool)
     untouched[..., 8:24] = False
     assert torch.equal(full[untouched], before[untouched])  # nothing outside the view changed
+
+
+@pytest.mark.parametrize("D", [64, 320, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_pair_kernel(D, dtype):
+    """One launch for [weight_a · norm(a) | weight_b · norm(b)]: the torch reference (two norms and a
+    cat), on rows of very different scales, a strided b, and a 3-d batch shape."""
+    from specmla.ops.norm import rms_norm_pair
+
+    g = torch.Generator().manual_seed(D + 1)
+    a = (torch.randn(2, 7, D, generator=g) * 5).to(dtype)
+    b = (torch.randn(2, 7, 2 * D, generator=g) * 0.01).to(dtype)[..., ::2]  # strided last dim
+    wa = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    wb = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype)
+    want = rms_norm_pair(a, b, wa, wb, 1e-6, backend="torch")
+    got = rms_norm_pair(a, b, wa, wb, 1e-6, backend="triton")
+    assert got.shape == (2, 7, 2 * D) and got.dtype == want.dtype
+    assert rel_err(got[..., :D], want[..., :D]) < (1e-6 if dtype == torch.float32 else 2e-3)
+    assert rel_err(got[..., D:], want[..., D:]) < (1e-6 if dtype == torch.float32 else 2e-3)
+    assert torch.allclose(want[..., :D], rms_norm(a, wa, 1e-6, backend="torch")[0])
+    assert rms_norm_pair(a[:0], b[:0], wa, wb, 1e-6, backend="triton").shape == (0, 7, 2 * D)
+    with pytest.raises(ValueError, match="must match"):
+        rms_norm_pair(a, b[..., :-1], wa, wb, 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="must match"):
+        rms_norm_pair(a, b, wa, wb[:-1], 1e-6, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend"):
+        rms_norm_pair(a, b, wa, wb, 1e-6, backend="cuda")
+
+
+def test_norms_pick_the_torch_path_when_a_weight_needs_its_gradient():
+    """The kernels have no backward: on CUDA a norm whose weight trains while its input is frozen (as
+    when only the MTP module is distilled) must take the torch path, or the weight gets no gradient."""
+    from types import SimpleNamespace
+
+    from specmla.ops.norm import _backend
+
+    cuda_x = SimpleNamespace(is_cuda=True, requires_grad=False)  # the rule only reads these two
+    frozen_w, trained_w = SimpleNamespace(requires_grad=False), SimpleNamespace(requires_grad=True)
+    assert _backend("auto", cuda_x, frozen_w) == "triton"
+    assert _backend("auto", cuda_x, trained_w) == "torch"
+    assert _backend("auto", cuda_x, frozen_w, None, trained_w) == "torch"
+    with torch.no_grad():
+        assert _backend("auto", cuda_x, trained_w) == "triton"
+    assert _backend("auto", SimpleNamespace(is_cuda=False, requires_grad=False), frozen_w) == "torch"
+    assert _backend("triton", cuda_x, trained_w) == "triton"  # asked for by name
+    with pytest.raises(ValueError, match="unknown backend"):
+        _backend("cuda", cuda_x)

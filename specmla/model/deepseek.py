@@ -25,7 +25,7 @@ from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.mla_decode import mla_decode
 from specmla.ops.mla_prefill import mla_prefill
 from specmla.ops.moe import RouteSpec, moe_experts_triton, moe_route, moe_route_torch
-from specmla.ops.norm import rms_norm
+from specmla.ops.norm import rms_norm, rms_norm_pair
 from specmla.parallel import all_reduce_
 from specmla.ops.rope import apply_rope, apply_rope_
 
@@ -420,8 +420,8 @@ class DeepseekForCausalLM(nn.Module):
         the hidden state of position i (the trunk's final-normed state, or the previous MTP output),
         at i's rope position. Returns the pre-norm hidden state; `mtp_logits` applies the head."""
         layer = self.mtp[k]
-        e = layer.enorm(self.model.embed_tokens(next_ids))
-        x = layer.eh_proj(torch.cat([e, layer.hnorm(prev_hidden)], dim=-1))
+        e = self.model.embed_tokens(next_ids)
+        x = layer.eh_proj(rms_norm_pair(e, prev_hidden, layer.enorm.weight, layer.hnorm.weight, layer.enorm.eps))
         cache = kv_caches[self.config.num_hidden_layers + k] if kv_caches is not None else None
         return layer(x, meta, self.cos_sin, cache)
 

@@ -61,13 +61,68 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
 def rms_norm(x, weight, eps, residual=None, backend: str = "auto"):
     """(weight · normalise(x + residual), x + residual); backend auto = Triton on CUDA."""
-    if backend == "auto":
-        backend = "triton" if x.is_cuda and not _needs_grad(x) else "torch"  # kernels have no backward
-    fn = {"torch": rms_norm_torch, "triton": rms_norm_triton}.get(backend)
-    if fn is None:
-        raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
+    fn = {"torch": rms_norm_torch, "triton": rms_norm_triton}.get(_backend(backend, x, weight, residual))
     return fn(x, weight, eps, residual)
 
 
-def _needs_grad(t: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and t.requires_grad
+def rms_norm_pair_torch(a: torch.Tensor, b: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """[weight_a · normalise(a) | weight_b · normalise(b)] along the last dimension."""
+    return torch.cat([rms_norm_torch(a, weight_a, eps)[0], rms_norm_torch(b, weight_b, eps)[0]], dim=-1)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(A, B, WA, WB, OUT, stride_a, stride_b, stride_o, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    half = tl.program_id(1)  # 0: a into the first D columns, 1: b into the next D
+    offs = tl.arange(0, BLOCK)
+    ok = offs < D
+    if half == 0:
+        x = tl.load(A + row * stride_a + offs, mask=ok, other=0.0)
+        w = tl.load(WA + offs, mask=ok, other=0.0)
+    else:
+        x = tl.load(B + row * stride_b + offs, mask=ok, other=0.0)
+        w = tl.load(WB + offs, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+    y = (xf * inv).to(A.dtype.element_ty)
+    tl.store(OUT + row * stride_o + half * D + offs, (w * y).to(OUT.dtype.element_ty), mask=ok)
+
+
+def rms_norm_pair_triton(a: torch.Tensor, b: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    D = a.shape[-1]
+    if (b.shape != a.shape or weight_a.shape != (D,) or weight_b.shape != (D,) or b.dtype != a.dtype
+            or weight_b.dtype != weight_a.dtype):
+        raise ValueError(f"a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype} must match, and so must "
+                         f"their weights {tuple(weight_a.shape)} {weight_a.dtype} / {tuple(weight_b.shape)} "
+                         f"{weight_b.dtype} (length {D})")
+    a2, b2 = a.reshape(-1, D), b.reshape(-1, D)
+    a2 = a2 if a2.stride(-1) == 1 else a2.contiguous()
+    b2 = b2 if b2.stride(-1) == 1 else b2.contiguous()
+    out = torch.empty(a2.shape[0], 2 * D, dtype=torch.result_type(weight_a, a), device=a.device)
+    if a2.shape[0]:
+        _rms_norm_pair_kernel[(a2.shape[0], 2)](a2, b2, weight_a, weight_b, out, a2.stride(0), b2.stride(0),
+                                                out.stride(0), D, eps, BLOCK=triton.next_power_of_2(D))
+    return out.view(*a.shape[:-1], 2 * D)
+
+
+def rms_norm_pair(a, b, weight_a, weight_b, eps, backend: str = "auto") -> torch.Tensor:
+    """Two RMSNorms side by side in one launch: the MTP module's [enorm(embedding) | hnorm(hidden)],
+    which would otherwise be two norm kernels and a cat, in every draft pass of a graphed step."""
+    backend = _backend(backend, a, b, weight_a, weight_b)
+    if backend == "triton" and (a.dtype != b.dtype or weight_a.dtype != weight_b.dtype):
+        backend = "torch"  # mixed precision (autocast training): the reference promotes like torch.cat
+    fn = {"torch": rms_norm_pair_torch, "triton": rms_norm_pair_triton}[backend]
+    return fn(a, b, weight_a, weight_b, eps)
+
+
+def _backend(backend: str, *tensors) -> str:
+    """auto = Triton on CUDA, unless a gradient must flow through any of the tensors (weights included):
+    the kernels have no backward."""
+    if backend == "auto":
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        return "triton" if tensors[0].is_cuda and not grad else "torch"
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
+    return backend
