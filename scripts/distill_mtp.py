@@ -29,33 +29,39 @@ from specmla.model.metadata import AttentionMetadata
 from train_tiny import batches, evaluate
 
 
-def distill_loss(model, tokens: torch.Tensor, recursive_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def distill_loss(model, tokens: torch.Tensor, recursive_weight: float = 0.0, recursive_steps: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(KL(trunk ‖ MTP), top-1 agreement of the first step) on windows of L + 1 tokens. MTP row i (h_i
     and token i+1) is scored against the trunk's distribution at i+1: the token i+2 a first draft must
-    match. With recursive_weight, the second draft step too, as the proposer runs it: the first step's
-    output state of row i with token i+2 (the accepted first draft) against the trunk at i+2. Its
-    attention reads other second-step rows, where the proposer's reads first-step entries: close
-    enough to teach the module its own states as input."""
+    match. With recursive_weight, draft steps 2 .. 1 + recursive_steps too, as the proposer runs them:
+    step j's row i takes step j-1's output state of row i and token i+j (the accepted draft before it),
+    scored against the trunk at i+j. Its attention reads other step-j rows, where the proposer's reads
+    first-step entries: close enough to teach the module its own states as input."""
     B, L1 = tokens.shape
     L = L1 - 1
     meta = AttentionMetadata.for_contiguous([L] * B, device=tokens.device)
     with torch.no_grad():
         hidden = model(tokens[:, :L].reshape(-1), meta)
-        teacher = model.compute_logits(hidden).view(B, L, -1)[:, 1:].log_softmax(-1)
-    h_mtp = model.mtp_forward(0, tokens[:, 1:L1].reshape(-1), hidden, meta)
-    student = model.mtp_logits(0, h_mtp).view(B, L, -1)[:, : L - 1].log_softmax(-1)
-    kl = F.kl_div(student.reshape(-1, student.shape[-1]), teacher.reshape(-1, teacher.shape[-1]),
-                  log_target=True, reduction="batchmean")
+        teacher = model.compute_logits(hidden).view(B, L, -1)[:, 1:].log_softmax(-1)  # [:, i]: trunk at i+1
+
+    def kl_to_teacher(student: torch.Tensor, first: int) -> torch.Tensor:  # student rows vs teacher[:, first:]
+        t = teacher[:, first:]
+        return F.kl_div(student.reshape(-1, student.shape[-1]), t.reshape(-1, t.shape[-1]), log_target=True,
+                        reduction="batchmean")
+
+    h = model.mtp_forward(0, tokens[:, 1:L1].reshape(-1), hidden, meta)
+    student = model.mtp_logits(0, h).view(B, L, -1)[:, : L - 1].log_softmax(-1)
+    kl = kl_to_teacher(student, 0)
     agree = (student.argmax(-1) == teacher.argmax(-1)).float().mean()
-    if recursive_weight and L > 2:
-        meta2 = AttentionMetadata.for_contiguous([L - 1] * B, device=tokens.device)  # rope is relative: no shift
-        h2 = model.mtp_forward(0, tokens[:, 2:L1].reshape(-1), h_mtp.view(B, L, -1)[:, : L - 1].reshape(B * (L - 1), -1),
-                               meta2)
-        student2 = model.mtp_logits(0, h2).view(B, L - 1, -1)[:, : L - 2].log_softmax(-1)
-        teacher2 = teacher[:, 1:]
-        kl = kl + recursive_weight * F.kl_div(student2.reshape(-1, student2.shape[-1]),
-                                              teacher2.reshape(-1, teacher2.shape[-1]), log_target=True,
-                                              reduction="batchmean")
+    rows = L
+    for j in range(2, 2 + (recursive_steps if recursive_weight else 0)):
+        if L - j < 1:
+            break
+        prev, rows = h.view(B, rows, -1)[:, : L - j + 1], L - j + 1
+        m = AttentionMetadata.for_contiguous([rows] * B, device=tokens.device)  # rope is relative: no shift
+        h = model.mtp_forward(0, tokens[:, j:L1].reshape(-1), prev.reshape(B * rows, -1), m)
+        student = model.mtp_logits(0, h).view(B, rows, -1)[:, : rows - 1].log_softmax(-1)
+        kl = kl + recursive_weight * kl_to_teacher(student, j - 1)
     return kl, agree
 
 
@@ -73,14 +79,16 @@ def record_run(out: Path, run: dict) -> None:
     result, a = run["result"], run["args"]
     card = out / "MODEL_CARD.md"
     text = card.read_text() if card.exists() else "# model\n"
-    rec = f", the second (recursive) draft step's loss weighted {a['recursive_weight']}" if a["recursive_weight"] else ""
+    steps = a.get("recursive_steps", 1)
+    rec = (f", the next {steps} recursive draft step{'s' * (steps > 1)} weighted {a['recursive_weight']}"
+           if a["recursive_weight"] else "")
     text = text.split("\n- MTP self-distillation")[0].rstrip("\n") + f"""
 - MTP self-distillation (`scripts/distill_mtp.py`): the MTP module alone, {result['steps']} steps of
   {a['batch']} × {a['seq']} tokens against the trunk's own next-token distribution (KL{rec}; the trunk is
   frozen and bit-identical), AdamW lr {a['lr']}, {result['train_s'] / 60:.1f} min on {result['device']}:
   MTP top-1 acceptance {100 * result['before']['mtp_acceptance']:.1f} % → **{100 * result['after']['mtp_acceptance']:.1f} %**.
   Reproduce on the directory train_tiny.py wrote: `python scripts/distill_mtp.py --model DIR --data data/stdlib
-  --out specmla/assets --minutes {a['minutes']} --recursive-weight {a['recursive_weight']}`.
+  --out specmla/assets --minutes {a['minutes']} --recursive-weight {a['recursive_weight']} --recursive-steps {steps}`.
 """
     card.write_text(text)
 
@@ -99,6 +107,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=float, default=30.0, help="seconds between quick held-out checks")
     ap.add_argument("--recursive-weight", type=float, default=0.5,
                     help="weight of the second, recursive draft step's loss (0: first step only)")
+    ap.add_argument("--recursive-steps", type=int, default=1, help="recursive draft steps trained after the first")
     ap.add_argument("--smoke", action="store_true", help="a few steps, CPU")
     args = ap.parse_args()
     if args.smoke:
@@ -149,7 +158,7 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            kl, agree = distill_loss(model, tokens.to(dev), args.recursive_weight)
+            kl, agree = distill_loss(model, tokens.to(dev), args.recursive_weight, args.recursive_steps)
         opt.zero_grad(set_to_none=True)
         kl.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -152,9 +152,9 @@ def test_distill_mtp_changes_only_the_mtp_module(pipeline, tmp_path):
 
 
 def test_distill_loss_scores_each_draft_step_against_the_right_trunk_position():
-    """distill_loss's two terms, against a per-request loop written out position by position: step 1's
-    row i (trunk state i, token i+1) against the trunk's distribution at i+1; step 2's row i (step 1's
-    state i, token i+2) against the trunk at i+2."""
+    """distill_loss's terms, against a per-request loop written out position by position: step 1's row i
+    (trunk state i, token i+1) against the trunk's distribution at i+1; step j's row i (step j-1's state
+    i, token i+j) against the trunk at i+j, for j = 2, 3."""
     import importlib
     import sys
 
@@ -181,11 +181,12 @@ def test_distill_loss_scores_each_draft_step_against_the_right_trunk_position():
     with torch.no_grad():
         first, _ = distill_loss(model, tokens, 0.0)
         both, _ = distill_loss(model, tokens, 2.0)
+        three, _ = distill_loss(model, tokens, 2.0, recursive_steps=2)
 
     def kl(t, s):  # KL(teacher ‖ student) of one row, from log-probabilities
         return (t.exp() * (t - s)).sum().item()
 
-    ref1, ref2 = [], []
+    ref1, ref2, ref3 = [], [], []
     with torch.no_grad():
         for b in range(B):
             t = tokens[b]
@@ -197,8 +198,13 @@ def test_distill_loss_scores_each_draft_step_against_the_right_trunk_position():
             s2 = model.mtp_logits(0, h2).log_softmax(-1)
             ref1 += [kl(trunk[i + 1], s1[i]) for i in range(L - 1)]
             ref2 += [kl(trunk[i + 2], s2[i]) for i in range(L - 2)]
+            h3 = model.mtp_forward(0, t[3 : L + 1], h2[: L - 2], AttentionMetadata.for_contiguous([L - 2]))
+            s3 = model.mtp_logits(0, h3).log_softmax(-1)
+            ref3 += [kl(trunk[i + 3], s3[i]) for i in range(L - 3)]
     want1 = sum(ref1) / len(ref1)
     want2 = sum(ref2) / len(ref2)
-    assert want1 > 0.01 and want2 > 0.01
+    want3 = sum(ref3) / len(ref3)
+    assert want1 > 0.01 and want2 > 0.01 and want3 > 0.01
     assert abs(first.item() - want1) <= 1e-4 * want1
     assert abs((both - first).item() / 2.0 - want2) <= 1e-4 * want2
+    assert abs((three - both).item() / 2.0 - want3) <= 1e-4 * want3
