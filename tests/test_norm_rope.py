@@ -80,21 +80,22 @@ def test_rms_norm_pair_kernel(D, dtype):
         rms_norm_pair(a, b, wa, wb, 1e-6, backend="cuda")
 
 
-def test_norms_pick_the_torch_path_when_a_weight_needs_its_gradient():
-    """The kernels have no backward: on CUDA a norm whose weight trains while its input is frozen (as
-    when only the MTP module is distilled) must take the torch path, or the weight gets no gradient."""
+def test_ops_pick_the_torch_path_when_any_tensor_needs_its_gradient():
+    """The kernels have no backward: on CUDA a call where any tensor needs a gradient (a norm whose weight
+    trains on a frozen input, as when only the MTP module is distilled; attention whose k or v trains) must
+    take the torch path, or that tensor gets no gradient. Norms, rope and prefill share this rule."""
     from types import SimpleNamespace
 
-    from specmla.ops.norm import _backend
+    from specmla.ops.backend import pick_backend
 
     cuda_x = SimpleNamespace(is_cuda=True, requires_grad=False)  # the rule only reads these two
     frozen_w, trained_w = SimpleNamespace(requires_grad=False), SimpleNamespace(requires_grad=True)
-    assert _backend("auto", cuda_x, frozen_w) == "triton"
-    assert _backend("auto", cuda_x, trained_w) == "torch"
-    assert _backend("auto", cuda_x, frozen_w, None, trained_w) == "torch"
+    assert pick_backend("auto", cuda_x, frozen_w) == "triton"
+    assert pick_backend("auto", cuda_x, trained_w) == "torch"
+    assert pick_backend("auto", cuda_x, frozen_w, None, trained_w) == "torch"
     with torch.no_grad():
-        assert _backend("auto", cuda_x, trained_w) == "triton"
-    assert _backend("auto", SimpleNamespace(is_cuda=False, requires_grad=False), frozen_w) == "torch"
-    assert _backend("triton", cuda_x, trained_w) == "triton"  # asked for by name
+        assert pick_backend("auto", cuda_x, trained_w) == "triton"
+    assert pick_backend("auto", SimpleNamespace(is_cuda=False, requires_grad=False), frozen_w) == "torch"
+    assert pick_backend("triton", cuda_x, trained_w) == "triton"  # asked for by name
     with pytest.raises(ValueError, match="unknown backend"):
-        _backend("cuda", cuda_x)
+        pick_backend("cuda", cuda_x)

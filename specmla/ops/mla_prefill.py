@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specmla.ops.backend import pick_backend
+
 
 def mla_prefill_torch(
     q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
@@ -45,11 +47,7 @@ def mla_prefill(
     *, causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None, backend: str = "auto",
 ):
     """Contract C2. Returns out [Σq, H, Dv] (and lse [Σq, H] fp32 when return_lse)."""
-    if backend == "auto":
-        backend = "triton" if q.is_cuda and not _needs_grad(q) else "torch"  # kernels have no backward
-    fn = {"torch": mla_prefill_torch, "triton": mla_prefill_triton}.get(backend)
-    if fn is None:
-        raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
+    fn = {"torch": mla_prefill_torch, "triton": mla_prefill_triton}[pick_backend(backend, q, k, v)]
     return fn(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
               causal=causal, return_lse=return_lse, out=out)
 
@@ -227,6 +225,3 @@ def mla_prefill_triton(
         )
     return (o, lse) if return_lse else o
 
-
-def _needs_grad(t: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and t.requires_grad

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specmla.ops.backend import pick_backend
+
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     h = x if residual is None else x + residual
@@ -61,7 +63,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
 def rms_norm(x, weight, eps, residual=None, backend: str = "auto"):
     """(weight · normalise(x + residual), x + residual); backend auto = Triton on CUDA."""
-    fn = {"torch": rms_norm_torch, "triton": rms_norm_triton}.get(_backend(backend, x, weight, residual))
+    fn = {"torch": rms_norm_torch, "triton": rms_norm_triton}[pick_backend(backend, x, weight, residual)]
     return fn(x, weight, eps, residual)
 
 
@@ -110,19 +112,8 @@ def rms_norm_pair_triton(a: torch.Tensor, b: torch.Tensor, weight_a: torch.Tenso
 def rms_norm_pair(a, b, weight_a, weight_b, eps, backend: str = "auto") -> torch.Tensor:
     """Two RMSNorms side by side in one launch: the MTP module's [enorm(embedding) | hnorm(hidden)],
     which would otherwise be two norm kernels and a cat, in every draft pass of a graphed step."""
-    backend = _backend(backend, a, b, weight_a, weight_b)
+    backend = pick_backend(backend, a, b, weight_a, weight_b)
     if backend == "triton" and (a.dtype != b.dtype or weight_a.dtype != weight_b.dtype):
         backend = "torch"  # mixed precision (autocast training): the reference promotes like torch.cat
     fn = {"torch": rms_norm_pair_torch, "triton": rms_norm_pair_triton}[backend]
     return fn(a, b, weight_a, weight_b, eps)
-
-
-def _backend(backend: str, *tensors) -> str:
-    """auto = Triton on CUDA, unless a gradient must flow through any of the tensors (weights included):
-    the kernels have no backward."""
-    if backend == "auto":
-        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-        return "triton" if tensors[0].is_cuda and not grad else "torch"
-    if backend not in ("torch", "triton"):
-        raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
-    return backend

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from specmla.ops.backend import pick_backend
+
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, interleave: bool = True) -> torch.Tensor:
     """Rotate x [..., T, (heads,) dim] by the angles of `positions` [T]; computed in fp32, returned in x.dtype.
@@ -64,13 +66,9 @@ def _rope_kernel(X, POS, CS, stride_t, stride_h, stride_cs, H, HALF: tl.constexp
 def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, interleave: bool = True,
                 backend: str = "auto") -> torch.Tensor:
     """In-place `apply_rope` on x [T, dim] or [T, H, dim] (a strided view, e.g. q_pe inside q, is fine)."""
-    if backend == "auto":
-        backend = "triton" if x.is_cuda and not _needs_grad(x) else "torch"  # kernels have no backward
-    if backend == "torch":
+    if pick_backend(backend, x) == "torch":
         x.copy_(apply_rope(x, positions, cos_sin, interleave))
         return x
-    if backend != "triton":
-        raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
     x3 = x if x.dim() == 3 else x[:, None, :]
     T, H, dim = x3.shape
     if x3.stride(-1) != 1 or dim & (dim - 1):
@@ -80,6 +78,3 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                            HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave)
     return x
 
-
-def _needs_grad(t: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and t.requires_grad
