@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 
 from specmla.model.loader import load_model, save_checkpoint
 from specmla.model.metadata import AttentionMetadata
-from train_tiny import batches, evaluate
+from train_tiny import batches, evaluate, wall_time_lr
 
 
 def distill_loss(model, tokens: torch.Tensor, recursive_weight: float = 0.0, recursive_steps: int = 1
@@ -106,7 +105,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=float, default=30.0, help="seconds between quick held-out checks")
     ap.add_argument("--recursive-weight", type=float, default=0.5,
-                    help="weight of the second, recursive draft step's loss (0: first step only)")
+                    help="weight of each recursive draft step's loss (0: first step only)")
     ap.add_argument("--recursive-steps", type=int, default=1, help="recursive draft steps trained after the first")
     ap.add_argument("--smoke", action="store_true", help="a few steps, CPU")
     args = ap.parse_args()
@@ -154,7 +153,7 @@ def main() -> None:
             if quick > best[0]:
                 best = (quick, {k: v.detach().clone() for k, v in model.mtp.state_dict().items()}, step)
         frac = min(1.0, elapsed / budget_s)
-        lr = args.lr * min(1.0, step / warmup) * 0.5 * (1 + math.cos(math.pi * frac))
+        lr = wall_time_lr(args.lr, step, warmup, frac)
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):

@@ -84,6 +84,12 @@ def losses(model: DeepseekForCausalLM, tokens: torch.Tensor) -> tuple[torch.Tens
     return main, mtp
 
 
+def wall_time_lr(base: float, step: int, warmup: int, frac: float, floor: float = 0.0) -> float:
+    """Linear warm-up over `warmup` steps, then a cosine from base down to floor · base over the fraction
+    `frac` of the wall-time budget spent (the run must fit its budget, whatever its step rate)."""
+    return base * min(1.0, step / warmup) * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 @torch.no_grad()
 def evaluate(model: DeepseekForCausalLM, data: np.ndarray, seq: int, max_windows: int = 64) -> dict:
     """Held-out perplexity, and MTP acceptance: how often the MTP module's top-1 next-next token
@@ -179,7 +185,7 @@ def main() -> None:
             if quick["heldout_ppl"] < best[0]:
                 best = (quick["heldout_ppl"], {k: v.detach().clone() for k, v in model.state_dict().items()}, step)
         frac = min(1.0, elapsed / budget_s)  # schedule by wall time: the run must fit its budget
-        lr = args.lr * min(1.0, step / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = wall_time_lr(args.lr, step, warmup, frac, floor=0.1)
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):

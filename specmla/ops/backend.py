@@ -11,8 +11,8 @@ import torch
 
 
 def pick_backend(backend: str, *tensors) -> str:
-    """"triton" or "torch" for a call on `tensors` (the first one decides the device; None entries are
-    skipped); `backend` is "auto" or one of the two names."""
+    """The implementation ("triton" or "torch") for a call on `tensors`: the first one decides the device,
+    None entries are skipped. `backend` is "auto" or one of the two names."""
     if backend == "auto":
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
         return "triton" if tensors[0].is_cuda and not grad else "torch"
