@@ -23,6 +23,14 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
 
 
 @triton.jit
+def _scaled_norm(x, w, D, eps):
+    """w · normalise(x) for one row, as the reference: normalise in fp32, cast back to x's dtype, scale."""
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+    return w * (xf * inv).to(x.dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(X, R, W, OUT, H_OUT, stride_x, stride_r, stride_o, stride_h, D, eps,
                      BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
     row = tl.program_id(0)
@@ -32,11 +40,8 @@ def _rms_norm_kernel(X, R, W, OUT, H_OUT, stride_x, stride_r, stride_o, stride_h
     if HAS_RES:
         x = x + tl.load(R + row * stride_r + offs, mask=ok, other=0.0)
         tl.store(H_OUT + row * stride_h + offs, x, mask=ok)
-    xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-    y = (xf * inv).to(X.dtype.element_ty)
     w = tl.load(W + offs, mask=ok, other=0.0)
-    tl.store(OUT + row * stride_o + offs, (w * y).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + row * stride_o + offs, _scaled_norm(x, w, D, eps).to(OUT.dtype.element_ty), mask=ok)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -85,10 +90,7 @@ def _rms_norm_pair_kernel(A, B, WA, WB, OUT, stride_a, stride_b, stride_o, D, ep
     else:
         x = tl.load(B + row * stride_b + offs, mask=ok, other=0.0)
         w = tl.load(WB + offs, mask=ok, other=0.0)
-    xf = x.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
-    y = (xf * inv).to(A.dtype.element_ty)
-    tl.store(OUT + row * stride_o + half * D + offs, (w * y).to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + row * stride_o + half * D + offs, _scaled_norm(x, w, D, eps).to(OUT.dtype.element_ty), mask=ok)
 
 
 def rms_norm_pair_triton(a: torch.Tensor, b: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor,
