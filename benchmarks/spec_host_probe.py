@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import json
 import time
 
@@ -73,6 +74,17 @@ def main() -> None:
     args = ap.parse_args()
     totals, counts = collections.defaultdict(float), collections.defaultdict(int)
     instrument(totals, counts)
+    gc_started = {}
+
+    def gc_timer(phase, info):  # Python's cyclic collector pauses the host too: count it as a part
+        if phase == "start":
+            gc_started["t"] = time.perf_counter()
+        elif "t" in gc_started:
+            label = f"gc, generation {info['generation']}"
+            totals[label] += time.perf_counter() - gc_started.pop("t")
+            counts[label] += 1
+
+    gc.callbacks.append(gc_timer)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     report = {}
     for mode in (None, "mtp"):

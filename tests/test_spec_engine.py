@@ -237,3 +237,39 @@ def test_spec_sweep_rounds_report_medians_of_interleaved_runs(tiny_model_dir):
         assert r["decode_tok_per_s_per_request"] == statistics.median(x["decode_tok_per_s_per_request"]
                                                                        for x in r["runs"])
     assert rows[1]["speedup"] == pytest.approx(rows[1]["output_tok_per_s"] / rows[0]["output_tok_per_s"])
+
+
+def test_first_token_and_finish_times_count_the_whole_step(tiny_model_dir, monkeypatch):
+    """The caller gets a token when step() returns, so the MTP catch-up after a prefill (work done after
+    the first token is sampled) belongs to TTFT, not to the decode time; same for the finishing step."""
+    import time
+
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, speculative="mtp",
+              num_speculative_tokens=2)
+    runner, engine = llm.engine.runner, llm.engine
+    catch_up, step = runner.mtp_catch_up_and_draft, engine.step
+    pause, caught_up, stamped = 0.05, [], []
+
+    def slow_catch_up(*a, **kw):
+        catch_up(*a, **kw)
+        time.sleep(pause)
+        caught_up.append(time.perf_counter())
+
+    def checked_step():
+        start = time.perf_counter()
+        out = step()
+        end = time.perf_counter()
+        for s in out:  # every time taken in this step lies after its last piece of work
+            for t in (s.first_token_time, s.finish_time):
+                if t is not None and t >= start:
+                    assert max([start] + caught_up) <= t <= end
+                    stamped.append(t)
+        return out
+
+    monkeypatch.setattr(runner, "mtp_catch_up_and_draft", slow_catch_up)
+    monkeypatch.setattr(engine, "step", checked_step)
+    outs = llm.generate(mixed_prompts(3, seed=5), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert caught_up and len(stamped) == 6  # 3 first tokens, 3 finishes
+    for o in outs:
+        assert o.metrics["ttft_s"] >= pause  # the prefill step's catch-up is inside TTFT
+        assert o.metrics["e2e_s"] >= o.metrics["ttft_s"] and len(o.token_ids) == 6

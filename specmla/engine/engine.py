@@ -96,6 +96,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Schedule, run the decode and prefill parts, sample where a request's tokens are all
         computed; returns the sequences that got a new token or finished."""
+        step_start = time.perf_counter()
         batch = self.scheduler.schedule()
         for seq, why in batch.rejected:
             seq.text = why
@@ -125,7 +126,22 @@ class LLMEngine:
             items = [(s, st, h) for (s, _), st, h in zip(batch.prefill, starts, rows) if not s.is_finished]
             if items:
                 self.runner.mtp_catch_up_and_draft(items, self._drafts_after_prefill())
-        return batch.decode + ready + [s for s, _ in batch.rejected]
+        out = batch.decode + ready + [s for s, _ in batch.rejected]
+        self._stamp_handed_back(out, step_start)
+        return out
+
+    @staticmethod
+    def _stamp_handed_back(seqs: list[Sequence], step_start: float) -> None:
+        """A token reaches the caller (stream, server, generate) when step() returns, so first-token
+        and finish times taken during this step move to its end: work the step does after sampling
+        (the MTP catch-up over a new prompt) is time the caller waits for that token. vLLM's TTFT too
+        is taken from a step's outputs, after the whole step."""
+        now = time.perf_counter()
+        for s in seqs:
+            if s.first_token_time is not None and s.first_token_time >= step_start:
+                s.first_token_time = now
+            if s.finish_time is not None and s.finish_time >= step_start:
+                s.finish_time = now
 
     def _drafts_after_prefill(self) -> int:
         """Tokens the MTP module drafts right after a prefill step. That drafting runs eagerly: each draft
