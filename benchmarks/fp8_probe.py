@@ -24,9 +24,11 @@ if os.environ.get("FP8_PROBE_CASES"):  # e.g. "16x32x32768x1,16x4x81920x1"
 # name, cache format, mla_decode_triton(gluon=), settings of ops.mla_decode_gluon_quant for the call
 VARIANTS = (("bf16", "bf16", None, {}), ("fp8_default", "fp8", None, {}), ("fp8_gluon", "fp8", True, {}),
             ("fp8_triton", "fp8", False, {}),
-            # timing probes (wrong results): no unpacking; no consumer matmuls; raw stores; no code loads
+            # timing probes (wrong results): no unpacking; no consumer matmuls; raw stores; no code loads; neither
+            # loads nor unpacking
             ("probe_no_unpack", "fp8", True, dict(PROBE=1)), ("probe_no_mma", "fp8", True, dict(PROBE=2)),
             ("probe_raw_stores", "fp8", True, dict(PROBE=3)), ("probe_no_loads", "fp8", True, dict(PROBE=4)),
+            ("probe_consumers_only", "fp8", True, dict(PROBE=5)),
             ("tbq4_default", "tbq4", None, {}), ("tbq4_gluon", "tbq4", True, {}), ("tbq4_triton", "tbq4", False, {}))
 if os.environ.get("FP8_PROBE_SHAPES"):  # register splits to try: "16:8:104:152,32:4:152:208" (rows:warps:cons:prod)
     VARIANTS = VARIANTS[:2] + tuple(

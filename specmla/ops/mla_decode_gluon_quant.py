@@ -67,7 +67,8 @@ ROPE_STAGES = 3  # the rope part of block j+1 loads while block j is unpacked (s
 # spills, 32 rows with 112 B (Triton 3.6).
 SHAPES = {16: (8, 120, 136), 32: (8, 144, 112)}
 PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpacking, 2 the consumers their
-# matmuls, 3 the producer stores the codes without unpacking them, 4 it loads codes only for the first two blocks
+# matmuls, 3 the producer stores the codes without unpacking them, 4 it loads codes only for the first two blocks,
+# 5 neither loads (after the first two blocks) nor unpacks: the consumers' own time
 
 FORMATS = {"fp8": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention in the rotated domain)
 ROW_BYTES = {"fp8": 656, "tbq4": 392}  # Dc = 512, Dr = 64
@@ -284,7 +285,7 @@ if G.HAVE_GLUON:
                 tile.slice(64, 32, dim=1).store(c1)
                 tile.slice(128, 32, dim=1).store(c2)
                 tile.slice(192, 32, dim=1).store(c3)
-            elif PROBE != 1:
+            elif PROBE != 1 and PROBE != 5:
                 tile = k_c32_smem.index(st)
                 _unpack_chunk(tile, c0, 0, FMT)
                 _unpack_chunk(tile, c1, 1, FMT)
@@ -295,7 +296,7 @@ if G.HAVE_GLUON:
             sc_smem.index(4 * st + 2).store(gl.convert_layout(s2, KEYS))
             sc_smem.index(4 * st + 3).store(gl.convert_layout(s3, KEYS))
             # block j's registers are free: block j+2's codes go in flight (block j+1's have been since block j-1)
-            if PROBE == 4:  # no loads after the first two blocks
+            if PROBE == 4 or PROBE == 5:  # no loads after the first two blocks
                 e0, e1, e2, e3, u0, u1, u2, u3 = c0 + 1, c1, c2, c3, s0, s1, s2, s3
             else:
                 e0, e1, e2, e3, u0, u1, u2, u3 = _fetch_codes(KV16, KV32, rows_w, ok_w, DC, FMT, WORDS)
