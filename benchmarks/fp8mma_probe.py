@@ -1,0 +1,61 @@
+"""Issue-7 probe: the e4m3-matmul fp8 kernel (`ops.mla_decode_gluon_fp8mma`) against bf16 and the unpacking fp8
+kernel (`ops.mla_decode_gluon_quant`) in the same run, with its timing probes (`PROBE`, wrong results): the
+producer writing no Vᵀ (1), the consumers handing every stage back (2), Pᵀ stored keys-major (3).
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/fp8mma_probe.py [--out DIR] [--cases 16x32x32768x1,...]
+"""
+import argparse
+import json
+import os
+
+import torch
+from bench_mla_decode import SCALE, kv_decode_bytes, make_problem, time_fn
+from limits import copy_bandwidth
+
+from specmla.ops import mla_decode_gluon_fp8mma as M
+from specmla.ops.mla_decode_triton import mla_decode_triton
+
+VARIANTS = (("bf16", "bf16", {}), ("fp8_unpack", "fp8", {}), ("fp8_mma", "fp8", dict(USE=True)),
+            ("mma_no_vt", "fp8", dict(USE=True, PROBE=1)), ("mma_producer_alone", "fp8", dict(USE=True, PROBE=2)),
+            ("mma_p_keys_major", "fp8", dict(USE=True, PROBE=3)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cases", default="16x32x32768x1,16x4x81920x1,16x32x32768x2")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy {bw / 1e9:.0f} GB/s", flush=True)
+    rows = []
+    for case in args.cases.split(","):
+        H, B, T, S = (int(x) for x in case.split("x"))
+        res = {"case": [H, B, T, S]}
+        for kv in ("bf16", "fp8"):
+            caches, table, seq, qs = make_problem(H, B, T, S, 4, kv)
+            nb = kv_decode_bytes(kv, B * T, B, S, H)
+            o = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+            for name, fmt, settings in VARIANTS:
+                if fmt != kv:
+                    continue
+                old = {k: getattr(M, k) for k in settings}
+                for k, v in settings.items():
+                    setattr(M, k, v)
+                t = time_fn(lambda i, qs=qs, caches=caches, kv=kv: mla_decode_triton(
+                    qs[i], caches[i], table, seq, SCALE, out=o, head_dim_v=512, kv_format=kv), 4, graph=True)
+                for k, v in old.items():
+                    setattr(M, k, v)
+                res[name] = dict(us=t * 1e6, pct_copy=100 * nb / t / bw)
+            del caches, qs
+            torch.cuda.empty_cache()
+        for name, *_ in VARIANTS[1:]:
+            res[name]["x_bf16"] = res["bf16"]["us"] / res[name]["us"]
+        print(json.dumps({k: ({a: round(b, 3) for a, b in v.items()} if isinstance(v, dict) else v)
+                          for k, v in res.items()}), flush=True)
+        rows.append(res)
+    with open(os.path.join(args.out, "fp8mma_probe.json"), "w") as f:
+        json.dump({"copy_GBps": bw / 1e9, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,474 @@
+"""Hopper MLA decode over an fp8 cache (FlashMLA's 656-byte rows) with e4m3 matmuls on the codes themselves.
+
+Why: the warp-specialised kernel of `mla_decode_gluon_quant` unpacks every code into a bf16 tile and runs
+bf16 matmuls on it. Its consumers alone cap it at 1.47× bf16's speed and its register-load producer at 1.27×
+(docs/benchmarks.md, issue 7, eleventh session); the goal is 1.7×. Here no bf16 tile exists:
+- TMA copies each 64-key block into a ring of NUM_RAW raw stages: the codes as four [64, 128] e4m3 tiles
+  in the layout wgmma reads, the rope part as a [64, 64] bf16 tile, the four fp32 scales per key. Boxes are
+  128 to 512 bytes wide (16-byte-wide boxes stalled at 68 % of copy bandwidth, these reach 98 %).
+- Q·Kᵀ is an e4m3 wgmma straight on the raw codes. q keeps about bf16's precision as two e4m3 terms,
+  q ≈ (hi + lo)·sq with one scale sq per row and 128-column chunk (e4m3 q alone measured cosine 0.9984 on
+  random rows, under the 0.999 bar): two matmuls of K = 32 per 32 columns, bf16's instruction count.
+- P·V is an e4m3 wgmma too, which needs V K-major: the producer warpgroup writes Vᵀ per block, a 4 × 4 byte
+  transpose (8 byte-permutes per 16 codes) with the keys past the end zeroed. Pᵀ carries each key's scale,
+  normalised per block and chunk to e4m3's range (P·scale / f, f = the block's largest scale / 448); the
+  output accumulator is kept in units of the latest f, so the ratio of two blocks' f joins the online
+  softmax's rescale. Half the P·V instructions of the bf16 kernel.
+- Two consumer warpgroups own two 128-column chunks each, swap partial scores through shared memory and
+  both run the same softmax, as in `mla_decode_gluon_quant`.
+
+Status (H100, B=32 T=32k H=16, `benchmarks/fp8mma_probe.py`): correct, but not faster. 398 µs against the
+unpacking kernel's 376 and bf16's 412. Alone, its consumers take 267 µs (1.54× bf16) and its producer 254 µs;
+together they take 398, so they get in each other's way (shared-memory traffic of the transpose is the suspect).
+So it is opt-in (`USE`). Its output error is about 2.5 % against the fp64 reference, from P in e4m3 (cosine
+above 0.999, the issue's bar; the unpacking kernel: 0.2 %).
+A Triton 3.6 pitfall met on the way, which a GPU test pins: lo = y − hi with hi decoded from its e4m3 codes by
+`.to(gl.float32)` held hi-sized values at some elements, so hi is rounded in fp32 arithmetic (`_round_e4m3`).
+
+Same contract, grid, split rule and partials as `mla_decode_triton` (its combine merges the splits); Dc = 512,
+Dr = 64, 16 or 32 query rows, bf16 queries, page sizes that are multiples of 64. Gluon does not run in the
+Triton interpreter: GPU tests check it against the fp64 reference, a CPU test compiles it for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmla.ops import mla_decode_gluon as G
+
+if G.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
+    _cta_barrier = G._cta_barrier
+
+BLOCK_N = 64  # keys per block (wgmma's M for Q·Kᵀ, its K for P·V)
+DC, DR = 512, 64  # the row: four 128-code chunks (one scale each), then 4 fp32 scales, then the rope part
+ROW_BYTES = 656
+MAX_ROWS = 32
+PROBE = 0  # timing probes (wrong results): 1 the producer writes no Vᵀ or scales, 2 the consumers hand every
+# stage straight back, 3 Pᵀ is stored keys-major
+USE = False  # True: mla_decode_triton sends the fp8 calls it gives the Gluon kernels here (else `mla_decode_gluon_quant`)
+NUM_STAGES = 2  # Vᵀ stages
+NUM_RAW = {16: 3, 32: 2}  # raw stages by query rows: 41 KB each; 32 rows need more room for q, Pᵀ and scores
+REGS = {16: (208, 96), 32: (208, 96)}  # (consumer, producer) registers per thread: the producer needs few
+
+_SOURCE_KEY = G.source_key(__file__)
+_c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
+
+# e4m3 codes of four keys (one 32-bit word each, byte b = column 4w + b) → four words, word b holding column
+# 4w + b of the four keys (byte k = key k): a 4 × 4 byte transpose
+_TRANSPOSE4 = _c("""{
+.reg .b32 t0, t1, t2, t3;
+prmt.b32 t0, $4, $5, 0x5140;
+prmt.b32 t1, $4, $5, 0x7362;
+prmt.b32 t2, $6, $7, 0x5140;
+prmt.b32 t3, $6, $7, 0x7362;
+prmt.b32 $0, t0, t2, 0x5410;
+prmt.b32 $1, t0, t2, 0x7632;
+prmt.b32 $2, t1, t3, 0x5410;
+prmt.b32 $3, t1, t3, 0x7632;
+}""")
+
+
+# The transpose's register layout (4 warps): four consecutive keys × one word per thread, keys fastest (the
+# transpose takes each thread's four words). 8 lanes along the keys, 4 along the words. The loads then conflict
+# 4-way (8 rows of two swizzle phases); 16 lanes along the words make the loads conflict-free but the Vᵀ stores
+# worse: producer alone 299 against 254 µs, the kernel 461 against 398 (H100, B=32 T=32k).
+TRANSPOSE_LAYOUT = _c(gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[8, 4], warps_per_cta=[2, 2],
+                                       order=[0, 1])) if G.HAVE_GLUON else None
+
+if G.HAVE_GLUON:
+
+    @gluon.jit
+    def _codes_to_vt(raw_chunk, vt_rows, ok, BLOCK_N: gl.constexpr, TL: gl.constexpr):
+        """One 128-column chunk of a block's codes (raw_chunk, [keys, 128] e4m3 as TMA wrote it) → its Vᵀ rows
+        (vt_rows, [128, keys / 4] 32-bit words: row = column, byte k of word g = key 4g + k); keys not ok are
+        zeroed (rows past the end hold stale bytes, maybe NaN codes, and 0 · NaN = NaN in P·V). TL: four
+        consecutive keys × one word per thread, keys fastest, so the transpose takes each thread's four words."""
+        RAW32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        words = G._reinterpret(raw_chunk, gl.int32, [BLOCK_N, 32], RAW32).load(TL)
+        words = gl.where(ok, words, 0)
+        cols = gl.inline_asm_elementwise(_TRANSPOSE4, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.int32, is_pure=True,
+                                         pack=4)
+        # (4g + i, w) holds column 4w + i of keys 4g … 4g+3 → Vᵀ row 4w + i, word g
+        vt_rows.store(gl.reshape(gl.permute(gl.reshape(cols, [BLOCK_N // 4, 4, 32]), (2, 1, 0)), [128, BLOCK_N // 4]))
+
+    @gluon.jit
+    def _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, n0, raw_codes, raw_rope, raw_scales,
+                     bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs."""
+        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
+        row = page * PAGE_SIZE + n0 % PAGE_SIZE
+        bar = bars.index(rs)
+        mbarrier.expect(bar, BLOCK_N * 656)
+        for c in gl.static_range(4):
+            _tma_load(codes_desc, [row, c * 128], bar, raw_codes.index(rs * 4 + c))
+        _tma_load(rope_desc, [row, 264], bar, raw_rope.index(rs))
+        _tma_load(scale_desc, [row, 128], bar, raw_scales.index(rs))
+
+    @gluon.jit
+    def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                  NR: gl.constexpr, NUM_STAGES: gl.constexpr, PROBE: gl.constexpr):
+        """Keep NR blocks in flight; per block wait for its bytes and for a free Vᵀ stage, write Vᵀ (keys at or
+        past the end zeroed) and the per-key scales normalised per chunk (and the chunk factors f), then hand
+        the stage over. Stage rs of block j-1 is refilled (with block j-1+NR) once both consumers' Q·Kᵀ on it
+        has completed."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, vt, vt32, sc, fs, p8, s_smem, bars, p8n) = shared
+        RAW_FREE: gl.constexpr = NR
+        KV_READY: gl.constexpr = 2 * NR
+        KV_FREE: gl.constexpr = 2 * NR + NUM_STAGES
+        TL: gl.constexpr = TRANSPOSE_LAYOUT
+        SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
+                                             order=[1, 0])
+        FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+        for i in gl.static_range(NR):
+            if i < n_blocks:
+                _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
+                             raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N)
+        keys_t = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TL))
+        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
+        cols_s = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)), 0)
+        for j in range(n_blocks):
+            if j >= 1:  # refill the stage block j-1 used, once its Q·Kᵀ is done everywhere
+                nxt = j - 1 + NR
+                if nxt < n_blocks:
+                    prev = (j - 1) % NR
+                    mbarrier.wait(bars.index(RAW_FREE + prev), ((j - 1) // NR) & 1)
+                    _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
+                                 raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N)
+            rs = j % NR
+            st = j % NUM_STAGES
+            n0 = start + j * BLOCK_N
+            mbarrier.wait(bars.index(rs), (j // NR) & 1)
+            mbarrier.wait(bars.index(KV_FREE + st), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
+            ok_t = gl.expand_dims(n0 + keys_t < end, 1)
+            for c in gl.static_range(4 if PROBE != 1 else 0):
+                _codes_to_vt(raw_codes.index(rs * 4 + c), vt32.index(st).slice(c * 128, 128, dim=0), ok_t, BLOCK_N, TL)
+            s4 = raw_scales.index(rs).load(SCL)
+            s4 = gl.where(gl.expand_dims(n0 + keys_s < end, 1), s4, 0.0)
+            f4 = gl.maximum(gl.max(s4, axis=0), 1e-30) / 448.0  # P·scale / f stays within e4m3's 448
+            s4 = s4 / gl.expand_dims(f4, 0)
+            for c in gl.static_range(4):
+                sc.index(st * 4 + c).store(gl.sum(gl.where(cols_s == c, s4, 0.0), axis=1))
+                f_c = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)) == c, f4, 0.0), axis=0)
+                fs.index(st * 4 + c).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=FL) + f_c)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(bars.index(KV_READY + st))
+            mbarrier.arrive(bars.index(RAW_FREE + rs))
+
+    @gluon.jit
+    def _round_e4m3(y):
+        """y (|y| ≤ 448) rounded to the nearest e4m3 value (ties to even), in fp32 arithmetic. (Decoding the e4m3
+        codes back with `.to(gl.float32)` gave wrong values for some elements here, Triton 3.6 on the H100.)"""
+        e = ((y.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        e = gl.maximum(e, -6)  # subnormals: steps of 2⁻⁹
+        ulp = ((e - 3 + 127) << 23).to(gl.float32, bitcast=True)
+        t = y / ulp  # exact: ulp is a power of two
+        r = (t + 12582912.0) - 12582912.0  # round to nearest even (|t| < 2²²)
+        return r * ulp
+
+    @gluon.jit
+    def _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
+                FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr):
+        """q's latent part as two e4m3 terms per 128-column chunk, q ≈ (hi + lo)·sq (sq: the row's chunk
+        maximum / 448), and its rope part in bf16; padded rows are zeros."""
+        QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+        rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
+        s_q = g * FOLD + rows_q // BLOCK_H
+        h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
+        ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
+        q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
+        cols = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, QL)), 0)
+        for c in gl.static_range(4):
+            x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
+            sq = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30) / 448.0
+            y = x / gl.expand_dims(sq, 1)
+            hi_f = _round_e4m3(y)
+            hi = hi_f.to(gl.float8e4nv)  # exact
+            lo = (y - hi_f).to(gl.float8e4nv)
+            q_hi.index(c).store(hi)
+            q_lo.index(c).store(lo)
+            qs.index(c).store(gl.convert_layout(sq, FL))
+        cols_r = gl.expand_dims(gl.arange(0, DR, layout=gl.SliceLayout(0, QL)), 0)
+        q_r.store(gl.load(Q + q_at + DC + cols_r, mask=ok_q, other=0.0).to(gl.bfloat16))
+
+    @gluon.jit
+    def _softmax_keys(s, m_i, l_keys, offs_n, end, limit, scale_log2):
+        """Online softmax of Sᵀ [keys, rows]: P at the new max, the rescale factor, the new max, row sums per key slot."""
+        visible = gl.expand_dims(offs_n < end, 1) & (gl.expand_dims(offs_n, 1) < gl.expand_dims(limit, 0))
+        s = gl.where(visible, s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 0))
+        return p, alpha, m_new, l_keys * gl.expand_dims(alpha, 0) + p
+
+    @gluon.jit
+    def _store_out(acc, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE,
+                   stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
+                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                   BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, C0: gl.constexpr,
+                   NC: gl.constexpr, STORE_LSE: gl.constexpr, DIRECT: gl.constexpr, ACC: gl.constexpr):
+        """Normalise Oᵀ [NC, BLOCK_M] (latent columns C0 … C0+NC) and store it in the output (one split:
+        natural-log lse) or this split's partial and log2-sum-exp."""
+        has = l_i > 0
+        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        out = acc * gl.expand_dims(1.0 / gl.where(has, l_i, 1.0), 0)
+        cols_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+        s_o = g * FOLD + cols_r // BLOCK_H
+        h_o = gl.program_id(1) * BLOCK_H + cols_r % BLOCK_H
+        ok_o = (cols_r < FOLD * BLOCK_H) & (h_o < H)
+        d = gl.expand_dims(C0 + gl.arange(0, NC, layout=gl.SliceLayout(1, ACC)), 1)
+        mask = gl.expand_dims(ok_o, 0) & (d < C0 + NC)
+        if DIRECT:
+            o_at = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
+            gl.store(gl.expand_dims(o_at, 0) + d, out.to(OUT.dtype.element_ty), mask=mask)
+            if STORE_LSE:
+                gl.store(LSE + b * stride_lb + s_o * stride_ls + h_o, lse2 * 0.6931471805599453, mask=ok_o)
+        else:
+            split = gl.program_id(2)
+            mo_at = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
+            gl.store(gl.expand_dims(mo_at, 0) + d, out, mask=mask)
+            if STORE_LSE:
+                gl.store(MID_LSE + b * stride_mlb + s_o * stride_mls + h_o * stride_mlh + split, lse2, mask=ok_o)
+
+    @gluon.jit
+    def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PROBE: gl.constexpr):
+        """Consumer ROLE (chunks 2·ROLE, 2·ROLE+1; ROLE 1 also the rope part). Block j: once its Vᵀ and scales are
+        written, issue the partial Sᵀ (hi and lo terms per chunk) on the raw codes, wait for its own P_{j-1}·V_{j-1}
+        and free that Vᵀ stage, wait for the scores and free the raw stage, scale, swap partials, softmax, store
+        Pᵀ·scale/f in e4m3 for its chunks, rescale Oᵀ and issue Vᵀ_j·Pᵀ_j."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, vt, vt32, sc, fs, p8, s_smem, bars, p8n) = shared
+        (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
+         stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+         scale_log2, S, H, g, seq_len) = args
+        RAW_FREE: gl.constexpr = NR
+        KV_READY: gl.constexpr = 2 * NR
+        KV_FREE: gl.constexpr = 2 * NR + NUM_STAGES
+        S_READY: gl.constexpr = 2 * NR + 2 * NUM_STAGES
+        S_READ: gl.constexpr = S_READY + 2
+        Q_READY: gl.constexpr = S_READY + 4
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_M, 32])
+        ACC16: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        KEY: gl.constexpr = gl.SliceLayout(1, ACC)
+        OTHER: gl.constexpr = 1 - ROLE
+        OUTSTANDING: gl.constexpr = 4 + ROLE  # the score matmuls issued after this consumer's last P·V
+        ca: gl.constexpr = 2 * ROLE
+        cb: gl.constexpr = 2 * ROLE + 1
+        if ROLE == 0:
+            _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512, 64)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(bars.index(Q_READY))
+        else:
+            mbarrier.wait(bars.index(Q_READY), 0)
+        qa = qs.index(ca).load(ROW)
+        qb = qs.index(cb).load(ROW)
+        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
+        if CAUSAL:
+            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
+        fa_prev = gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW)
+        fb_prev = gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
+        s_zero16 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC16)
+        l_keys = s_zero
+        oa = warpgroup_mma_init(gl.zeros([128, BLOCK_M], gl.float32, layout=ACC))
+        ob = warpgroup_mma_init(gl.zeros([128, BLOCK_M], gl.float32, layout=ACC))
+        keys = gl.arange(0, BLOCK_N, layout=KEY)
+        qa_hi = q_hi.index(ca).permute((1, 0))
+        qa_lo = q_lo.index(ca).permute((1, 0))
+        qb_hi = q_hi.index(cb).permute((1, 0))
+        qb_lo = q_lo.index(cb).permute((1, 0))
+        for j in range(n_blocks):
+            rs = j % NR
+            st = j % NUM_STAGES
+            mbarrier.wait(bars.index(KV_READY + st), (j // NUM_STAGES) & 1)
+            if PROBE == 2:  # the producer alone: hand both stages straight back
+                _cta_barrier()
+                mbarrier.arrive(bars.index(KV_FREE + st))
+                mbarrier.arrive(bars.index(RAW_FREE + rs))
+            else:
+                ka = raw_codes.index(rs * 4 + ca)
+                kb = raw_codes.index(rs * 4 + cb)
+                sa = warpgroup_mma(ka, qa_hi, s_zero, use_acc=False, is_async=True)
+                sa = warpgroup_mma(ka, qa_lo, sa, is_async=True)
+                sb = warpgroup_mma(kb, qb_hi, s_zero, use_acc=False, is_async=True)
+                sb = warpgroup_mma(kb, qb_lo, sb, is_async=True)
+                if ROLE == 1:
+                    sr = warpgroup_mma(raw_rope.index(rs), q_r.permute((1, 0)), s_zero16, use_acc=False, is_async=True)
+                else:
+                    sr = s_zero16
+                oa, ob = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(oa, ob))  # this consumer's P_{j-1}·V_{j-1}
+                _cta_barrier()
+                mbarrier.arrive(bars.index(KV_FREE + (j - 1) % NUM_STAGES), pred=j > 0)
+                sa, sb, sr = warpgroup_mma_wait(num_outstanding=0, deps=(sa, sb, sr))
+                _cta_barrier()
+                mbarrier.arrive(bars.index(RAW_FREE + rs))
+                fa = fs.index(st * 4 + ca).load(ROW)
+                fb = fs.index(st * 4 + cb).load(ROW)
+                sca = gl.expand_dims(sc.index(st * 4 + ca).load(KEY), 1)
+                scb = gl.expand_dims(sc.index(st * 4 + cb).load(KEY), 1)
+                s = sa * sca * gl.expand_dims(qa * fa, 0) + sb * scb * gl.expand_dims(qb * fb, 0)
+                if ROLE == 1:
+                    s = s + gl.convert_layout(sr, ACC)
+                mbarrier.wait(bars.index(S_READ + ROLE), (j + 1) & 1, pred=j > 0)
+                s_smem.index(ROLE).store(s)
+                _cta_barrier()
+                mbarrier.arrive(bars.index(S_READY + ROLE))
+                mbarrier.wait(bars.index(S_READY + OTHER), j & 1)
+                s = s + s_smem.index(OTHER).load(ACC)
+                _cta_barrier()
+                mbarrier.arrive(bars.index(S_READ + OTHER))
+                p, alpha, m_i, l_keys = _softmax_keys(s, m_i, l_keys, start + j * BLOCK_N + keys, end, limit, scale_log2)
+                if PROBE == 3:  # timing: Pᵀ stored keys-major (the wrong orientation for the matmul)
+                    p8n.index(ca).store(gl.minimum(p * sca, 448.0).to(gl.float8e4nv))
+                    p8n.index(cb).store(gl.minimum(p * scb, 448.0).to(gl.float8e4nv))
+                else:
+                    p8.index(ca).permute((1, 0)).store(gl.minimum(p * sca, 448.0).to(gl.float8e4nv))
+                    p8.index(cb).permute((1, 0)).store(gl.minimum(p * scb, 448.0).to(gl.float8e4nv))
+                fence_async_shared()
+                _cta_barrier()  # every warp's Pᵀ is stored
+                oa = oa * gl.expand_dims(alpha * fa_prev / fa, 0)
+                ob = ob * gl.expand_dims(alpha * fb_prev / fb, 0)
+                fa_prev = fa
+                fb_prev = fb
+                oa = warpgroup_mma(vt.index(st).slice(ca * 128, 128, dim=0), p8.index(ca).permute((1, 0)), oa,
+                                   is_async=True)
+                ob = warpgroup_mma(vt.index(st).slice(cb * 128, 128, dim=0), p8.index(cb).permute((1, 0)), ob,
+                                   is_async=True)
+        oa, ob = warpgroup_mma_wait(num_outstanding=0, deps=(oa, ob))
+        l_i = gl.sum(l_keys, axis=0)
+        oa = oa * gl.expand_dims(fa_prev, 0)
+        ob = ob * gl.expand_dims(fb_prev, 0)
+        _store_out(oa, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
+                   stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                   BLOCK_H, FOLD, BLOCK_M, ca * 128, 128, ROLE == 0, DIRECT, ACC)
+        _store_out(ob, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
+                   stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                   BLOCK_H, FOLD, BLOCK_M, cb * 128, 128, False, DIRECT, ACC)
+
+    @gluon.jit
+    def _mla_decode_fp8mma_kernel(
+        Q, codes_desc, rope_desc, scale_desc, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
+        stride_qb, stride_qs, stride_qh,
+        stride_kvp, stride_kvt,
+        stride_btb,
+        stride_mob, stride_mos, stride_moh, stride_mosp,
+        stride_mlb, stride_mls, stride_mlh,
+        stride_ob, stride_os, stride_oh,
+        stride_lb, stride_ls,
+        scale_log2,
+        S, H, NUM_SPLITS,
+        PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, NR: gl.constexpr,
+        NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr,
+        SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
+        n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        Q8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        QR: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        V8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        V32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
+        P8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        SC: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        # one [rows, 128] tile per chunk (the matmuls' operands)
+        q_hi = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_M, 128], Q8)
+        q_lo = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_M, 128], Q8)
+        q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 64], QR)
+        qs = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], PLAIN)
+        raw_codes = gl.allocate_shared_memory(gl.float8e4nv, [NR * 4, BLOCK_N, 128], Q8)
+        raw_rope = gl.allocate_shared_memory(gl.bfloat16, [NR, BLOCK_N, 64], QR)
+        raw_scales = gl.allocate_shared_memory(gl.float32, [NR, BLOCK_N, 4], SC)
+        vt32 = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 512, BLOCK_N // 4], V32)
+        vt = G._reinterpret(vt32, gl.float8e4nv, [NUM_STAGES, 512, BLOCK_N], V8)
+        sc = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * 4, BLOCK_N], PLAIN)  # [stage · 4 + chunk, key]
+        fs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES * 4, BLOCK_M], PLAIN)  # each chunk's f, per row
+        p8 = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_M, BLOCK_N], P8)  # P·scale/f per chunk, e4m3
+        s_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        n_bars: gl.constexpr = 2 * NR + 2 * NUM_STAGES + 5
+        bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(n_bars):
+            if i >= NR and i < 2 * NR:
+                mbarrier.init(bars.index(i), count=3)  # RAW_FREE: producer and both consumers
+            elif i >= 2 * NR + NUM_STAGES and i < 2 * NR + 2 * NUM_STAGES:
+                mbarrier.init(bars.index(i), count=2)  # KV_FREE: both consumers
+            else:
+                mbarrier.init(bars.index(i), count=1)
+        fence_async_shared()
+        p8n = p8
+        if PROBE == 3:
+            p8n = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        shared = (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+                  q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, vt, vt32, sc, fs, p8, s_smem, bars, p8n)
+        args = (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
+                stride_ls, scale_log2, S, H, g, seq_len)
+        gl.warp_specialize([
+            (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, NUM_STAGES, CAUSAL, DIRECT, PROBE)),
+            (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, NUM_STAGES, CAUSAL, DIRECT, PROBE)),
+            (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, NUM_STAGES, PROBE)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def fp8mma_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
+    """Whether this kernel takes an fp8-cache call: Hopper, bf16 queries, Dc = 512, Dr = 64, ≤ 32 rows, contiguous
+    656-byte rows 16-byte aligned (TMA), pages of a multiple of 64 keys."""
+    import os
+
+    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return (q.dtype == torch.bfloat16 and dc == DC and q.shape[-1] == DC + DR and block_m <= MAX_ROWS
+            and kv_cache.dtype == torch.uint8 and kv_cache.is_contiguous() and kv_cache.shape[-1] == ROW_BYTES
+            and kv_cache.shape[1] % BLOCK_N == 0 and kv_cache.data_ptr() % 16 == 0)
+
+
+def _descriptors(kv_cache: torch.Tensor) -> tuple:
+    """TMA views of the rows: codes [rows, 656] e4m3 in [64, 128] boxes, rope [rows, 328] bf16 in [64, 64]
+    boxes, scales [rows, 164] fp32 in [64, 4] boxes."""
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    codes = kv_cache.view(torch.float8_e4m3fn).view(rows, ROW_BYTES)
+    rope = kv_cache.view(torch.bfloat16).view(rows, ROW_BYTES // 2)
+    scales = kv_cache.view(torch.float32).view(rows, ROW_BYTES // 4)
+    q8 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    qr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return (TensorDescriptor.from_tensor(codes, [BLOCK_N, 128], q8),
+            TensorDescriptor.from_tensor(rope, [BLOCK_N, 64], qr),
+            TensorDescriptor.from_tensor(scales, [BLOCK_N, 4], sc))
+
+
+def launch_fp8mma_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
+                        causal: bool, direct: bool, num_splits: int):
+    """Stage 1 of `mla_decode_triton` for an fp8 cache (grid, split rule and outputs as the other kernels)."""
+    rows = max(16, cfg["BLOCK_M"])
+    grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+                                             cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
+                                             block_n=BLOCK_N, block_m=rows, kv_views=_descriptors(kv_cache))
+    for k in ("DC", "DR", "Q_C_SMEM", "Q_R_SMEM", "K_C_SMEM", "K_R_SMEM"):
+        consts.pop(k)
+    consumer_regs, producer_regs = REGS[rows]
+    _mla_decode_fp8mma_kernel[grid](*args, **consts, NR=NUM_RAW[rows], NUM_STAGES=NUM_STAGES,
+                                    CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PROBE=PROBE,
+                                    SOURCE_KEY=_SOURCE_KEY, num_warps=4)
