@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from specmla.ops import mla_decode_gluon as G
+from specmla.ops import mla_decode_gluon_quant as Q8
 
 if G.HAVE_GLUON:
     from triton.experimental import gluon
@@ -45,6 +46,8 @@ if G.HAVE_GLUON:
 
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
     _cta_barrier = G._cta_barrier
+    _softmax_keys = Q8._softmax_keys  # the online softmax and the output store are the unpacking kernel's
+    _store_out = Q8._store_out
 
 BLOCK_N = 64  # keys per block (wgmma's M for Q·Kᵀ, its K for P·V)
 DC, DR = 512, 64  # the row: four 128-code chunks (one scale each), then 4 fp32 scales, then the rope part
@@ -57,7 +60,7 @@ NUM_STAGES = 2  # Vᵀ stages
 NUM_RAW = {16: 3, 32: 2}  # raw stages by query rows: 41 KB each; 32 rows need more room for q, Pᵀ and scores
 REGS = {16: (208, 96), 32: (208, 96)}  # (consumer, producer) registers per thread: the producer needs few
 
-_SOURCE_KEY = G.source_key(__file__)
+_SOURCE_KEY = G.source_key(__file__) ^ Q8._SOURCE_KEY  # its partitions call the unpacking kernel's helpers
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 
 # e4m3 codes of four keys (one 32-bit word each, byte b = column 4w + b) → four words, word b holding column
@@ -202,46 +205,6 @@ if G.HAVE_GLUON:
         q_r.store(gl.load(Q + q_at + DC + cols_r, mask=ok_q, other=0.0).to(gl.bfloat16))
 
     @gluon.jit
-    def _softmax_keys(s, m_i, l_keys, offs_n, end, limit, scale_log2):
-        """Online softmax of Sᵀ [keys, rows]: P at the new max, the rescale factor, the new max, row sums per key slot."""
-        visible = gl.expand_dims(offs_n < end, 1) & (gl.expand_dims(offs_n, 1) < gl.expand_dims(limit, 0))
-        s = gl.where(visible, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 0))
-        return p, alpha, m_new, l_keys * gl.expand_dims(alpha, 0) + p
-
-    @gluon.jit
-    def _store_out(acc, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE,
-                   stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
-                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, C0: gl.constexpr,
-                   NC: gl.constexpr, STORE_LSE: gl.constexpr, DIRECT: gl.constexpr, ACC: gl.constexpr):
-        """Normalise Oᵀ [NC, BLOCK_M] (latent columns C0 … C0+NC) and store it in the output (one split:
-        natural-log lse) or this split's partial and log2-sum-exp."""
-        has = l_i > 0
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        out = acc * gl.expand_dims(1.0 / gl.where(has, l_i, 1.0), 0)
-        cols_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
-        s_o = g * FOLD + cols_r // BLOCK_H
-        h_o = gl.program_id(1) * BLOCK_H + cols_r % BLOCK_H
-        ok_o = (cols_r < FOLD * BLOCK_H) & (h_o < H)
-        d = gl.expand_dims(C0 + gl.arange(0, NC, layout=gl.SliceLayout(1, ACC)), 1)
-        mask = gl.expand_dims(ok_o, 0) & (d < C0 + NC)
-        if DIRECT:
-            o_at = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
-            gl.store(gl.expand_dims(o_at, 0) + d, out.to(OUT.dtype.element_ty), mask=mask)
-            if STORE_LSE:
-                gl.store(LSE + b * stride_lb + s_o * stride_ls + h_o, lse2 * 0.6931471805599453, mask=ok_o)
-        else:
-            split = gl.program_id(2)
-            mo_at = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
-            gl.store(gl.expand_dims(mo_at, 0) + d, out, mask=mask)
-            if STORE_LSE:
-                gl.store(MID_LSE + b * stride_mlb + s_o * stride_mls + h_o * stride_mlh + split, lse2, mask=ok_o)
-
-    @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, NUM_STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, DIRECT: gl.constexpr, PROBE: gl.constexpr):
@@ -360,10 +323,10 @@ if G.HAVE_GLUON:
         ob = ob * gl.expand_dims(fb_prev, 0)
         _store_out(oa, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
                    stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H, FOLD, BLOCK_M, ca * 128, 128, ROLE == 0, DIRECT, ACC)
+                   BLOCK_H, FOLD, BLOCK_M, 512, ca * 128, 128, ROLE == 0, DIRECT, 2, ACC)
         _store_out(ob, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
                    stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H, FOLD, BLOCK_M, cb * 128, 128, False, DIRECT, ACC)
+                   BLOCK_H, FOLD, BLOCK_M, 512, cb * 128, 128, False, DIRECT, 2, ACC)
 
     @gluon.jit
     def _mla_decode_fp8mma_kernel(
