@@ -1,6 +1,7 @@
 """Issue-7 probe: the e4m3-matmul fp8 kernel (`ops.mla_decode_gluon_fp8mma`) against bf16 and the unpacking fp8
 kernel (`ops.mla_decode_gluon_quant`) in the same run, with its timing probes (`PROBE`, wrong results): the
-producer writing no Vᵀ (1), the consumers handing every stage back (2), Pᵀ stored keys-major (3).
+producer writing no Vᵀ (1), the consumers handing every stage back (2), Pᵀ stored keys-major (3); "_t4": the
+transpose of four keys × one word per thread (`TRANSPOSE_16 = False`).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/fp8mma_probe.py [--out DIR] [--cases 16x32x32768x1,...]
 """
@@ -17,7 +18,9 @@ from specmla.ops.mla_decode_triton import mla_decode_triton
 
 VARIANTS = (("bf16", "bf16", {}), ("fp8_unpack", "fp8", {}), ("fp8_mma", "fp8", dict(USE=True)),
             ("mma_no_vt", "fp8", dict(USE=True, PROBE=1)), ("mma_producer_alone", "fp8", dict(USE=True, PROBE=2)),
-            ("mma_p_keys_major", "fp8", dict(USE=True, PROBE=3)))
+            ("mma_p_keys_major", "fp8", dict(USE=True, PROBE=3)),
+            ("fp8_mma_t4", "fp8", dict(USE=True, TRANSPOSE_16=False)),
+            ("mma_producer_alone_t4", "fp8", dict(USE=True, PROBE=2, TRANSPOSE_16=False)))
 
 
 def main():

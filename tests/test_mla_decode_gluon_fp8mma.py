@@ -40,16 +40,19 @@ if G.HAVE_GLUON:
         gl.store(ptr + gl.expand_dims(r, 1) * C + gl.expand_dims(c, 0), x)
 
     @gluon.jit
-    def _vt_unit_kernel(IN, OUT, N_OK):
+    def _vt_unit_kernel(IN, OUT, N_OK, WIDE: gl.constexpr):
         """IN: [64, 32] words of one chunk's codes → OUT: [128, 16] words of its Vᵀ (keys ≥ N_OK zeroed)."""
         L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
-        TL: gl.constexpr = M.TRANSPOSE_LAYOUT
+        if WIDE:
+            TL: gl.constexpr = M.TRANSPOSE_LAYOUT_16
+        else:
+            TL: gl.constexpr = M.TRANSPOSE_LAYOUT
         raw = gl.allocate_shared_memory(gl.float8e4nv, [64, 128], _Q8)
         G._reinterpret(raw, gl.int32, [64, 32], _R32).store(_load2d(IN, 64, 32, L))
         vt32 = gl.allocate_shared_memory(gl.int32, [128, 16], _V32)
         G._cta_barrier()
         ok = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, TL)) < N_OK, 1)
-        M._codes_to_vt(raw, vt32, ok, 64, TL)
+        M._codes_to_vt(raw, vt32, ok, 64, TL, WIDE)
         G._cta_barrier()
         _store2d(OUT, vt32.load(L), 128, 16, L)
 
@@ -127,10 +130,11 @@ def _codes(*shape, seed=0):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("n_ok", [64, 37])
-def test_codes_to_vt_is_a_byte_transpose(n_ok):
+@pytest.mark.parametrize("wide", [False, True])
+def test_codes_to_vt_is_a_byte_transpose(n_ok, wide):
     codes = _codes(64, 128)
     out = torch.zeros(128, 16, dtype=torch.int32, device="cuda")
-    _vt_unit_kernel[(1,)](codes.view(torch.int32), out, n_ok, num_warps=4)
+    _vt_unit_kernel[(1,)](codes.view(torch.int32), out, n_ok, WIDE=wide, num_warps=4)
     want = codes.clone()
     want[n_ok:] = 0
     assert torch.equal(out.view(torch.uint8).view(128, 64), want.t().contiguous())

@@ -17,11 +17,12 @@ bf16 matmuls on it. Its consumers alone cap it at 1.47× bf16's speed and its re
 - Two consumer warpgroups own two 128-column chunks each, swap partial scores through shared memory and
   both run the same softmax, as in `mla_decode_gluon_quant`.
 
-Status (H100, B=32 T=32k H=16, `benchmarks/fp8mma_probe.py`): correct, but not faster. 398 µs against the
-unpacking kernel's 376 and bf16's 412. Alone, its consumers take 267 µs (1.54× bf16) and its producer 254 µs;
-together they take 398, so they get in each other's way (shared-memory traffic of the transpose is the suspect).
-So it is opt-in (`USE`). Its output error is about 2.5 % against the fp64 reference, from P in e4m3 (cosine
-above 0.999, the issue's bar; the unpacking kernel: 0.2 %).
+Status (H100, H=16, `benchmarks/fp8mma_probe.py`): correct, and a little faster than the unpacking kernel:
+366 µs against 375 at B=32 T=32k (bf16 411), 122 against 126 µs at B=4 T=80k. Alone, its consumers take 267 µs
+(1.54× bf16) and its producer 256 µs; together 366, so they still get in each other's way through shared memory
+(the transpose's loads and stores conflict 2-way). Its output error is about 2.5 % against the fp64 reference,
+from P in e4m3 (cosine above 0.999, the issue's bar; the unpacking kernel: 0.2 %), so it stays opt-in (`USE`)
+until the end-to-end quality checks have run through it.
 A Triton 3.6 pitfall met on the way, which a GPU test pins: lo = y − hi with hi decoded from its e4m3 codes by
 `.to(gl.float32)` held hi-sized values at some elements, so hi is rounded in fp32 arithmetic (`_round_e4m3`).
 
@@ -78,7 +79,29 @@ prmt.b32 $3, t1, t3, 0x7632;
 }""")
 
 
-# The transpose's register layout (4 warps): four consecutive keys × one word per thread, keys fastest (the
+def _transpose16_ptx() -> str:
+    """Four 4 × 4 byte transposes on a thread's 4 keys × 4 words (inputs $16 + 4k + w: key k, word w). Output
+    $(4i + w): column 4w + i of the four keys (byte k = key k)."""
+    lines = ["{", ".reg .b32 t0, t1, t2, t3;"]
+    for w in range(4):
+        a = [16 + 4 * k + w for k in range(4)]
+        lines += [f"prmt.b32 t0, ${a[0]}, ${a[1]}, 0x5140;", f"prmt.b32 t1, ${a[0]}, ${a[1]}, 0x7362;",
+                  f"prmt.b32 t2, ${a[2]}, ${a[3]}, 0x5140;", f"prmt.b32 t3, ${a[2]}, ${a[3]}, 0x7362;",
+                  f"prmt.b32 ${w}, t0, t2, 0x5410;", f"prmt.b32 ${4 + w}, t0, t2, 0x7632;",
+                  f"prmt.b32 ${8 + w}, t1, t3, 0x5410;", f"prmt.b32 ${12 + w}, t1, t3, 0x7632;"]
+    return "\n".join(lines + ["}"])
+
+
+_TRANSPOSE16 = _c(_transpose16_ptx())
+_TRANSPOSE16_ARGS = _c(",".join(["=r"] * 16 + ["r"] * 16))
+# TRANSPOSE_16: each thread transposes 4 keys × 4 words: 16-byte loads, 16 lanes along the keys and 2 along the
+# words, 2-way conflicts on loads and stores (1024 wavefronts per block, against 1536 for one word per thread).
+# Measured 366 against 399 µs (kernel, B=32 T=32k), 122 against 131 µs (B=4 T=80k).
+TRANSPOSE_16 = True
+TRANSPOSE_LAYOUT_16 = _c(gl.BlockedLayout(size_per_thread=[4, 4], threads_per_warp=[16, 2], warps_per_cta=[1, 4],
+                                          order=[1, 0])) if G.HAVE_GLUON else None
+
+# The one-word transpose's register layout (4 warps): four consecutive keys × one word per thread, keys fastest (the
 # transpose takes each thread's four words). 8 lanes along the keys, 4 along the words. The loads then conflict
 # 4-way (8 rows of two swizzle phases); 16 lanes along the words make the loads conflict-free but the Vᵀ stores
 # worse: producer alone 299 against 254 µs, the kernel 461 against 398 (H100, B=32 T=32k).
@@ -88,7 +111,7 @@ TRANSPOSE_LAYOUT = _c(gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=
 if G.HAVE_GLUON:
 
     @gluon.jit
-    def _codes_to_vt(raw_chunk, vt_rows, ok, BLOCK_N: gl.constexpr, TL: gl.constexpr):
+    def _codes_to_vt(raw_chunk, vt_rows, ok, BLOCK_N: gl.constexpr, TL: gl.constexpr, WIDE: gl.constexpr):
         """One 128-column chunk of a block's codes (raw_chunk, [keys, 128] e4m3 as TMA wrote it) → its Vᵀ rows
         (vt_rows, [128, keys / 4] 32-bit words: row = column, byte k of word g = key 4g + k); keys not ok are
         zeroed (rows past the end hold stale bytes, maybe NaN codes, and 0 · NaN = NaN in P·V). TL: four
@@ -96,8 +119,12 @@ if G.HAVE_GLUON:
         RAW32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         words = G._reinterpret(raw_chunk, gl.int32, [BLOCK_N, 32], RAW32).load(TL)
         words = gl.where(ok, words, 0)
-        cols = gl.inline_asm_elementwise(_TRANSPOSE4, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.int32, is_pure=True,
-                                         pack=4)
+        if WIDE:  # a thread's 16 words: 4 keys × 4 words, words fastest
+            cols = gl.inline_asm_elementwise(_TRANSPOSE16, _TRANSPOSE16_ARGS, [words],
+                                             dtype=gl.int32, is_pure=True, pack=16)
+        else:
+            cols = gl.inline_asm_elementwise(_TRANSPOSE4, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.int32,
+                                             is_pure=True, pack=4)
         # (4g + i, w) holds column 4w + i of keys 4g … 4g+3 → Vᵀ row 4w + i, word g
         vt_rows.store(gl.reshape(gl.permute(gl.reshape(cols, [BLOCK_N // 4, 4, 32]), (2, 1, 0)), [128, BLOCK_N // 4]))
 
@@ -116,7 +143,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                  NR: gl.constexpr, NUM_STAGES: gl.constexpr, PROBE: gl.constexpr):
+                  NR: gl.constexpr, NUM_STAGES: gl.constexpr, PROBE: gl.constexpr, WIDE: gl.constexpr):
         """Keep NR blocks in flight; per block wait for its bytes and for a free Vᵀ stage, write Vᵀ (keys at or
         past the end zeroed) and the per-key scales normalised per chunk (and the chunk factors f), then hand
         the stage over. Stage rs of block j-1 is refilled (with block j-1+NR) once both consumers' Q·Kᵀ on it
@@ -126,7 +153,10 @@ if G.HAVE_GLUON:
         RAW_FREE: gl.constexpr = NR
         KV_READY: gl.constexpr = 2 * NR
         KV_FREE: gl.constexpr = 2 * NR + NUM_STAGES
-        TL: gl.constexpr = TRANSPOSE_LAYOUT
+        if WIDE:
+            TL: gl.constexpr = TRANSPOSE_LAYOUT_16
+        else:
+            TL: gl.constexpr = TRANSPOSE_LAYOUT
         SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
                                              order=[1, 0])
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
@@ -152,7 +182,8 @@ if G.HAVE_GLUON:
             mbarrier.wait(bars.index(KV_FREE + st), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
             ok_t = gl.expand_dims(n0 + keys_t < end, 1)
             for c in gl.static_range(4 if PROBE != 1 else 0):
-                _codes_to_vt(raw_codes.index(rs * 4 + c), vt32.index(st).slice(c * 128, 128, dim=0), ok_t, BLOCK_N, TL)
+                _codes_to_vt(raw_codes.index(rs * 4 + c), vt32.index(st).slice(c * 128, 128, dim=0), ok_t, BLOCK_N, TL,
+                             WIDE)
             s4 = raw_scales.index(rs).load(SCL)
             s4 = gl.where(gl.expand_dims(n0 + keys_s < end, 1), s4, 0.0)
             f4 = gl.maximum(gl.max(s4, axis=0), 1e-30) / 448.0  # P·scale / f stays within e4m3's 448
@@ -343,7 +374,7 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, NR: gl.constexpr,
         NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr,
-        SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        WIDE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -389,7 +420,7 @@ if G.HAVE_GLUON:
         gl.warp_specialize([
             (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, NUM_STAGES, CAUSAL, DIRECT, PROBE)),
             (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, NUM_STAGES, CAUSAL, DIRECT, PROBE)),
-            (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, NUM_STAGES, PROBE)),
+            (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, NUM_STAGES, PROBE, WIDE)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -434,4 +465,5 @@ def launch_fp8mma_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
     consumer_regs, producer_regs = REGS[rows]
     _mla_decode_fp8mma_kernel[grid](*args, **consts, NR=NUM_RAW[rows], NUM_STAGES=NUM_STAGES,
                                     CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PROBE=PROBE,
+                                    WIDE=TRANSPOSE_16,
                                     SOURCE_KEY=_SOURCE_KEY, num_warps=4)
