@@ -132,13 +132,13 @@ class LLMEngine:
 
     @staticmethod
     def _stamp_handed_back(seqs: list[Sequence], step_start: float) -> None:
-        """A token reaches the caller (stream, server, generate) when step() returns, so first-token
-        and finish times taken during this step move to its end: work the step does after sampling
-        (the MTP catch-up over a new prompt) is time the caller waits for that token. vLLM's TTFT too
-        is taken from a step's outputs, after the whole step."""
+        """A token reaches the caller (stream, server, generate) when step() returns, so a request's
+        first-token time is taken here, and a finish time taken during this step moves here: work the
+        step does after sampling (the MTP catch-up over a new prompt) is time the caller waits for that
+        token. vLLM's TTFT too is taken from a step's outputs, after the whole step."""
         now = time.perf_counter()
         for s in seqs:
-            if s.first_token_time is not None and s.first_token_time >= step_start:
+            if s.first_token_time is None and s.output_ids:
                 s.first_token_time = now
             if s.finish_time is not None and s.finish_time >= step_start:
                 s.finish_time = now
@@ -197,7 +197,6 @@ class LLMEngine:
                 logp: torch.Tensor | None = None) -> None:
         """Append each request's emitted tokens (stopping at a finish), count its drafts, move its
         cache length past the accepted ones and release pages the rejected ones held."""
-        now = time.perf_counter()
         for i, s in enumerate(seqs):
             accepted = emitted_l[i] - 1
             s.spec_stats.add(num_l[i], accepted)
@@ -207,7 +206,7 @@ class LLMEngine:
                 entry = None
                 if s.params.logprobs is not None:
                     entry = self._logprob_entry(s, tokens_l[i][j], logp[i, j])
-                self._append(s, tokens_l[i][j], entry, now)
+                self._append(s, tokens_l[i][j], entry)
                 if s.is_finished:
                     break
             if not s.is_finished:
@@ -222,9 +221,7 @@ class LLMEngine:
             entry["top"] = dict(zip(ids.tolist(), vals.tolist()))
         return entry
 
-    def _append(self, s: Sequence, token: int, logprob_entry: dict | None, now: float) -> None:
-        if s.first_token_time is None:
-            s.first_token_time = now
+    def _append(self, s: Sequence, token: int, logprob_entry: dict | None) -> None:
         s.append_token(token)
         if logprob_entry is not None:
             s.logprobs.append(logprob_entry)
@@ -237,7 +234,6 @@ class LLMEngine:
         top = None
         if out.top_token_ids is not None:
             top = (out.top_token_ids.tolist(), out.top_logprobs.tolist())
-        now = time.perf_counter()
         for i, s in enumerate(seqs):
             entry = None
             if s.params.logprobs is not None:
@@ -245,7 +241,7 @@ class LLMEngine:
                 if s.params.logprobs and top is not None:
                     n = s.params.logprobs
                     entry["top"] = dict(zip(top[0][i][:n], top[1][i][:n]))
-            self._append(s, tokens[i], entry, now)
+            self._append(s, tokens[i], entry)
 
     def _check_finish(self, s: Sequence, token: int) -> None:
         p = s.params
