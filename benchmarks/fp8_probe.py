@@ -37,16 +37,16 @@ if os.environ.get("FP8_PROBE_SHAPES"):  # register splits to try: "16:8:104:152,
 
 
 @contextlib.contextmanager
-def settings(values: dict):
-    """Module settings of the Gluon kernel for one variant, restored after."""
-    old = {k: getattr(F, k) for k in values}
+def settings(values: dict, module=F):
+    """Module settings of a Gluon kernel (default: `ops.mla_decode_gluon_quant`) for one variant, restored after."""
+    old = {k: getattr(module, k) for k in values}
     for k, v in values.items():
-        setattr(F, k, v)
+        setattr(module, k, v)
     try:
         yield
     finally:
         for k, v in old.items():
-            setattr(F, k, v)
+            setattr(module, k, v)
 
 
 def main():

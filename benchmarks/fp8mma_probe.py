@@ -11,6 +11,7 @@ import os
 
 import torch
 from bench_mla_decode import SCALE, kv_decode_bytes, make_problem, time_fn
+from fp8_probe import settings as module_settings
 from limits import copy_bandwidth
 
 from specmla.ops import mla_decode_gluon_fp8mma as M
@@ -41,13 +42,9 @@ def main():
             for name, fmt, settings in VARIANTS:
                 if fmt != kv:
                     continue
-                old = {k: getattr(M, k) for k in settings}
-                for k, v in settings.items():
-                    setattr(M, k, v)
-                t = time_fn(lambda i, qs=qs, caches=caches, kv=kv: mla_decode_triton(
-                    qs[i], caches[i], table, seq, SCALE, out=o, head_dim_v=512, kv_format=kv), 4, graph=True)
-                for k, v in old.items():
-                    setattr(M, k, v)
+                with module_settings(settings, M):
+                    t = time_fn(lambda i, qs=qs, caches=caches, kv=kv: mla_decode_triton(
+                        qs[i], caches[i], table, seq, SCALE, out=o, head_dim_v=512, kv_format=kv), 4, graph=True)
                 res[name] = dict(us=t * 1e6, pct_copy=100 * nb / t / bw)
             del caches, qs
             torch.cuda.empty_cache()
