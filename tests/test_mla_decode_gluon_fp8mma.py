@@ -225,8 +225,12 @@ def test_fp8mma_kernel_matches_the_reference(lens, S, splits, monkeypatch):
     scale = 576 ** -0.5
     ref = mla_decode_torch(q.double(), cache, table, seq, scale, head_dim_v=512, kv_format="fp8")
     monkeypatch.setattr(M, "USE", True)
+    launches = []
+    launch = M.launch_fp8mma_split
+    monkeypatch.setattr(M, "launch_fp8mma_split", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
     got = mla_decode_triton(q, cache, table, seq, scale, head_dim_v=512, kv_format="fp8", gluon=True,
                             num_splits=splits).double()
+    assert launches == [1]  # this kernel ran, not the unpacking one
     assert torch.isfinite(got).all()
     assert ((got - ref).norm() / ref.norm()).item() < 4e-2  # P in e4m3: about 2.5 %; the bar is the cosine
     cos = torch.nn.functional.cosine_similarity(got.flatten(2), ref.flatten(2), dim=-1)

@@ -51,9 +51,8 @@ if G.HAVE_GLUON:
     _store_out = Q8._store_out
 
 BLOCK_N = 64  # keys per block (wgmma's M for Q·Kᵀ, its K for P·V)
-DC, DR = 512, 64  # the row: four 128-code chunks (one scale each), then 4 fp32 scales, then the rope part
-ROW_BYTES = 656
-MAX_ROWS = 32
+DC = Q8.DC  # the row: four 128-code chunks (one scale each), then 4 fp32 scales, then the 64 rope values
+ROW_BYTES = Q8.ROW_BYTES["fp8"]
 PROBE = 0  # timing probes (wrong results): 1 the producer writes no Vᵀ or scales, 2 the consumers hand every
 # stage straight back, 3 Pᵀ is stored keys-major
 USE = False  # True: mla_decode_triton sends the fp8 calls it gives the Gluon kernels here (else `mla_decode_gluon_quant`)
@@ -425,17 +424,10 @@ if G.HAVE_GLUON:
 
 
 def fp8mma_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
-    """Whether this kernel takes an fp8-cache call: Hopper, bf16 queries, Dc = 512, Dr = 64, ≤ 32 rows, contiguous
-    656-byte rows 16-byte aligned (TMA), pages of a multiple of 64 keys."""
-    import os
-
-    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return (q.dtype == torch.bfloat16 and dc == DC and q.shape[-1] == DC + DR and block_m <= MAX_ROWS
-            and kv_cache.dtype == torch.uint8 and kv_cache.is_contiguous() and kv_cache.shape[-1] == ROW_BYTES
-            and kv_cache.shape[1] % BLOCK_N == 0 and kv_cache.data_ptr() % 16 == 0)
+    """Whether this kernel takes an fp8-cache call: whatever the unpacking kernel takes (Hopper, bf16 queries,
+    Dc = 512, Dr = 64, ≤ 32 rows, contiguous 16-byte-aligned 656-byte rows), in pages of a multiple of 64 keys
+    (one TMA box per block)."""
+    return Q8.quant_supported(q, kv_cache, dc, block_m, "fp8") and kv_cache.shape[1] % BLOCK_N == 0
 
 
 def _descriptors(kv_cache: torch.Tensor) -> tuple:
