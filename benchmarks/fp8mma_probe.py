@@ -1,7 +1,9 @@
-"""Issue-7 probe: the e4m3-matmul fp8 kernel (`ops.mla_decode_gluon_fp8mma`) against bf16 and the unpacking fp8
-kernel (`ops.mla_decode_gluon_quant`) in the same run, with its timing probes (`PROBE`, wrong results): the
-producer writing no Vᵀ (1), the consumers handing every stage back (2), Pᵀ stored keys-major (3); "_t4": the
-transpose of four keys × one word per thread (`TRANSPOSE_16 = False`).
+"""Issue-7 probe: the e4m3-matmul fp8 kernels against bf16 and the unpacking fp8 kernel (`ops.mla_decode_gluon_quant`)
+in the same run, with their timing probes (`PROBE`, wrong results).
+- `ops.mla_decode_gluon_fp8mma` ("mma"): the producer writing no Vᵀ (1), the consumers handing every stage back (2),
+  Pᵀ stored keys-major (3); "_t4": the transpose of four keys × one word per thread (`TRANSPOSE_16 = False`).
+- `ops.mla_decode_gluon_fp8reg` ("reg", Vᵀ in registers): no P·V (1), P·V on zeros with no Vᵀ loads (2), no softmax
+  reductions (3), no Q·Kᵀ (4); "_lag1": the producer refills the stage of the block before the one it hands over.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/fp8mma_probe.py [--out DIR] [--cases 16x32x32768x1,...]
 """
@@ -15,13 +17,17 @@ from fp8_probe import settings as module_settings
 from limits import copy_bandwidth
 
 from specmla.ops import mla_decode_gluon_fp8mma as M
+from specmla.ops import mla_decode_gluon_fp8reg as R
 from specmla.ops.mla_decode_triton import mla_decode_triton
 
-VARIANTS = (("bf16", "bf16", {}), ("fp8_unpack", "fp8", {}), ("fp8_mma", "fp8", dict(USE=True)),
-            ("mma_no_vt", "fp8", dict(USE=True, PROBE=1)), ("mma_producer_alone", "fp8", dict(USE=True, PROBE=2)),
-            ("mma_p_keys_major", "fp8", dict(USE=True, PROBE=3)),
-            ("fp8_mma_t4", "fp8", dict(USE=True, TRANSPOSE_16=False)),
-            ("mma_producer_alone_t4", "fp8", dict(USE=True, PROBE=2, TRANSPOSE_16=False)))
+VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", M, {}), ("fp8_mma", "fp8", M, dict(USE=True)),
+            ("mma_no_vt", "fp8", M, dict(USE=True, PROBE=1)), ("mma_producer_alone", "fp8", M, dict(USE=True, PROBE=2)),
+            ("fp8_reg", "fp8", R, dict(USE=True)), ("reg_lag1", "fp8", R, dict(USE=True, REFILL_LAG=1)),
+            ("reg_regs_232_40", "fp8", R, dict(USE=True, REGS=(232, 40))),
+            ("reg_no_pv", "fp8", R, dict(USE=True, PROBE=1)), ("reg_no_vt_loads", "fp8", R, dict(USE=True, PROBE=2)),
+            ("reg_no_softmax", "fp8", R, dict(USE=True, PROBE=3)), ("reg_no_qk", "fp8", R, dict(USE=True, PROBE=4)))
+if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
+    VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 
 
 def main():
@@ -39,17 +45,18 @@ def main():
             caches, table, seq, qs = make_problem(H, B, T, S, 4, kv)
             nb = kv_decode_bytes(kv, B * T, B, S, H)
             o = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
-            for name, fmt, settings in VARIANTS:
+            for name, fmt, module, settings in VARIANTS:
                 if fmt != kv:
                     continue
-                with module_settings(settings, M):
+                with module_settings(settings, module):
                     t = time_fn(lambda i, qs=qs, caches=caches, kv=kv: mla_decode_triton(
                         qs[i], caches[i], table, seq, SCALE, out=o, head_dim_v=512, kv_format=kv), 4, graph=True)
                 res[name] = dict(us=t * 1e6, pct_copy=100 * nb / t / bw)
             del caches, qs
             torch.cuda.empty_cache()
         for name, *_ in VARIANTS[1:]:
-            res[name]["x_bf16"] = res["bf16"]["us"] / res[name]["us"]
+            if name in res and "bf16" in res:
+                res[name]["x_bf16"] = res["bf16"]["us"] / res[name]["us"]
         print(json.dumps({k: ({a: round(b, 3) for a, b in v.items()} if isinstance(v, dict) else v)
                           for k, v in res.items()}), flush=True)
         rows.append(res)

@@ -1,6 +1,6 @@
 """One decode call of a case, for Nsight Compute: `ncu ... python3 benchmarks/ncu_once.py H B T S [gluon] [kv]`
 (kv: bf16, fp8 or tbq4; FP8_PROBE=N sets `ops.mla_decode_gluon_quant.PROBE`; FP8MMA=1 sends fp8 calls to
-`ops.mla_decode_gluon_fp8mma`)."""
+`ops.mla_decode_gluon_fp8mma`, FP8REG=1 to `ops.mla_decode_gluon_fp8reg`)."""
 
 import os
 
@@ -9,7 +9,7 @@ import sys
 import torch
 from bench_mla_decode import SCALE, make_problem
 
-from specmla.ops import mla_decode_gluon_fp8mma, mla_decode_gluon_quant
+from specmla.ops import mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant
 from specmla.ops.mla_decode_triton import mla_decode_triton
 
 H, B, T, S = (int(x) for x in sys.argv[1:5])
@@ -17,6 +17,7 @@ gluon = len(sys.argv) > 5 and sys.argv[5] == "gluon"
 kv = sys.argv[6] if len(sys.argv) > 6 else "bf16"
 mla_decode_gluon_quant.PROBE = int(os.environ.get("FP8_PROBE", "0"))
 mla_decode_gluon_fp8mma.USE = os.environ.get("FP8MMA") == "1"
+mla_decode_gluon_fp8reg.USE = os.environ.get("FP8REG") == "1"
 caches, table, seq, qs = make_problem(H, B, T, S, 1, kv)
 for _ in range(2):
     mla_decode_triton(qs[0], caches[0], table, seq, SCALE, head_dim_v=512, gluon=gluon, kv_format=kv)

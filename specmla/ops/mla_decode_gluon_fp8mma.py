@@ -209,9 +209,11 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
-                FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr):
+                FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
+                ROW_SCALE: gl.constexpr = False):
         """q's latent part as two e4m3 terms per 128-column chunk, q ≈ (hi + lo)·sq (sq: the row's chunk
-        maximum / 448), and its rope part in bf16; padded rows are zeros."""
+        maximum / 448; ROW_SCALE: the row's maximum / 448, the same for every chunk), and its rope part in bf16;
+        padded rows are zeros."""
         QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
@@ -221,9 +223,17 @@ if G.HAVE_GLUON:
         ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
         q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
         cols = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, QL)), 0)
+        row_max = gl.full([BLOCK_M], 1e-30, gl.float32, layout=gl.SliceLayout(1, QL))
+        if ROW_SCALE:
+            for c in gl.static_range(4):
+                x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
+                row_max = gl.maximum(row_max, gl.max(gl.abs(x), axis=1))
         for c in gl.static_range(4):
             x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
-            sq = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30) / 448.0
+            if ROW_SCALE:
+                sq = row_max / 448.0
+            else:
+                sq = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30) / 448.0
             y = x / gl.expand_dims(sq, 1)
             hi_f = _round_e4m3(y)
             hi = hi_f.to(gl.float8e4nv)  # exact

@@ -113,9 +113,14 @@ if G.HAVE_GLUON:
         """The latent column held in tile column j. Within each 128-column chunk (one scale or norm):
         fp8 word v (codes 4v … 4v+3) lands as pair 0 (codes 4v, 4v+1) at columns 2v, 2v+1 and pair 1 at
         64 + 2v, 65 + 2v; tbq4 word v (codes 8v … 8v+7) as pair k (codes 8v+2k, 8v+2k+1) at 32k + 2v, 32k + 2v + 1.
-        FMT 2 (`mla_decode_gluon_fp8mma`'s Vᵀ): the natural order."""
+        FMT 2 (`mla_decode_gluon_fp8mma`'s Vᵀ): the natural order. FMT 3 (`mla_decode_gluon_fp8reg`'s Vᵀ
+        fragment rows m): column bits d0 … d6 = m3 m6 m0 m1 m2 m4 m5."""
         if FMT == 2:
             return j
+        if FMT == 3:
+            m = j % 128
+            col = (((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5))
+            return (j // 128) * 128 + col
         k = j % 128
         if FMT == 0:
             col = 4 * ((k % 64) // 2) + 2 * (k // 64) + k % 2

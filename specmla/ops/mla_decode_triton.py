@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops import mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_quant, tbq4
+from specmla.ops import mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant, tbq4
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -560,7 +560,12 @@ def mla_decode_triton(
         cent = tbq4.centroids(q.device)
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
-    if (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8mma.USE
+    if (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8reg.USE
+            and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
+        mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                                    softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
+                                                    num_splits=ns)
+    elif (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8mma.USE
             and mla_decode_gluon_fp8mma.fp8mma_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
         mla_decode_gluon_fp8mma.launch_fp8mma_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                     softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
