@@ -3,11 +3,13 @@ in the same run, with their timing probes (`PROBE`, wrong results).
 - `ops.mla_decode_gluon_fp8mma` ("mma"): the producer writing no Vᵀ (1), the consumers handing every stage back (2),
   Pᵀ stored keys-major (3); "_t4": the transpose of four keys × one word per thread (`TRANSPOSE_16 = False`).
 - `ops.mla_decode_gluon_fp8reg` ("reg", Vᵀ in registers): no P·V (1), P·V on zeros with no Vᵀ loads (2), no softmax
-  reductions (3), no Q·Kᵀ (4); "_lag1": the producer refills the stage of the block before the one it hands over.
+  reductions (3), no Q·Kᵀ (4), the producer alone (5), no key blocks: the fixed costs (6); "_lag1": the producer refills the stage of the block before the
+  one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term": Pᵀ in one e4m3 term (`P_SPLIT = False`); "_splits_half" / "_double": half / twice the split count.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/fp8mma_probe.py [--out DIR] [--cases 16x32x32768x1,...]
 """
 import argparse
+import contextlib
 import json
 import os
 
@@ -18,14 +20,21 @@ from limits import copy_bandwidth
 
 from specmla.ops import mla_decode_gluon_fp8mma as M
 from specmla.ops import mla_decode_gluon_fp8reg as R
-from specmla.ops.mla_decode_triton import mla_decode_triton
+from specmla.ops.mla_decode_triton import mla_decode_triton, plan
 
-VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", M, {}), ("fp8_mma", "fp8", M, dict(USE=True)),
-            ("mma_no_vt", "fp8", M, dict(USE=True, PROBE=1)), ("mma_producer_alone", "fp8", M, dict(USE=True, PROBE=2)),
+VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
+            ("fp8_mma", "fp8", (M, R), (dict(USE=True), dict(USE=False))),
+            ("mma_no_vt", "fp8", (M, R), (dict(USE=True, PROBE=1), dict(USE=False))),
+            ("mma_producer_alone", "fp8", (M, R), (dict(USE=True, PROBE=2), dict(USE=False))),
             ("fp8_reg", "fp8", R, dict(USE=True)), ("reg_lag1", "fp8", R, dict(USE=True, REFILL_LAG=1)),
+            ("reg_scale_box_16", "fp8", R, dict(USE=True, SCALE_WORDS=16)),
+            ("reg_p_one_term", "fp8", R, dict(USE=True, P_SPLIT=False)),
             ("reg_regs_232_40", "fp8", R, dict(USE=True, REGS=(232, 40))),
+            ("reg_splits_half", "fp8", R, dict(USE=True, num_splits=0.5)), ("reg_splits_double", "fp8", R,
+                                                                             dict(USE=True, num_splits=2.0)),
             ("reg_no_pv", "fp8", R, dict(USE=True, PROBE=1)), ("reg_no_vt_loads", "fp8", R, dict(USE=True, PROBE=2)),
-            ("reg_no_softmax", "fp8", R, dict(USE=True, PROBE=3)), ("reg_no_qk", "fp8", R, dict(USE=True, PROBE=4)))
+            ("reg_no_softmax", "fp8", R, dict(USE=True, PROBE=3)), ("reg_no_qk", "fp8", R, dict(USE=True, PROBE=4)),
+            ("reg_producer_alone", "fp8", R, dict(USE=True, PROBE=5)), ("reg_no_blocks", "fp8", R, dict(USE=True, PROBE=6)))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 
@@ -48,9 +57,17 @@ def main():
             for name, fmt, module, settings in VARIANTS:
                 if fmt != kv:
                     continue
-                with module_settings(settings, module):
+                modules, all_settings = (module, settings) if isinstance(module, tuple) else ((module,), (settings,))
+                all_settings = [dict(x) for x in all_settings]
+                splits = all_settings[0].pop("num_splits", None)  # a factor on the default split count
+                if splits is not None:
+                    splits = max(1, int(plan(B, S, H, T, o.device, 64, waves=1)["num_splits"] * splits))
+                with contextlib.ExitStack() as stack:
+                    for mod, values in zip(modules, all_settings):
+                        stack.enter_context(module_settings(values, mod))
                     t = time_fn(lambda i, qs=qs, caches=caches, kv=kv: mla_decode_triton(
-                        qs[i], caches[i], table, seq, SCALE, out=o, head_dim_v=512, kv_format=kv), 4, graph=True)
+                        qs[i], caches[i], table, seq, SCALE, out=o, head_dim_v=512, kv_format=kv, num_splits=splits),
+                        4, graph=True)
                 res[name] = dict(us=t * 1e6, pct_copy=100 * nb / t / bw)
             del caches, qs
             torch.cuda.empty_cache()

@@ -13,6 +13,7 @@ import torch
 
 from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8mma as M
+from specmla.ops import mla_decode_gluon_fp8reg as R
 
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
                                  and G.HAVE_GLUON), reason="needs a Hopper GPU and Gluon")
@@ -225,6 +226,7 @@ def test_fp8mma_kernel_matches_the_reference(lens, S, splits, monkeypatch):
     scale = 576 ** -0.5
     ref = mla_decode_torch(q.double(), cache, table, seq, scale, head_dim_v=512, kv_format="fp8")
     monkeypatch.setattr(M, "USE", True)
+    monkeypatch.setattr(R, "USE", False)  # the register-Vᵀ kernel would take these calls first
     launches = []
     launch = M.launch_fp8mma_split
     monkeypatch.setattr(M, "launch_fp8mma_split", lambda *a, **kw: launches.append(1) or launch(*a, **kw))

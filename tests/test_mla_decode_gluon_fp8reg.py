@@ -17,10 +17,11 @@ from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8reg as R
 
 
-def _run(q, cache, table, seq, splits, monkeypatch):
+def _run(q, cache, table, seq, splits, monkeypatch, p_split=True):
     from specmla.ops.mla_decode_triton import mla_decode_triton
 
     monkeypatch.setattr(R, "USE", True)
+    monkeypatch.setattr(R, "P_SPLIT", p_split)
     launches = []
     launch = R.launch_fp8reg_split
     monkeypatch.setattr(R, "launch_fp8reg_split", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -31,18 +32,21 @@ def _run(q, cache, table, seq, splits, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("lens,splits", [([1, 63, 64, 65, 300, 1000], None), ([4097, 77, 128], 1),
-                                         ([4097, 77, 128], 3), ([130, 2], 1), ([8192, 5000], 2)])
-def test_fp8reg_kernel_matches_the_reference(lens, splits, monkeypatch):
+@pytest.mark.parametrize("lens,splits,p_split", [([1, 63, 64, 65, 300, 1000], None, True), ([4097, 77, 128], 1, True),
+                                                 ([4097, 77, 128], 3, True), ([130, 2], 1, True),
+                                                 ([8192, 5000], 2, True), ([1, 63, 64, 65, 300, 1000], None, False),
+                                                 ([8192, 5000], 2, False)])
+def test_fp8reg_kernel_matches_the_reference(lens, splits, p_split, monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 
     q, cache, table, seq = _problem(lens, 1)
     ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8")
-    got, launches = _run(q, cache, table, seq, splits, monkeypatch)
+    got, launches = _run(q, cache, table, seq, splits, monkeypatch, p_split)
     assert launches == [1]  # this kernel ran
     got = got.double()
     assert torch.isfinite(got).all()
-    assert ((got - ref).norm() / ref.norm()).item() < 4e-2  # P in e4m3: about 2.5 %; the bar is the cosine
+    # P in two e4m3 terms: about 0.2 %, as the unpacking kernel; in one: about 2.5 % (the bar is the cosine)
+    assert ((got - ref).norm() / ref.norm()).item() < (1e-2 if p_split else 4e-2)
     cos = torch.nn.functional.cosine_similarity(got.flatten(2), ref.flatten(2), dim=-1)
     assert cos.min().item() > 0.999
 

@@ -5,18 +5,24 @@ writes a Vᵀ copy of every block through shared memory (the transpose's loads a
 consumers split each block's columns, so they swap partial scores and wait on each other every block (alone they
 take 268 µs at B=32 T=32k, 1.54× bf16). Here:
 - P·V takes Vᵀ as the wgmma's register operand (A). Each thread loads 32-bit words of the raw codes (4 columns of
-  one key) and the compiler's byte permutes give the wgmma's fragment (4 keys of one column per register): no Vᵀ
-  copy, no shared-memory stores. That works because the fragment's row and key orders are ours to choose: the
-  load layout `V_LOAD` puts 4 consecutive columns in a thread's registers and the tile's rows and keys are
-  permuted (`_vt_fragment`, `_store_pt`) to match the fragment (Pᵀ is stored in the same key order, the output's rows
-  are put back when stored: `_latent_column`'s FMT 3). The words load conflict-free: lanes cover 8 swizzle units × 4 keys of distinct
-  phases.
+  one key, conflict-free: lanes cover 8 swizzle units × 4 keys of distinct phases) and a 4 × 4 byte transpose (8
+  byte permutes per 4 words) gives the wgmma's fragment (4 keys of one column per register): no Vᵀ copy, no
+  shared-memory stores. That works because the fragment's row and key orders are ours to choose: the load
+  layout `V_LOAD` and the index permutation in `_vt_fragment` match the fragment; Pᵀ is stored in the same key
+  order (`_store_pt`) and the output's rows are put back when stored (`_latent_column`'s FMT 3).
 - The two consumer warpgroups take alternate key blocks whole (all 512 columns), each with its own online softmax
   and accumulator; they merge once at the end through shared memory. No exchange per block: one consumer's
   softmax overlaps the other's matmuls.
-- The producer warpgroup only issues the TMA copies (whole 656-byte rows, boxes 128 to 512 bytes wide) and
-  normalises each block's scales per chunk (P·scale/f in e4m3's range, as in `mla_decode_gluon_fp8mma`).
-- Q·Kᵀ is as in `mla_decode_gluon_fp8mma`: e4m3 wgmmas on the raw codes with q split in hi + lo.
+- The producer warpgroup issues the TMA copies (whole 656-byte rows, boxes 128 to 512 bytes wide), normalises
+  each block's scales per chunk (P·scale/f in e4m3's range, as in `mla_decode_gluon_fp8mma`) and zeroes the codes
+  of rows past the end. It refills the stage of the block two behind the one it hands over: refilling the
+  previous block's stage waited on the other consumer every block (375 against 255 µs).
+- Q·Kᵀ is as in `mla_decode_gluon_fp8mma`: e4m3 wgmmas on the raw codes with q split in hi + lo (here one scale
+  per row, which saves the consumers 12 registers).
+- Pᵀ·scale/f is split in hi + lo e4m3 terms too (`P_SPLIT`): the output error is then the unpacking kernel's
+  (0.2 %), at the price of spills. With one term the kernel takes 1.61× less time than bf16 at B=32 T=32k, H=16
+  (H100), within the issue's cosine bar (> 0.999) but at 2.5 % error; with two, 1.22× (the unpacking kernel:
+  1.10×). docs/benchmarks.md, issue 7, twelfth session.
 
 16 query rows (H = 16, S = 1); other calls go to the other kernels. Same contract, grid, split rule and partials as
 `mla_decode_triton`. Gluon does not run in the Triton interpreter: GPU tests check it against the fp64 reference,
@@ -37,15 +43,21 @@ if G.HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     _cta_barrier = G._cta_barrier
 
 BLOCK_N = 64
 BLOCK_M = 16  # query rows: the register budget (Oᵀ 64 + Vᵀ fragments 64 registers per thread) fits 16
 NUM_RAW = 4  # raw stages (41 KB each): two consumers hold one each, two stay in flight
 REGS = (224, 56)  # (consumer, producer) registers per thread
-USE = False  # True: mla_decode_triton sends the fp8 calls this kernel takes here
+USE = True  # mla_decode_triton sends the fp8 calls this kernel takes here (else the other Gluon kernels)
+SCALE_WORDS = 4  # the scales' TMA box width in 32-bit words (4: the scales alone; wider boxes read into the rope)
+P_SPLIT = True  # Pᵀ·scale/f as two e4m3 terms (hi + lo, two P·V matmuls): output error about 0.2 % (the unpacking
+# kernel's) instead of 2.5 %, at 339 instead of 257 µs (B=32 T=32k: the extra terms make the consumers spill)
 REFILL_LAG = 2  # the producer refills the stage of block j - REFILL_LAG after handing over block j
-PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ
+PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ,
+# 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs)
 
 _SOURCE_KEY = G.source_key(__file__) ^ M._SOURCE_KEY
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
@@ -80,6 +92,35 @@ if G.HAVE_GLUON:
         return gl.convert_layout(t, FRAG)
 
     @gluon.jit
+    def _vt_fragments(raw_codes, rs, BLOCK_N: gl.constexpr, PROBE: gl.constexpr):
+        """Stage rs's four chunks as Vᵀ fragments (PROBE 2: zeros, no loads)."""
+        if PROBE != 2:
+            a0 = _vt_fragment(raw_codes.index(rs * 4 + 0), V_LOAD, VT_FRAG)
+            a1 = _vt_fragment(raw_codes.index(rs * 4 + 1), V_LOAD, VT_FRAG)
+            a2 = _vt_fragment(raw_codes.index(rs * 4 + 2), V_LOAD, VT_FRAG)
+            a3 = _vt_fragment(raw_codes.index(rs * 4 + 3), V_LOAD, VT_FRAG)
+        else:
+            a0 = gl.zeros([128, BLOCK_N], gl.float8e4nv, layout=VT_FRAG)
+            a1 = a0
+            a2 = a0
+            a3 = a0
+        return a0, a1, a2, a3
+
+    @gluon.jit
+    def _store_p(p8, i, y, SPLIT: gl.constexpr):
+        """Pᵀ·scale/f (y, [64 keys, rows], ≤ 448) into p8 tile i in e4m3, and with SPLIT its residual into tile
+        i + 4: hi keeps y's top 3 mantissa bits (exact in e4m3 down to its subnormals, 2⁻⁶ of 448's scale), so
+        hi + lo carries about 8 bits."""
+        y = gl.minimum(y, 448.0)
+        if SPLIT:
+            hi = (((y.to(gl.int32, bitcast=True) + 0x80000) & -1048576)).to(gl.float32, bitcast=True)
+            hi = gl.minimum(hi, 448.0)
+            _store_pt(p8.index(i), hi.to(gl.float8e4nv))
+            _store_pt(p8.index(i + 4), (y - hi).to(gl.float8e4nv))
+        else:
+            _store_pt(p8.index(i), y.to(gl.float8e4nv))
+
+    @gluon.jit
     def _store_pt(p8_chunk, p):
         """Pᵀ·scale/f [64 keys, rows] (e4m3) → p8_chunk [rows, 64 tile keys] in the fragment's key order."""
         BM: gl.constexpr = p.shape[1]
@@ -89,8 +130,22 @@ if G.HAVE_GLUON:
         p8_chunk.permute((1, 0)).store(t)
 
     @gluon.jit
+    def _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, n0, raw_codes, raw_rope, raw_scales,
+                     bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, SW: gl.constexpr):
+        """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs: four [64, 128] code
+        boxes, the rope's [64, 64] bf16 box and a [64, SW] fp32 box from the scales on."""
+        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
+        row = page * PAGE_SIZE + n0 % PAGE_SIZE
+        bar = bars.index(rs)
+        mbarrier.expect(bar, BLOCK_N * (640 + 4 * SW))
+        for c in gl.static_range(4):
+            M._tma_load(codes_desc, [row, c * 128], bar, raw_codes.index(rs * 4 + c))
+        M._tma_load(rope_desc, [row, 264], bar, raw_rope.index(rs))
+        M._tma_load(scale_desc, [row, 128], bar, raw_scales.index(rs))
+
+    @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
-                  LAG: gl.constexpr):
+                  LAG: gl.constexpr, SW: gl.constexpr):
         """Keep NR blocks in flight; per block wait for its bytes, write the per-key scales normalised per chunk
         (and the chunk factors f) for its raw stage, zero the codes of rows past the end, hand it over, then refill the previous block's stage once
         its consumer has read it."""
@@ -103,8 +158,8 @@ if G.HAVE_GLUON:
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         for i in gl.static_range(NR):
             if i < n_blocks:
-                M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
-                               raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N)
+                _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
+                             raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
         ZL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
@@ -113,7 +168,7 @@ if G.HAVE_GLUON:
         for j in range(n_blocks):
             rs = j % NR
             mbarrier.wait(bars.index(rs), (j // NR) & 1)
-            s4 = raw_scales.index(rs).load(SCL)
+            s4 = raw_scales.index(rs).slice(0, 4, dim=1).load(SCL)
             s4 = gl.where(gl.expand_dims(start + j * BLOCK_N + keys_s < end, 1), s4, 0.0)
             f4 = gl.maximum(gl.max(s4, axis=0), 1e-30) / 448.0  # P·scale / f stays within e4m3's 448
             s4 = s4 / gl.expand_dims(f4, 0)
@@ -134,8 +189,8 @@ if G.HAVE_GLUON:
                 if nxt < n_blocks:
                     prev = (j - LAG) % NR
                     mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
-                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
-                                   raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N)
+                    _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
+                                 raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW)
 
     @gluon.jit
     def _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16):
@@ -158,7 +213,7 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
-                  DIRECT: gl.constexpr, PROBE: gl.constexpr):
+                  DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr):
         """Consumer ROLE takes blocks ROLE, ROLE + 2, …: Sᵀ on the raw codes (hi and lo terms per chunk, the rope
         part in bf16), its own online softmax, Pᵀ·scale/f per chunk into shared memory, then the Vᵀ fragments
         from the raw codes (the stage is freed once they are in registers) and Oᵀ += Vᵀ·Pᵀ per chunk. At the end consumer 1 hands its state to consumer 0
@@ -207,61 +262,62 @@ if G.HAVE_GLUON:
             rs = j % NR
             n0 = start + j * BLOCK_N
             mbarrier.wait(bars.index(KV_READY + rs), (j // NR) & 1)
-            if PROBE != 4:
-                s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16)
+            if PROBE == 5:  # the producer alone: hand every stage straight back
+                _cta_barrier()
+                mbarrier.arrive(bars.index(RAW_FREE + rs))
             else:
-                s0, s1, s2, s3, sr = s_zero, s_zero, s_zero, s_zero, s_zero16
-            sc0 = gl.expand_dims(sc.index(rs * 4 + 0).load(KEY), 1)
-            sc1 = gl.expand_dims(sc.index(rs * 4 + 1).load(KEY), 1)
-            sc2 = gl.expand_dims(sc.index(rs * 4 + 2).load(KEY), 1)
-            sc3 = gl.expand_dims(sc.index(rs * 4 + 3).load(KEY), 1)
-            f0 = gl.max(fs.index(rs * 4 + 0).load(ROW), axis=0)
-            f1 = gl.max(fs.index(rs * 4 + 1).load(ROW), axis=0)
-            f2 = gl.max(fs.index(rs * 4 + 2).load(ROW), axis=0)
-            f3 = gl.max(fs.index(rs * 4 + 3).load(ROW), axis=0)
-            if PROBE != 4:
-                s0, s1, s2, s3, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, sr))
-            s = ((s0 * (sc0 * f0) + s1 * (sc1 * f1) + s2 * (sc2 * f2) + s3 * (sc3 * f3)) * gl.expand_dims(q0, 0)
-                 + gl.convert_layout(sr, ACC))
-            if PROBE != 3:
-                p, alpha, m_i, l_keys = Q8._softmax_keys(s, m_i, l_keys, n0 + keys, end, limit, scale_log2)
-            else:  # no reductions
-                p = gl.minimum(gl.abs(s), 1.0)
-                alpha = q0 / q0
-                l_keys = l_keys + p
-            _store_pt(p8.index(ROLE * 4 + 0), gl.minimum(p * sc0, 448.0).to(gl.float8e4nv))
-            _store_pt(p8.index(ROLE * 4 + 1), gl.minimum(p * sc1, 448.0).to(gl.float8e4nv))
-            _store_pt(p8.index(ROLE * 4 + 2), gl.minimum(p * sc2, 448.0).to(gl.float8e4nv))
-            _store_pt(p8.index(ROLE * 4 + 3), gl.minimum(p * sc3, 448.0).to(gl.float8e4nv))
-            fence_async_shared()
-            _cta_barrier()  # every warp's Pᵀ is stored
-            o0 = o0 * gl.expand_dims(alpha * (f0p / f0), 0)
-            o1 = o1 * gl.expand_dims(alpha * (f1p / f1), 0)
-            o2 = o2 * gl.expand_dims(alpha * (f2p / f2), 0)
-            o3 = o3 * gl.expand_dims(alpha * (f3p / f3), 0)
-            f0p = f0
-            f1p = f1
-            f2p = f2
-            f3p = f3
-            # Vᵀ fragments straight from the raw codes (loaded late: fewer registers live through the softmax)
-            if PROBE != 2:
-                a0 = _vt_fragment(raw_codes.index(rs * 4 + 0), V_LOAD, VT_FRAG)
-                a1 = _vt_fragment(raw_codes.index(rs * 4 + 1), V_LOAD, VT_FRAG)
-                a2 = _vt_fragment(raw_codes.index(rs * 4 + 2), V_LOAD, VT_FRAG)
-                a3 = _vt_fragment(raw_codes.index(rs * 4 + 3), V_LOAD, VT_FRAG)
-            else:
-                a0 = gl.zeros([128, BLOCK_N], gl.float8e4nv, layout=VT_FRAG)
-                a1 = a0
-                a2 = a0
-                a3 = a0
-            _cta_barrier()  # every warp has read the stage
-            mbarrier.arrive(bars.index(RAW_FREE + rs))
-            if PROBE != 1:
-                o0 = warpgroup_mma(a0, p8.index(ROLE * 4 + 0).permute((1, 0)), o0, is_async=True)
-                o1 = warpgroup_mma(a1, p8.index(ROLE * 4 + 1).permute((1, 0)), o1, is_async=True)
-                o2 = warpgroup_mma(a2, p8.index(ROLE * 4 + 2).permute((1, 0)), o2, is_async=True)
-                o3 = warpgroup_mma(a3, p8.index(ROLE * 4 + 3).permute((1, 0)), o3, is_async=True)
-                o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+                if PROBE != 4:
+                    s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16)
+                else:
+                    s0, s1, s2, s3, sr = s_zero, s_zero, s_zero, s_zero, s_zero16
+                sc0 = gl.expand_dims(sc.index(rs * 4 + 0).load(KEY), 1)
+                sc1 = gl.expand_dims(sc.index(rs * 4 + 1).load(KEY), 1)
+                sc2 = gl.expand_dims(sc.index(rs * 4 + 2).load(KEY), 1)
+                sc3 = gl.expand_dims(sc.index(rs * 4 + 3).load(KEY), 1)
+                f0 = gl.max(fs.index(rs * 4 + 0).load(ROW), axis=0)
+                f1 = gl.max(fs.index(rs * 4 + 1).load(ROW), axis=0)
+                f2 = gl.max(fs.index(rs * 4 + 2).load(ROW), axis=0)
+                f3 = gl.max(fs.index(rs * 4 + 3).load(ROW), axis=0)
+                if PROBE != 4:
+                    s0, s1, s2, s3, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, sr))
+                s = ((s0 * (sc0 * f0) + s1 * (sc1 * f1) + s2 * (sc2 * f2) + s3 * (sc3 * f3)) * gl.expand_dims(q0, 0)
+                     + gl.convert_layout(sr, ACC))
+                if PROBE != 3:
+                    p, alpha, m_i, l_keys = Q8._softmax_keys(s, m_i, l_keys, n0 + keys, end, limit, scale_log2)
+                else:  # no reductions
+                    p = gl.minimum(gl.abs(s), 1.0)
+                    alpha = q0 / q0
+                    l_keys = l_keys + p
+                _store_p(p8, ROLE * 8 + 0, p * sc0, P_SPLIT)
+                _store_p(p8, ROLE * 8 + 1, p * sc1, P_SPLIT)
+                _store_p(p8, ROLE * 8 + 2, p * sc2, P_SPLIT)
+                _store_p(p8, ROLE * 8 + 3, p * sc3, P_SPLIT)
+                fence_async_shared()
+                _cta_barrier()  # every warp's Pᵀ is stored
+                o0 = o0 * gl.expand_dims(alpha * (f0p / f0), 0)
+                o1 = o1 * gl.expand_dims(alpha * (f1p / f1), 0)
+                o2 = o2 * gl.expand_dims(alpha * (f2p / f2), 0)
+                o3 = o3 * gl.expand_dims(alpha * (f3p / f3), 0)
+                f0p = f0
+                f1p = f1
+                f2p = f2
+                f3p = f3
+                # Vᵀ fragments loaded late: fewer registers live through the softmax (loaded while the score
+                # matmuls run, they spill: 329 against 255 µs at B=32 T=32k)
+                a0, a1, a2, a3 = _vt_fragments(raw_codes, rs, BLOCK_N, PROBE)
+                _cta_barrier()  # every warp has read the stage
+                mbarrier.arrive(bars.index(RAW_FREE + rs))
+                if PROBE != 1:
+                    o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 0).permute((1, 0)), o0, is_async=True)
+                    o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 1).permute((1, 0)), o1, is_async=True)
+                    o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 2).permute((1, 0)), o2, is_async=True)
+                    o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 3).permute((1, 0)), o3, is_async=True)
+                    if P_SPLIT:  # the lo terms, on the same fragments
+                        o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 4).permute((1, 0)), o0, is_async=True)
+                        o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 5).permute((1, 0)), o1, is_async=True)
+                        o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 6).permute((1, 0)), o2, is_async=True)
+                        o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 7).permute((1, 0)), o3, is_async=True)
+                    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
         l_i = gl.sum(l_keys, axis=0)
         o0 = o0 * f0p
         o1 = o1 * f1p
@@ -322,10 +378,12 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, NR: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr, LAG: gl.constexpr,
-        SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        SW: gl.constexpr, P_SPLIT: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        if PROBE == 6:
+            n_blocks = 0
         Q8L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         QR: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         P8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
@@ -337,10 +395,10 @@ if G.HAVE_GLUON:
         qs = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], PLAIN)
         raw_codes = gl.allocate_shared_memory(gl.float8e4nv, [NR * 4, BLOCK_N, 128], Q8L)
         raw_rope = gl.allocate_shared_memory(gl.bfloat16, [NR, BLOCK_N, 64], QR)
-        raw_scales = gl.allocate_shared_memory(gl.float32, [NR, BLOCK_N, 4], SC)
+        raw_scales = gl.allocate_shared_memory(gl.float32, [NR, BLOCK_N, SW], SC)
         sc = gl.allocate_shared_memory(gl.float32, [NR * 4, BLOCK_N], PLAIN)  # [stage · 4 + chunk, key]
         fs = gl.allocate_shared_memory(gl.float32, [NR * 4, BLOCK_M], PLAIN)  # each chunk's f, per row
-        p8 = gl.allocate_shared_memory(gl.float8e4nv, [8, BLOCK_M, BLOCK_N], P8)  # [consumer · 4 + chunk]
+        p8 = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_M, BLOCK_N], P8)  # [consumer · 8 + term · 4 + chunk]
         n_bars: gl.constexpr = 3 * NR + 3
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n_bars):
@@ -352,9 +410,9 @@ if G.HAVE_GLUON:
                 stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
                 stride_ls, scale_log2, S, H, g, seq_len)
         gl.warp_specialize([
-            (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE)),
-            (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE)),
-            (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG)),
+            (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT)),
+            (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT)),
+            (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -363,14 +421,25 @@ def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: 
     return M.fp8mma_supported(q, kv_cache, dc, block_m) and max(16, block_m) == BLOCK_M
 
 
+def _descriptors(kv_cache: torch.Tensor) -> tuple:
+    """TMA views of the rows: codes [rows, 656] e4m3 in [64, 128] boxes, rope [rows, 328] bf16 in [64, 64] boxes,
+    scales [rows, 164] fp32 in [64, SCALE_WORDS] boxes."""
+    codes, rope, _ = M._descriptors(kv_cache)
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    scales = kv_cache.view(torch.float32).view(rows, M.ROW_BYTES // 4)
+    return codes, rope, TensorDescriptor.from_tensor(scales, [BLOCK_N, SCALE_WORDS], sc)
+
+
 def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
                         causal: bool, direct: bool, num_splits: int):
     """Stage 1 of `mla_decode_triton` for an fp8 cache (grid, split rule and outputs as the other kernels)."""
     grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                              cfg, dc=M.DC, causal=causal, direct=direct, num_splits=num_splits,
-                                             block_n=BLOCK_N, block_m=BLOCK_M, kv_views=M._descriptors(kv_cache))
+                                             block_n=BLOCK_N, block_m=BLOCK_M, kv_views=_descriptors(kv_cache))
     for k in ("DC", "DR", "Q_C_SMEM", "Q_R_SMEM", "K_C_SMEM", "K_R_SMEM"):
         consts.pop(k)
     _mla_decode_fp8reg_kernel[grid](*args, **consts, NR=NUM_RAW, CONSUMER_REGS=REGS[0], PRODUCER_REGS=REGS[1],
-                                    PROBE=PROBE, LAG=REFILL_LAG, SOURCE_KEY=_SOURCE_KEY,
+                                    PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS, P_SPLIT=P_SPLIT,
+                                    SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)
