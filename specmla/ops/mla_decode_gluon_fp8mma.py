@@ -129,12 +129,13 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, n0, raw_codes, raw_rope, raw_scales,
-                     bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs."""
+                     bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, SW: gl.constexpr = 4):
+        """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs: four [64, 128] code
+        boxes, the rope's [64, 64] bf16 box and a [64, SW] fp32 box from the scales on (SW > 4 reads into the rope)."""
         page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
         row = page * PAGE_SIZE + n0 % PAGE_SIZE
         bar = bars.index(rs)
-        mbarrier.expect(bar, BLOCK_N * 656)
+        mbarrier.expect(bar, BLOCK_N * (640 + 4 * SW))
         for c in gl.static_range(4):
             _tma_load(codes_desc, [row, c * 128], bar, raw_codes.index(rs * 4 + c))
         _tma_load(rope_desc, [row, 264], bar, raw_rope.index(rs))
@@ -440,9 +441,9 @@ def fp8mma_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: 
     return Q8.quant_supported(q, kv_cache, dc, block_m, "fp8") and kv_cache.shape[1] % BLOCK_N == 0
 
 
-def _descriptors(kv_cache: torch.Tensor) -> tuple:
+def _descriptors(kv_cache: torch.Tensor, scale_words: int = 4) -> tuple:
     """TMA views of the rows: codes [rows, 656] e4m3 in [64, 128] boxes, rope [rows, 328] bf16 in [64, 64]
-    boxes, scales [rows, 164] fp32 in [64, 4] boxes."""
+    boxes, scales [rows, 164] fp32 in [64, scale_words] boxes."""
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     codes = kv_cache.view(torch.float8_e4m3fn).view(rows, ROW_BYTES)
     rope = kv_cache.view(torch.bfloat16).view(rows, ROW_BYTES // 2)
@@ -452,18 +453,28 @@ def _descriptors(kv_cache: torch.Tensor) -> tuple:
     sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     return (TensorDescriptor.from_tensor(codes, [BLOCK_N, 128], q8),
             TensorDescriptor.from_tensor(rope, [BLOCK_N, 64], qr),
-            TensorDescriptor.from_tensor(scales, [BLOCK_N, 4], sc))
+            TensorDescriptor.from_tensor(scales, [BLOCK_N, scale_words], sc))
+
+
+def tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *, causal: bool,
+                    direct: bool, num_splits: int, block_m: int, scale_words: int = 4) -> tuple:
+    """`split_launch_args` for the kernels that read the rows through TMA descriptors (this one and
+    `mla_decode_gluon_fp8reg`): they take no pointer-path layouts or widths."""
+    grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+                                             cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
+                                             block_n=BLOCK_N, block_m=block_m,
+                                             kv_views=_descriptors(kv_cache, scale_words))
+    for k in ("DC", "DR", "Q_C_SMEM", "Q_R_SMEM", "K_C_SMEM", "K_R_SMEM"):
+        consts.pop(k)
+    return grid, args, consts
 
 
 def launch_fp8mma_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
                         causal: bool, direct: bool, num_splits: int):
     """Stage 1 of `mla_decode_triton` for an fp8 cache (grid, split rule and outputs as the other kernels)."""
     rows = max(16, cfg["BLOCK_M"])
-    grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
-                                             cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
-                                             block_n=BLOCK_N, block_m=rows, kv_views=_descriptors(kv_cache))
-    for k in ("DC", "DR", "Q_C_SMEM", "Q_R_SMEM", "K_C_SMEM", "K_R_SMEM"):
-        consts.pop(k)
+    grid, args, consts = tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg,
+                                         causal=causal, direct=direct, num_splits=num_splits, block_m=rows)
     consumer_regs, producer_regs = REGS[rows]
     _mla_decode_fp8mma_kernel[grid](*args, **consts, NR=NUM_RAW[rows], NUM_STAGES=NUM_STAGES,
                                     CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, PROBE=PROBE,

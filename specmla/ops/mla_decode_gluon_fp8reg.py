@@ -43,8 +43,6 @@ if G.HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     _cta_barrier = G._cta_barrier
 
 BLOCK_N = 64
@@ -130,20 +128,6 @@ if G.HAVE_GLUON:
         p8_chunk.permute((1, 0)).store(t)
 
     @gluon.jit
-    def _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, n0, raw_codes, raw_rope, raw_scales,
-                     bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, SW: gl.constexpr):
-        """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs: four [64, 128] code
-        boxes, the rope's [64, 64] bf16 box and a [64, SW] fp32 box from the scales on."""
-        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
-        row = page * PAGE_SIZE + n0 % PAGE_SIZE
-        bar = bars.index(rs)
-        mbarrier.expect(bar, BLOCK_N * (640 + 4 * SW))
-        for c in gl.static_range(4):
-            M._tma_load(codes_desc, [row, c * 128], bar, raw_codes.index(rs * 4 + c))
-        M._tma_load(rope_desc, [row, 264], bar, raw_rope.index(rs))
-        M._tma_load(scale_desc, [row, 128], bar, raw_scales.index(rs))
-
-    @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
                   LAG: gl.constexpr, SW: gl.constexpr):
         """Keep NR blocks in flight; per block wait for its bytes, write the per-key scales normalised per chunk
@@ -158,8 +142,8 @@ if G.HAVE_GLUON:
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         for i in gl.static_range(NR):
             if i < n_blocks:
-                _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
-                             raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
+                M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
+                               raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
         ZL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
@@ -189,24 +173,23 @@ if G.HAVE_GLUON:
                 if nxt < n_blocks:
                     prev = (j - LAG) % NR
                     mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
-                    _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
-                                 raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW)
+                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
+                                   raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW)
+
+    @gluon.jit
+    def _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, c: gl.constexpr, s_zero):
+        """Issue chunk c's partial Sᵀ on stage rs's codes: the hi and lo terms of q into one accumulator."""
+        s = warpgroup_mma(raw_codes.index(rs * 4 + c), q_hi.index(c).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        return warpgroup_mma(raw_codes.index(rs * 4 + c), q_lo.index(c).permute((1, 0)), s, is_async=True)
 
     @gluon.jit
     def _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16):
-        """Issue stage rs's partial Sᵀ per 128-column chunk (hi and lo terms of q) and its rope part's."""
-        s0 = warpgroup_mma(raw_codes.index(rs * 4 + 0), q_hi.index(0).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
-        s0 = warpgroup_mma(raw_codes.index(rs * 4 + 0), q_lo.index(0).permute((1, 0)), s0, is_async=True)
-        s1 = warpgroup_mma(raw_codes.index(rs * 4 + 1), q_hi.index(1).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
-        s1 = warpgroup_mma(raw_codes.index(rs * 4 + 1), q_lo.index(1).permute((1, 0)), s1, is_async=True)
-        s2 = warpgroup_mma(raw_codes.index(rs * 4 + 2), q_hi.index(2).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
-        s2 = warpgroup_mma(raw_codes.index(rs * 4 + 2), q_lo.index(2).permute((1, 0)), s2, is_async=True)
-        s3 = warpgroup_mma(raw_codes.index(rs * 4 + 3), q_hi.index(3).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
-        s3 = warpgroup_mma(raw_codes.index(rs * 4 + 3), q_lo.index(3).permute((1, 0)), s3, is_async=True)
+        """Issue stage rs's partial Sᵀ per 128-column chunk and its rope part's."""
+        s0 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 0, s_zero)
+        s1 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 1, s_zero)
+        s2 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 2, s_zero)
+        s3 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 3, s_zero)
         sr = warpgroup_mma(raw_rope.index(rs), q_r.permute((1, 0)), s_zero16, use_acc=False, is_async=True)
         return s0, s1, s2, s3, sr
 
@@ -421,24 +404,12 @@ def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: 
     return M.fp8mma_supported(q, kv_cache, dc, block_m) and max(16, block_m) == BLOCK_M
 
 
-def _descriptors(kv_cache: torch.Tensor) -> tuple:
-    """TMA views of the rows: codes [rows, 656] e4m3 in [64, 128] boxes, rope [rows, 328] bf16 in [64, 64] boxes,
-    scales [rows, 164] fp32 in [64, SCALE_WORDS] boxes."""
-    codes, rope, _ = M._descriptors(kv_cache)
-    rows = kv_cache.shape[0] * kv_cache.shape[1]
-    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    scales = kv_cache.view(torch.float32).view(rows, M.ROW_BYTES // 4)
-    return codes, rope, TensorDescriptor.from_tensor(scales, [BLOCK_N, SCALE_WORDS], sc)
-
-
 def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
                         causal: bool, direct: bool, num_splits: int):
     """Stage 1 of `mla_decode_triton` for an fp8 cache (grid, split rule and outputs as the other kernels)."""
-    grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
-                                             cfg, dc=M.DC, causal=causal, direct=direct, num_splits=num_splits,
-                                             block_n=BLOCK_N, block_m=BLOCK_M, kv_views=_descriptors(kv_cache))
-    for k in ("DC", "DR", "Q_C_SMEM", "Q_R_SMEM", "K_C_SMEM", "K_R_SMEM"):
-        consts.pop(k)
+    grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+                                           cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
+                                           scale_words=SCALE_WORDS)
     _mla_decode_fp8reg_kernel[grid](*args, **consts, NR=NUM_RAW, CONSUMER_REGS=REGS[0], PRODUCER_REGS=REGS[1],
                                     PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS, P_SPLIT=P_SPLIT,
                                     SOURCE_KEY=_SOURCE_KEY,
