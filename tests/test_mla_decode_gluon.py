@@ -5,15 +5,10 @@ Gluon does not run in the Triton interpreter, so on CPU the kernel is compiled f
 installed Triton (ptxas included) and its resources are checked; the GPU tests run it.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from mla_cases import assert_matches_reference, make_decode_case, rel_err
+from offline_compile import offline_sm90_rows
 
 from specmla.ops import mla_decode_gluon as G
 from specmla.ops.mla_decode import mla_decode_torch
@@ -42,13 +37,7 @@ def test_compiles_for_sm90_within_hopper_limits():
     spills, in an H100's shared memory. A fresh process: the suite's interpreter mode cannot compile."""
     if not G.HAVE_GLUON:
         pytest.fail("this Triton has no Gluon; the Hopper decode path would be missing")
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "offline_sm90.py"), json.dumps(CPU_COMPILE_CASES)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = offline_sm90_rows(CPU_COMPILE_CASES)
     assert [r["case"] for r in rows] == CPU_COMPILE_CASES
     for r in rows:
         (use,) = r["kernels"]

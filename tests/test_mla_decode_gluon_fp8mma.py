@@ -2,14 +2,9 @@
 into Vᵀ, Q·Kᵀ on raw codes, P·V on Vᵀ with Pᵀ stored transposed) and the whole kernel against the fp64
 reference on ragged lengths, with NaN bytes past each request's end. GPU (Hopper) only; a CPU test compiles it."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from offline_compile import offline_sm90_rows
 
 from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8mma as M
@@ -240,15 +235,8 @@ def test_fp8mma_kernel_matches_the_reference(lens, S, splits, monkeypatch):
 
 
 def test_fp8mma_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90 (a fresh process: the test suite runs Triton's interpreter)."""
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    """CPU: the kernel compiles for sm_90."""
     cases = [[16, 1, 512, 64, "fp8mma", False], [16, 1, 512, 64, "fp8mma", True], [16, 2, 512, 64, "fp8mma", False]]
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "offline_sm90.py"), json.dumps(cases)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    for row in rows:
+    for row in offline_sm90_rows(cases):
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

@@ -3,14 +3,9 @@ reference on ragged lengths (one key block, an odd block per consumer, many bloc
 past each request's end, and the calls it must leave to the other kernels. GPU (Hopper) only; a CPU test compiles
 it for sm_90 and checks its row order against the layouts it is built from."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from offline_compile import offline_sm90_rows
 from test_mla_decode_gluon_fp8mma import _problem, hopper
 
 from specmla.ops import mla_decode_gluon as G
@@ -135,15 +130,7 @@ def test_fp8reg_row_and_key_orders_follow_the_layouts():
 
 
 def test_fp8reg_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90 (a fresh process: the test suite runs Triton's interpreter)."""
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    cases = [[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True]]
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "offline_sm90.py"), json.dumps(cases)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    for row in rows:
+    """CPU: the kernel compiles for sm_90."""
+    for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True]]):
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from mla_cases import rel_err
+from offline_compile import offline_sm90_rows
 
 from specmla.ops.mla_prefill import mla_prefill, mla_prefill_torch, mla_prefill_triton
 
@@ -80,19 +81,7 @@ GLUON_STACK_BYTES = 32  # 24 B with Triton 3.6 (the GPU machine's), 0 B with 3.9
 
 
 def test_gluon_prefill_compiles_for_sm90():
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "offline_sm90.py"), "prefill",
-                           json.dumps(GLUON_COMPILE_CASES)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = offline_sm90_rows(GLUON_COMPILE_CASES, "prefill")
     assert [r["case"] for r in rows] == GLUON_COMPILE_CASES
     for r in rows:
         (use,) = r["kernels"]
