@@ -131,8 +131,8 @@ if G.HAVE_GLUON:
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
                   LAG: gl.constexpr, SW: gl.constexpr):
         """Keep NR blocks in flight; per block wait for its bytes, write the per-key scales normalised per chunk
-        (and the chunk factors f) for its raw stage, zero the codes of rows past the end, hand it over, then refill the previous block's stage once
-        its consumer has read it."""
+        (and the chunk factors f) for its raw stage, zero the codes of rows past the end and hand it over; then
+        refill the stage of the block LAG behind once its consumer has read it."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
         RAW_FREE: gl.constexpr = NR
@@ -199,8 +199,9 @@ if G.HAVE_GLUON:
                   DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr):
         """Consumer ROLE takes blocks ROLE, ROLE + 2, …: Sᵀ on the raw codes (hi and lo terms per chunk, the rope
         part in bf16), its own online softmax, Pᵀ·scale/f per chunk into shared memory, then the Vᵀ fragments
-        from the raw codes (the stage is freed once they are in registers) and Oᵀ += Vᵀ·Pᵀ per chunk. At the end consumer 1 hands its state to consumer 0
-        through the (then idle) raw ring, and consumer 0 merges and stores."""
+        from the raw codes (the stage is freed once they are in registers) and Oᵀ += Vᵀ·Pᵀ per chunk. At the end
+        consumer 1 hands its state to consumer 0 through the (then idle) raw ring, and consumer 0 merges and
+        stores."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
         (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,

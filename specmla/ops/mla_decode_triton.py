@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops import mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant, tbq4
+from specmla.ops import (mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant,
+                         tbq4)
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
