@@ -1,10 +1,15 @@
-"""Issue-7 probe: the e4m3-matmul fp8 kernels against bf16 and the unpacking fp8 kernel (`ops.mla_decode_gluon_quant`)
+"""Issue-7 probe: the e4m3-matmul fp8 and tbq4 kernels against bf16 and the unpacking fp8 kernel (`ops.mla_decode_gluon_quant`)
 in the same run, with their timing probes (`PROBE`, wrong results).
 - `ops.mla_decode_gluon_fp8mma` ("mma"): the producer writing no Vᵀ (1), the consumers handing every stage back (2),
   Pᵀ stored keys-major (3); "_t4": the transpose of four keys × one word per thread (`TRANSPOSE_16 = False`).
 - `ops.mla_decode_gluon_fp8reg` ("reg", Vᵀ in registers): no P·V (1), P·V on zeros with no Vᵀ loads (2), no softmax
-  reductions (3), no Q·Kᵀ (4), the producer alone (5), no key blocks: the fixed costs (6); "_lag1": the producer refills the stage of the block before the
-  one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term": Pᵀ in one e4m3 term (`P_SPLIT = False`); "_splits_half" / "_double": half / twice the split count.
+  reductions (3), no Q·Kᵀ (4), the producer alone (5), no key blocks: the fixed costs (6); no copies, the consumers
+  alone (`NO_COPY`; "reg1_alone_*" with the others too, P in one term); "_q_one_term": q in one e4m3 term
+  (`Q_SPLIT = False`); "_lag1": the producer refills the stage of the block before the one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term": Pᵀ in one e4m3 term (`P_SPLIT = False`); "_splits_half" / "_double": half / twice the split count.
+
+- `ops.mla_decode_gluon_tbq4reg` ("tbq4_reg") against the unpacking kernel ("tbq4_unpack"), with its probes (`PROBE`
+  bits): no decode (1), no copies (2), the consumers alone (3), the producer alone (4), the copies alone (13), no
+  scales (8).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/fp8mma_probe.py [--out DIR] [--cases 16x32x32768x1,...]
 """
@@ -20,6 +25,7 @@ from limits import copy_bandwidth
 
 from specmla.ops import mla_decode_gluon_fp8mma as M
 from specmla.ops import mla_decode_gluon_fp8reg as R
+from specmla.ops import mla_decode_gluon_tbq4reg as T
 from specmla.ops.mla_decode_triton import mla_decode_triton, plan
 
 VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
@@ -34,7 +40,22 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
                                                                              dict(USE=True, num_splits=2.0)),
             ("reg_no_pv", "fp8", R, dict(USE=True, PROBE=1)), ("reg_no_vt_loads", "fp8", R, dict(USE=True, PROBE=2)),
             ("reg_no_softmax", "fp8", R, dict(USE=True, PROBE=3)), ("reg_no_qk", "fp8", R, dict(USE=True, PROBE=4)),
-            ("reg_producer_alone", "fp8", R, dict(USE=True, PROBE=5)), ("reg_no_blocks", "fp8", R, dict(USE=True, PROBE=6)))
+            ("reg_producer_alone", "fp8", R, dict(USE=True, PROBE=5)),
+            ("reg_consumers_alone", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False)),
+            ("reg_consumers_alone_p_split", "fp8", R, dict(USE=True, NO_COPY=True)),
+            ("reg1_q_one_term", "fp8", R, dict(USE=True, P_SPLIT=False, Q_SPLIT=False)),
+            ("reg1_alone_q_one_term", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, Q_SPLIT=False)),
+            ("reg1_alone_no_pv", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, PROBE=1)),
+            ("reg1_alone_no_vt_loads", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, PROBE=2)),
+            ("reg1_alone_no_softmax", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, PROBE=3)),
+            ("reg1_alone_no_qk", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, PROBE=4)), ("reg_no_blocks", "fp8", R, dict(USE=True, PROBE=6)),
+            ("tbq4_unpack", "tbq4", T, dict(USE=False)), ("tbq4_reg", "tbq4", T, dict(USE=True)),
+            ("tbq4_no_decode", "tbq4", T, dict(USE=True, PROBE=1)), ("tbq4_no_copy", "tbq4", T, dict(USE=True, PROBE=2)),
+            ("tbq4_consumers_alone", "tbq4", T, dict(USE=True, PROBE=3)),
+            ("tbq4_producer_alone", "tbq4", T, dict(USE=True, PROBE=4)),
+            ("tbq4_copies_alone", "tbq4", T, dict(USE=True, PROBE=13)),
+            ("tbq4_no_scales", "tbq4", T, dict(USE=True, PROBE=8)),
+            ("tbq4_regs_216_72", "tbq4", T, dict(USE=True, REGS=(216, 72))))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 
@@ -50,7 +71,9 @@ def main():
     for case in args.cases.split(","):
         H, B, T, S = (int(x) for x in case.split("x"))
         res = {"case": [H, B, T, S]}
-        for kv in ("bf16", "fp8"):
+        for kv in ("bf16", "fp8", "tbq4"):
+            if not any(v[1] == kv for v in VARIANTS):
+                continue
             caches, table, seq, qs = make_problem(H, B, T, S, 4, kv)
             nb = kv_decode_bytes(kv, B * T, B, S, H)
             o = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")

@@ -84,7 +84,8 @@ def gluon_decode_usage(cases) -> list[dict]:
     report its resources (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
     interpreter mode, which the test suite turns on, cannot compile). dtype "fp8" / "tbq4": the kernel for
     quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries; "fp8mma": the fp8 kernel with e4m3 matmuls
-    (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`)."""
+    (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`); "tbq4reg":
+    its tbq4 sibling (`ops.mla_decode_gluon_tbq4reg`)."""
     import torch
 
     from specmla.ops import mla_decode_gluon as G
@@ -96,8 +97,8 @@ def gluon_decode_usage(cases) -> list[dict]:
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         block_n = rest[0] if rest else 64
-        mma, reg = dtype_name == "fp8mma", dtype_name == "fp8reg"
-        dtype_name = "fp8" if mma or reg else dtype_name
+        mma, reg, treg = dtype_name == "fp8mma", dtype_name == "fp8reg", dtype_name == "tbq4reg"
+        dtype_name = "fp8" if mma or reg else "tbq4" if treg else dtype_name
         fp8 = dtype_name in ("fp8", "tbq4")  # a quantised cache: the Gluon kernel for fp8 / tbq4 rows
         dtype = torch.bfloat16 if fp8 else getattr(torch, dtype_name)
         B = 2
@@ -112,7 +113,11 @@ def gluon_decode_usage(cases) -> list[dict]:
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         with offline_sm90() as kernels:
-            if reg:
+            if treg:
+                from specmla.ops import mla_decode_gluon_tbq4reg as T
+                T.launch_tbq4reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
+                                       direct=direct, num_splits=1 if direct else 2)
+            elif reg:
                 from specmla.ops import mla_decode_gluon_fp8reg as R
                 R.launch_fp8reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                       direct=direct, num_splits=1 if direct else 2)

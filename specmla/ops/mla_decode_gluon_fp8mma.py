@@ -211,10 +211,10 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
                 FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
-                ROW_SCALE: gl.constexpr = False):
+                ROW_SCALE: gl.constexpr = False, LO: gl.constexpr = True):
         """q's latent part as two e4m3 terms per 128-column chunk, q ≈ (hi + lo)·sq (sq: the row's chunk
-        maximum / 448; ROW_SCALE: the row's maximum / 448, the same for every chunk), and its rope part in bf16;
-        padded rows are zeros."""
+        maximum / 448; ROW_SCALE: the row's maximum / 448, the same for every chunk; LO False: hi alone, q_lo
+        untouched), and its rope part in bf16; padded rows are zeros."""
         QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
@@ -238,9 +238,9 @@ if G.HAVE_GLUON:
             y = x / gl.expand_dims(sq, 1)
             hi_f = _round_e4m3(y)
             hi = hi_f.to(gl.float8e4nv)  # exact
-            lo = (y - hi_f).to(gl.float8e4nv)
             q_hi.index(c).store(hi)
-            q_lo.index(c).store(lo)
+            if LO:
+                q_lo.index(c).store((y - hi_f).to(gl.float8e4nv))
             qs.index(c).store(gl.convert_layout(sq, FL))
         cols_r = gl.expand_dims(gl.arange(0, DR, layout=gl.SliceLayout(0, QL)), 0)
         q_r.store(gl.load(Q + q_at + DC + cols_r, mask=ok_q, other=0.0).to(gl.bfloat16))
@@ -457,13 +457,14 @@ def _descriptors(kv_cache: torch.Tensor, scale_words: int = 4) -> tuple:
 
 
 def tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *, causal: bool,
-                    direct: bool, num_splits: int, block_m: int, scale_words: int = 4) -> tuple:
-    """`split_launch_args` for the kernels that read the rows through TMA descriptors (this one and
-    `mla_decode_gluon_fp8reg`): they take no pointer-path layouts or widths."""
+                    direct: bool, num_splits: int, block_m: int, scale_words: int = 4, views: tuple | None = None) -> tuple:
+    """`split_launch_args` for the kernels that read the rows through TMA descriptors (this one,
+    `mla_decode_gluon_fp8reg` and `mla_decode_gluon_tbq4reg`, whose `views` are its own): they take no
+    pointer-path layouts or widths."""
     grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                              cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
                                              block_n=BLOCK_N, block_m=block_m,
-                                             kv_views=_descriptors(kv_cache, scale_words))
+                                             kv_views=views or _descriptors(kv_cache, scale_words))
     for k in ("DC", "DR", "Q_C_SMEM", "Q_R_SMEM", "K_C_SMEM", "K_R_SMEM"):
         consts.pop(k)
     return grid, args, consts

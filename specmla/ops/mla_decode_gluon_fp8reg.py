@@ -56,6 +56,8 @@ P_SPLIT = True  # Pᵀ·scale/f as two e4m3 terms (hi + lo, two P·V matmuls): o
 REFILL_LAG = 2  # the producer refills the stage of block j - REFILL_LAG after handing over block j
 PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ,
 # 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs)
+NO_COPY = False  # timing probe (wrong results): no TMA copies, the consumers alone on whatever the ring holds
+Q_SPLIT = True  # q as two e4m3 terms (hi + lo) in Q·Kᵀ; False: one term (half the score matmuls)
 
 _SOURCE_KEY = G.source_key(__file__) ^ M._SOURCE_KEY
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
@@ -129,21 +131,21 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
-                  LAG: gl.constexpr, SW: gl.constexpr):
+                  LAG: gl.constexpr, SW: gl.constexpr, NO_COPY: gl.constexpr):
         """Keep NR blocks in flight; per block wait for its bytes, write the per-key scales normalised per chunk
         (and the chunk factors f) for its raw stage, zero the codes of rows past the end and hand it over; then
         refill the stage of the block LAG behind once its consumer has read it."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
-        RAW_FREE: gl.constexpr = NR
         KV_READY: gl.constexpr = 2 * NR
         SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
                                              order=[1, 0])
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         for i in gl.static_range(NR):
-            if i < n_blocks:
-                M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
-                               raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
+            if not NO_COPY:
+                if i < n_blocks:
+                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N,
+                                   raw_codes, raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
         ZL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
@@ -151,7 +153,8 @@ if G.HAVE_GLUON:
         cols_s = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)), 0)
         for j in range(n_blocks):
             rs = j % NR
-            mbarrier.wait(bars.index(rs), (j // NR) & 1)
+            if not NO_COPY:
+                mbarrier.wait(bars.index(rs), (j // NR) & 1)
             s4 = raw_scales.index(rs).slice(0, 4, dim=1).load(SCL)
             s4 = gl.where(gl.expand_dims(start + j * BLOCK_N + keys_s < end, 1), s4, 0.0)
             f4 = gl.maximum(gl.max(s4, axis=0), 1e-30) / 448.0  # P·scale / f stays within e4m3's 448
@@ -168,35 +171,47 @@ if G.HAVE_GLUON:
                 fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(bars.index(KV_READY + rs))
-            if j >= LAG:  # refill the stage block j-LAG used, once its consumer has read it
-                nxt = j - LAG + NR
-                if nxt < n_blocks:
-                    prev = (j - LAG) % NR
-                    mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
+            _refill(shared, j, PAGE_SIZE, BLOCK_N, NR, LAG, SW, NO_COPY)
+
+    @gluon.jit
+    def _refill(shared, j, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, LAG: gl.constexpr,
+                SW: gl.constexpr, NO_COPY: gl.constexpr):
+        """Refill the stage block j - LAG used with block j - LAG + NR, once its consumer has read it."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
+        if j >= LAG:
+            nxt = j - LAG + NR
+            if nxt < n_blocks:
+                prev = (j - LAG) % NR
+                mbarrier.wait(bars.index(NR + prev), ((j - LAG) // NR) & 1)  # RAW_FREE + prev
+                if not NO_COPY:
                     M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
                                    raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW)
 
     @gluon.jit
-    def _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, c: gl.constexpr, s_zero):
-        """Issue chunk c's partial Sᵀ on stage rs's codes: the hi and lo terms of q into one accumulator."""
+    def _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, c: gl.constexpr, s_zero, Q_SPLIT: gl.constexpr):
+        """Issue chunk c's partial Sᵀ on stage rs's codes: the hi and (Q_SPLIT) lo terms of q into one
+        accumulator."""
         s = warpgroup_mma(raw_codes.index(rs * 4 + c), q_hi.index(c).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-        return warpgroup_mma(raw_codes.index(rs * 4 + c), q_lo.index(c).permute((1, 0)), s, is_async=True)
+        if Q_SPLIT:
+            s = warpgroup_mma(raw_codes.index(rs * 4 + c), q_lo.index(c).permute((1, 0)), s, is_async=True)
+        return s
 
     @gluon.jit
-    def _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16):
+    def _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16, Q_SPLIT: gl.constexpr):
         """Issue stage rs's partial Sᵀ per 128-column chunk and its rope part's."""
-        s0 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 0, s_zero)
-        s1 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 1, s_zero)
-        s2 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 2, s_zero)
-        s3 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 3, s_zero)
+        s0 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 0, s_zero, Q_SPLIT)
+        s1 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 1, s_zero, Q_SPLIT)
+        s2 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 2, s_zero, Q_SPLIT)
+        s3 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 3, s_zero, Q_SPLIT)
         sr = warpgroup_mma(raw_rope.index(rs), q_r.permute((1, 0)), s_zero16, use_acc=False, is_async=True)
         return s0, s1, s2, s3, sr
 
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
-                  DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr):
+                  DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr):
         """Consumer ROLE takes blocks ROLE, ROLE + 2, …: Sᵀ on the raw codes (hi and lo terms per chunk, the rope
         part in bf16), its own online softmax, Pᵀ·scale/f per chunk into shared memory, then the Vᵀ fragments
         from the raw codes (the stage is freed once they are in registers) and Oᵀ += Vᵀ·Pᵀ per chunk. At the end
@@ -216,7 +231,7 @@ if G.HAVE_GLUON:
         KEY: gl.constexpr = gl.SliceLayout(1, ACC)
         if ROLE == 0:
             M._load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512,
-                      64, True)
+                      64, True, Q_SPLIT)
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(bars.index(Q_READY))
@@ -251,7 +266,8 @@ if G.HAVE_GLUON:
                 mbarrier.arrive(bars.index(RAW_FREE + rs))
             else:
                 if PROBE != 4:
-                    s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16)
+                    s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16,
+                                                        Q_SPLIT)
                 else:
                     s0, s1, s2, s3, sr = s_zero, s_zero, s_zero, s_zero, s_zero16
                 sc0 = gl.expand_dims(sc.index(rs * 4 + 0).load(KEY), 1)
@@ -362,7 +378,8 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, NR: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr, LAG: gl.constexpr,
-        SW: gl.constexpr, P_SPLIT: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, NO_COPY: gl.constexpr,
+        SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -394,9 +411,11 @@ if G.HAVE_GLUON:
                 stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
                 stride_ls, scale_log2, S, H, g, seq_len)
         gl.warp_specialize([
-            (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT)),
-            (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT)),
-            (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW)),
+            (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
+                         Q_SPLIT)),
+            (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
+                         Q_SPLIT)),
+            (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -413,5 +432,6 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                            scale_words=SCALE_WORDS)
     _mla_decode_fp8reg_kernel[grid](*args, **consts, NR=NUM_RAW, CONSUMER_REGS=REGS[0], PRODUCER_REGS=REGS[1],
                                     PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS, P_SPLIT=P_SPLIT,
+                                    Q_SPLIT=Q_SPLIT, NO_COPY=NO_COPY,
                                     SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from specmla.ops import (mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant,
-                         tbq4)
+                         mla_decode_gluon_tbq4reg, tbq4)
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -566,6 +566,11 @@ def mla_decode_triton(
         mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                     softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
                                                     num_splits=ns)
+    elif (run_gluon and gluon_quant and tbq and mla_decode_gluon_tbq4reg.USE
+            and mla_decode_gluon_tbq4reg.tbq4reg_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
+        mla_decode_gluon_tbq4reg.launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                                      softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
+                                                      num_splits=ns)
     elif (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8mma.USE
             and mla_decode_gluon_fp8mma.fp8mma_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
         mla_decode_gluon_fp8mma.launch_fp8mma_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,

@@ -1,0 +1,234 @@
+"""Hopper MLA decode over a tbq4 cache: the producer turns each block's 4-bit codes into e4m3 centroids, and the
+consumers of `mla_decode_gluon_fp8reg` (e4m3 matmuls, Vᵀ from registers) run on them.
+
+Why: the unpacking kernel (`mla_decode_gluon_quant`) writes a bf16 tile per block and runs bf16 matmuls on it;
+it reads 392-byte rows at 1.0× bf16's speed, against 2.9× fewer bytes. Here:
+- The producer copies each 64-key block raw with cp.async in 8-byte pieces (each chunk's codes, the norms, the rope
+  into their own tiles). TMA cannot: a TMA row stride must be a multiple of 16 bytes and a box start 16-byte
+  aligned, and 392-byte rows are neither (odd keys' rows are 8-byte aligned).
+- The producer warpgroup then decodes each 32-bit word of 8 codes into 8 e4m3 bytes (three byte permutes per 4
+  codes on a 16-entry register table, `tbq4.e4m3_lookup_ptx`: the centroids times k, rounded to e4m3 within 2 %), copies
+  the rope tile and writes the per-key scales norm/k normalised per chunk, as the fp8 kernel's producer does
+  with the fp8 scales. That is the fp8 kernel's stage, so its consumers run unchanged: Q·Kᵀ as e4m3 wgmmas on
+  the stage, Vᵀ loaded from it into registers, P·V in e4m3.
+- Two rings: raw stages (24.5 KB, refilled as soon as the producer has decoded them) and decoded stages (40 KB,
+  freed by the consumers). Three of each fit beside q and Pᵀ.
+- q is one e4m3 term (`Q_SPLIT`) and so is Pᵀ: their rounding (≈ 3 % per element) is small beside the 4-bit
+  codes' 9.6 %, and the second terms would cost a third of the consumers' time (docs/benchmarks.md, issue 7).
+- Attention runs in the rotated domain: the caller rotates q's latent part and the output (`mla_decode_triton`).
+
+Status (H100, H=16, `benchmarks/fp8mma_probe.py`, docs/benchmarks.md issue 7, thirteenth session): correct (2–4 %
+from the exact tbq4 attention, every row's cosine > 0.999) but little faster than the unpacking kernel: 383 µs
+against 407 at B=32 T=32k (bf16 411), 148 against 155 at B=4 T=80k. The copies are the bottleneck: alone they take
+222 µs (1.85 TB/s). 8-byte cp.async is `.ca`, cached in L1, and the 227 KB of shared memory leave L1 about 29 KB;
+16-byte copies (`.cg`, past L1) or TMA need 16-byte-aligned rows, so a 400-byte row (rope before the norms) is
+the next step. Opt-in (`USE`) until then.
+
+16 query rows (H = 16, S = 1), Dc = 512, Dr = 64, pages of a multiple of 64 keys; other calls go to the other
+kernels. Same contract, grid, split rule and partials as `mla_decode_triton`. Gluon does not run in the Triton
+interpreter: GPU tests check it against the fp64 reference, a CPU test compiles it for sm_90.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmla.ops import mla_decode_gluon as G
+from specmla.ops import mla_decode_gluon_fp8mma as M
+from specmla.ops import mla_decode_gluon_fp8reg as R
+from specmla.ops import mla_decode_gluon_quant as Q8
+from specmla.ops import tbq4
+
+if G.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    # cp.async global → shared: `async_load` after Triton 3.6
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+    _cta_barrier = G._cta_barrier
+
+BLOCK_N = 64
+BLOCK_M = 16
+ROW = tbq4.row_bytes(512) + 128  # 392 bytes: 256 of codes, 4 fp16 norms, 64 bf16 rope values
+NUM_DECODED = 3  # decoded stages (40 KB): each consumer holds one, the producer writes the third
+NUM_RAW = 3  # raw stages (24.5 KB): two in flight while the producer decodes the third
+REGS = (224, 56)  # (consumer, producer) registers per thread
+USE = False  # True: mla_decode_triton sends the tbq4 calls this kernel takes here (else `mla_decode_gluon_quant`)
+Q_SPLIT = False  # q as two e4m3 terms in Q·Kᵀ (True) or one
+PROBE = 0  # timing probes (wrong results), bits: 1 the producer decodes nothing, 2 copies nothing, 4 the consumers
+# hand every stage straight back, 8 no scales
+
+_SOURCE_KEY = G.source_key(__file__) ^ R._SOURCE_KEY
+_c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
+_DECODE = _c(tbq4.e4m3_lookup_ptx())
+_INV_K = 1.0 / tbq4.e4m3_centroids()[0]
+
+if G.HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_raw(KV, BT, b, stride_btb, n0, raw_codes, raw_norms, raw_rope, tbars, rr, PAGE_SIZE: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+        """Copy the key block starting at key n0 into raw stage rr with cp.async, in 8-byte pieces (KV: the cache as
+        int64, 49 per row): each chunk's codes as [64 keys, 8], the norms (with the rope's first 4 values) as
+        [64, 2], the rope as [64, 16]. The stage's barrier completes once every producer thread's copies have."""
+        CL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        NL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[16, 2], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
+        base = KV + (page * PAGE_SIZE + n0 % PAGE_SIZE).to(gl.int64) * 49
+        rows_c = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CL)) * 49, 1)
+        cols_c = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CL)), 0)
+        for c in gl.static_range(4):
+            _async_load(raw_codes.index(rr * 4 + c), base + rows_c + (8 * c) + cols_c)
+        rows_n = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, NL)) * 49, 1)
+        cols_n = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, NL)), 0)
+        _async_load(raw_norms.index(rr), base + rows_n + 32 + cols_n)
+        rows_r = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RL)) * 49, 1)
+        cols_r = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, RL)), 0)
+        _async_load(raw_rope.index(rr), base + rows_r + 33 + cols_r)
+        async_copy.mbarrier_arrive(tbars.index(rr), increment_count=False)
+
+    @gluon.jit
+    def _producer(shared, raw, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr):
+        """Keep NRAW raw blocks in flight; per block wait for its bytes and for a free decoded stage, write the
+        per-key scales (norm / k, normalised per chunk as in `mla_decode_gluon_fp8reg`), decode the codes into
+        e4m3, copy the rope tile, hand the stage over and refill the raw stage at once."""
+        (KV, unused0, unused1, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, dec_codes, dec_rope, unused2, sc, fs, p8, bars) = shared
+        raw_codes, raw_norms, raw_rope, tbars = raw
+        KV_READY: gl.constexpr = 2 * ND
+        SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
+                                             order=[1, 0])
+        FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+        # a chunk's codes [64 keys, 16 words] (64-byte rows), 8-byte loads: 4 keys per warp, conflict-free
+        DL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        TILE32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        for i in gl.static_range(NRAW):
+            if (PROBE & 2) == 0:
+                if i < n_blocks:
+                    _issue_raw(KV, BT, b, stride_btb, start + i * BLOCK_N, raw_codes, raw_norms, raw_rope, tbars, i,
+                               PAGE_SIZE, BLOCK_N)
+        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
+        cols_s = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)), 0)
+        for j in range(n_blocks):
+            rr = j % NRAW
+            ds = j % ND
+            if (PROBE & 2) == 0:
+                mbarrier.wait(tbars.index(rr), (j // NRAW) & 1)
+            if j >= ND:  # the consumer of block j - ND has read its stage
+                mbarrier.wait(bars.index(ND + ds), ((j - ND) // ND) & 1)
+            if (PROBE & 8) == 0:
+                n4 = G._reinterpret(raw_norms.index(rr), gl.float16, [BLOCK_N, 8], PLAIN).slice(0, 4, dim=1).load(SCL)
+                s4 = gl.where(gl.expand_dims(start + j * BLOCK_N + keys_s < end, 1), n4.to(gl.float32) * INV_K, 0.0)
+                f4 = gl.maximum(gl.max(s4, axis=0), 1e-30) / 448.0  # P·scale / f stays within e4m3's 448
+                s4 = s4 / gl.expand_dims(f4, 0)
+                for c in gl.static_range(4):
+                    sc.index(ds * 4 + c).store(gl.sum(gl.where(cols_s == c, s4, 0.0), axis=1))
+                    f_c = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)) == c, f4, 0.0), axis=0)
+                    fs.index(ds * 4 + c).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=FL) + f_c)
+            if (PROBE & 1) == 0:
+                for c in gl.static_range(4):
+                    words = G._reinterpret(raw_codes.index(rr * 4 + c), gl.int32, [BLOCK_N, 16], PLAIN).load(DL)
+                    lo, hi = gl.inline_asm_elementwise(_DECODE, "=r,=r,r", [words], dtype=(gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
+                    G._reinterpret(dec_codes.index(ds * 4 + c), gl.int32, [BLOCK_N, 32], TILE32).store(
+                        gl.reshape(gl.join(lo, hi), [BLOCK_N, 32]))
+                dec_rope.index(ds).store(G._reinterpret(raw_rope.index(rr), gl.bfloat16, [BLOCK_N, 64], PLAIN).load(RL))
+            fence_async_shared()
+            _cta_barrier()  # every warp has written the stage and read the raw one
+            mbarrier.arrive(bars.index(KV_READY + ds))
+            if (PROBE & 2) == 0:
+                if j + NRAW < n_blocks:
+                    _issue_raw(KV, BT, b, stride_btb, start + (j + NRAW) * BLOCK_N, raw_codes, raw_norms, raw_rope,
+                               tbars, rr, PAGE_SIZE, BLOCK_N)
+
+    @gluon.jit
+    def _mla_decode_tbq4reg_kernel(
+        Q, KV, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
+        stride_qb, stride_qs, stride_qh,
+        stride_kvp, stride_kvt,
+        stride_btb,
+        stride_mob, stride_mos, stride_moh, stride_mosp,
+        stride_mlb, stride_mls, stride_mlh,
+        stride_ob, stride_os, stride_oh,
+        stride_lb, stride_ls,
+        scale_log2,
+        S, H, NUM_SPLITS,
+        PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, ND: gl.constexpr, NRAW: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_SPLIT: gl.constexpr, INV_K: gl.constexpr,
+        PROBE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
+        n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        Q8L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        QR: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        P8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        q_hi = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_M, 128], Q8L)
+        if Q_SPLIT:
+            q_lo = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_M, 128], Q8L)
+        else:
+            q_lo = q_hi  # never written nor read
+        q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 64], QR)
+        qs = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], PLAIN)
+        dec_codes = gl.allocate_shared_memory(gl.float8e4nv, [ND * 4, BLOCK_N, 128], Q8L)
+        dec_rope = gl.allocate_shared_memory(gl.bfloat16, [ND, BLOCK_N, 64], QR)
+        sc = gl.allocate_shared_memory(gl.float32, [ND * 4, BLOCK_N], PLAIN)  # [stage · 4 + chunk, key]
+        fs = gl.allocate_shared_memory(gl.float32, [ND * 4, BLOCK_M], PLAIN)  # each chunk's f, per row
+        p8 = gl.allocate_shared_memory(gl.float8e4nv, [12, BLOCK_M, BLOCK_N], P8)  # [consumer · 8 + chunk]
+        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        raw_codes = gl.allocate_shared_memory(gl.int64, [NRAW * 4, BLOCK_N, 8], PLAIN2)  # [stage · 4 + chunk, key]
+        raw_norms = gl.allocate_shared_memory(gl.int64, [NRAW, BLOCK_N, 2], PLAIN2)  # 4 norms, 4 rope values
+        raw_rope = gl.allocate_shared_memory(gl.int64, [NRAW, BLOCK_N, 16], PLAIN2)
+        n_bars: gl.constexpr = 3 * ND + 3
+        bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
+        tbars = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(n_bars):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(NRAW):
+            mbarrier.init(tbars.index(i), count=128)  # one cp.async arrival per producer thread
+        fence_async_shared()
+        raw = (raw_codes, raw_norms, raw_rope, tbars)
+        shared = (KV, KV, KV, BT, stride_btb, b, start, end, n_blocks,
+                  q_hi, q_lo, q_r, qs, dec_codes, dec_rope, dec_rope, sc, fs, p8, bars)
+        args = (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
+                stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
+                stride_ls, scale_log2, S, H, g, seq_len)
+        gl.warp_specialize([
+            (R._consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
+                           False, Q_SPLIT)),
+            (R._consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
+                           False, Q_SPLIT)),
+            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE)),
+        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def tbq4reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
+    """Whether this kernel takes a tbq4-cache call: what the unpacking kernel takes (Hopper, bf16 queries,
+    Dc = 512, Dr = 64, contiguous 392-byte rows), 16 query rows and pages of a multiple of 64 keys."""
+    return (Q8.quant_supported(q, kv_cache, dc, block_m, "tbq4") and kv_cache.shape[1] % BLOCK_N == 0
+            and max(16, block_m) == BLOCK_M)
+
+
+def launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
+                         causal: bool, direct: bool, num_splits: int):
+    """Stage 1 of `mla_decode_triton` for a tbq4 cache, q already rotated (grid, split rule and outputs as the
+    other kernels)."""
+    grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+                                           cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
+                                           views=(kv_cache.view(torch.int64),))
+    _mla_decode_tbq4reg_kernel[grid](*args, **consts, ND=NUM_DECODED, NRAW=NUM_RAW, CONSUMER_REGS=REGS[0],
+                                     PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY,
+                                     num_warps=4)

@@ -1,0 +1,135 @@
+"""The tbq4 decode kernel that decodes codes into e4m3 for the fp8 kernel's consumers (`ops.mla_decode_gluon_tbq4reg`):
+the whole kernel against the fp64 tbq4 reference on ragged lengths (one key block, an odd block per consumer, many
+blocks, several splits) with 0xFF bytes (NaN norms and rope) past each request's end, and the calls it must leave
+to the other kernels. GPU (Hopper) only; on the CPU: its byte-permute lookup, emulated, against the centroid table,
+and an sm_90 compile."""
+
+import random
+
+import pytest
+import torch
+from offline_compile import offline_sm90_rows
+from test_mla_decode_gluon_fp8mma import hopper
+
+from specmla.ops import mla_decode_gluon_tbq4reg as T
+from specmla.ops import tbq4
+
+
+def _problem(lens, S, H=16, seed=0):
+    from specmla.ops.kv_cache import write_kv_cache
+
+    torch.manual_seed(seed)
+    B = len(lens)
+    pages = max(-(-n // 64) for n in lens) + 1
+    num_pages = B * pages + 3
+    latent = torch.randn(num_pages * 64, 576, device="cuda", dtype=torch.bfloat16)
+    cache = torch.empty(num_pages, 64, 392, dtype=torch.uint8, device="cuda")
+    write_kv_cache(cache, latent[:, :512], latent[:, 512:], torch.arange(num_pages * 64, device="cuda"), "tbq4")
+    table = torch.randperm(num_pages, device="cuda", dtype=torch.int32)[: B * pages].view(B, pages)
+    for i, n in enumerate(lens):  # rows past a request's end: NaN norms and rope, which must not leak
+        cache[int(table[i, (n - 1) // 64]), (n - 1) % 64 + 1:] = 255
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16)
+    return q, cache, table, seq
+
+
+def _run(q, cache, table, seq, splits, monkeypatch):
+    from specmla.ops.mla_decode_triton import mla_decode_triton
+
+    monkeypatch.setattr(T, "USE", True)
+    launches = []
+    launch = T.launch_tbq4reg_split
+    monkeypatch.setattr(T, "launch_tbq4reg_split", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    got = mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4", gluon=True,
+                            num_splits=splits)
+    return got, launches
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("lens,splits", [([1, 63, 64, 65, 300, 1000], None), ([4097, 77, 128], 1),
+                                         ([4097, 77, 128], 3), ([130, 2], 1), ([8192, 5000], 2)])
+def test_tbq4reg_kernel_matches_the_reference(lens, splits, monkeypatch):
+    from specmla.ops.mla_decode import mla_decode_torch
+
+    q, cache, table, seq = _problem(lens, 1)
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")
+    got, launches = _run(q, cache, table, seq, splits, monkeypatch)
+    assert launches == [1]  # this kernel ran
+    got = got.double()
+    assert torch.isfinite(got).all()
+    # e4m3 centroids (≤ 2 %), q and P in one e4m3 term each: a few per cent against the exact tbq4 attention,
+    # small beside the 4-bit codes' own error
+    err = ((got - ref).norm() / ref.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(2), ref.flatten(2), dim=-1)
+    print(f"relative error {err:.4f}, worst row cosine {cos.min().item():.5f}")
+    assert err < 5e-2
+    assert cos.min().item() > 0.998
+
+
+@pytest.mark.gpu
+@hopper
+def test_tbq4reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
+    from specmla.ops.mla_decode import mla_decode_torch
+
+    q, cache, table, seq = _problem([700, 90], 2)
+    got, launches = _run(q, cache, table, seq, None, monkeypatch)
+    assert launches == []
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode) in Python: byte i of the result is byte (nibble i of sel) of b:a, or that
+    byte's sign replicated when the nibble's top bit is set."""
+    pool = (a | b << 32).to_bytes(8, "little")
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 15
+        byte = pool[nib & 7]
+        if nib & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def test_e4m3_lookup_gives_every_codes_centroid():
+    """CPU: the PTX of `tbq4.e4m3_lookup_ptx`, run instruction by instruction in Python on random words (and the
+    all-0 / all-15 ones), gives each code's e4m3 entry in coordinate order; the entries are the centroids · k within
+    2 %."""
+    k, codes = tbq4.e4m3_centroids()
+    cent = torch.tensor(tbq4.lloyd_max_centroids(), dtype=torch.float64)
+    values = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn).double() / k
+    assert ((values - cent) / cent).abs().max().item() < 0.02
+    lines = [ln.strip().rstrip(";") for ln in tbq4.e4m3_lookup_ptx().splitlines()]
+    rng = random.Random(0)
+    for word in [0, 0xFFFFFFFF, 0x76543210, 0xFEDCBA98] + [rng.getrandbits(32) for _ in range(200)]:
+        regs = {"$2": word}
+        for ln in lines:
+            if not ln or ln[0] in "{}." or ln.startswith(".reg"):
+                continue
+            op, rest = ln.split(None, 1)
+            args = [x.strip() for x in rest.split(",")]
+            val = [regs[x] if x in regs else int(x, 0) for x in args[1:]]
+            if op == "mov.b32":
+                r = val[0]
+            elif op == "and.b32":
+                r = val[0] & val[1]
+            elif op == "or.b32":
+                r = val[0] | val[1]
+            elif op == "shr.u32":
+                r = val[0] >> val[1]
+            elif op == "prmt.b32":
+                r = _prmt(*val)
+            else:
+                raise AssertionError(f"unexpected instruction {op}")
+            regs[args[0]] = r & 0xFFFFFFFF
+        got = list((regs["$0"] | regs["$1"] << 32).to_bytes(8, "little"))
+        assert got == [codes[(word >> (4 * i)) & 15] for i in range(8)], hex(word)
+
+
+def test_tbq4reg_kernel_compiles_for_sm90():
+    """CPU: the kernel compiles for sm_90 and fits the shared memory."""
+    for row in offline_sm90_rows([[16, 1, 512, 64, "tbq4reg", False], [16, 1, 512, 64, "tbq4reg", True]]):
+        (k,) = row["kernels"]
+        assert k["shared"] <= 232448 and k["regs"] > 0
