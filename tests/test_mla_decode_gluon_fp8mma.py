@@ -9,6 +9,7 @@ from offline_compile import offline_sm90_rows
 from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8mma as M
 from specmla.ops import mla_decode_gluon_fp8reg as R
+from specmla.ops.mla_decode_gluon_quant import ROW_BYTES
 
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
                                  and G.HAVE_GLUON), reason="needs a Hopper GPU and Gluon")
@@ -191,7 +192,7 @@ def test_q_split_in_two_e4m3_terms():
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
 
 
-def _problem(lens, S, H=16, seed=0):
+def _problem(lens, S, H=16, seed=0, kv_format="fp8"):
     from specmla.ops.kv_cache import write_kv_cache
 
     torch.manual_seed(seed)
@@ -199,10 +200,11 @@ def _problem(lens, S, H=16, seed=0):
     pages = max(-(-n // 64) for n in lens) + 1
     num_pages = B * pages + 3
     latent = torch.randn(num_pages * 64, 576, device="cuda", dtype=torch.bfloat16)
-    cache = torch.empty(num_pages, 64, 656, dtype=torch.uint8, device="cuda")
-    write_kv_cache(cache, latent[:, :512], latent[:, 512:], torch.arange(num_pages * 64, device="cuda"), "fp8")
+    cache = torch.empty(num_pages, 64, ROW_BYTES[kv_format], dtype=torch.uint8, device="cuda")
+    write_kv_cache(cache, latent[:, :512], latent[:, 512:], torch.arange(num_pages * 64, device="cuda"), kv_format)
     table = torch.randperm(num_pages, device="cuda", dtype=torch.int32)[: B * pages].view(B, pages)
-    for i, n in enumerate(lens):  # rows past a request's end: NaN codes and scales, which must not leak
+    for i, n in enumerate(lens):  # rows past a request's end: 0xFF bytes (NaN fp8 codes and scales, NaN tbq4
+        # norms and rope), which must not leak
         cache[int(table[i, (n - 1) // 64]), (n - 1) % 64 + 1:] = 255
     seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16)

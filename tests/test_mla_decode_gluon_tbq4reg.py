@@ -9,28 +9,10 @@ import random
 import pytest
 import torch
 from offline_compile import offline_sm90_rows
-from test_mla_decode_gluon_fp8mma import hopper
+from test_mla_decode_gluon_fp8mma import _problem, hopper
 
 from specmla.ops import mla_decode_gluon_tbq4reg as T
 from specmla.ops import tbq4
-
-
-def _problem(lens, S, H=16, seed=0):
-    from specmla.ops.kv_cache import write_kv_cache
-
-    torch.manual_seed(seed)
-    B = len(lens)
-    pages = max(-(-n // 64) for n in lens) + 1
-    num_pages = B * pages + 3
-    latent = torch.randn(num_pages * 64, 576, device="cuda", dtype=torch.bfloat16)
-    cache = torch.empty(num_pages, 64, 392, dtype=torch.uint8, device="cuda")
-    write_kv_cache(cache, latent[:, :512], latent[:, 512:], torch.arange(num_pages * 64, device="cuda"), "tbq4")
-    table = torch.randperm(num_pages, device="cuda", dtype=torch.int32)[: B * pages].view(B, pages)
-    for i, n in enumerate(lens):  # rows past a request's end: NaN norms and rope, which must not leak
-        cache[int(table[i, (n - 1) // 64]), (n - 1) % 64 + 1:] = 255
-    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, S, H, 576, device="cuda", dtype=torch.bfloat16)
-    return q, cache, table, seq
 
 
 def _run(q, cache, table, seq, splits, monkeypatch):
@@ -52,7 +34,7 @@ def _run(q, cache, table, seq, splits, monkeypatch):
 def test_tbq4reg_kernel_matches_the_reference(lens, splits, monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 
-    q, cache, table, seq = _problem(lens, 1)
+    q, cache, table, seq = _problem(lens, 1, kv_format="tbq4")
     ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")
     got, launches = _run(q, cache, table, seq, splits, monkeypatch)
     assert launches == [1]  # this kernel ran
@@ -72,7 +54,7 @@ def test_tbq4reg_kernel_matches_the_reference(lens, splits, monkeypatch):
 def test_tbq4reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 
-    q, cache, table, seq = _problem([700, 90], 2)
+    q, cache, table, seq = _problem([700, 90], 2, kv_format="tbq4")
     got, launches = _run(q, cache, table, seq, None, monkeypatch)
     assert launches == []
     ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")

@@ -458,9 +458,8 @@ def _descriptors(kv_cache: torch.Tensor, scale_words: int = 4) -> tuple:
 
 def tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *, causal: bool,
                     direct: bool, num_splits: int, block_m: int, scale_words: int = 4, views: tuple | None = None) -> tuple:
-    """`split_launch_args` for the kernels that read the rows through TMA descriptors (this one,
-    `mla_decode_gluon_fp8reg` and `mla_decode_gluon_tbq4reg`, whose `views` are its own): they take no
-    pointer-path layouts or widths."""
+    """`split_launch_args` for the kernels that take no pointer-path layouts or widths: this one and
+    `mla_decode_gluon_fp8reg` (the cache as TMA descriptors) and `mla_decode_gluon_tbq4reg` (its own `views`)."""
     grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                              cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
                                              block_n=BLOCK_N, block_m=block_m,

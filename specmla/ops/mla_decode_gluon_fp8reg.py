@@ -137,6 +137,7 @@ if G.HAVE_GLUON:
         refill the stage of the block LAG behind once its consumer has read it."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
+        RAW_FREE: gl.constexpr = NR
         KV_READY: gl.constexpr = 2 * NR
         SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
                                              order=[1, 0])
@@ -150,19 +151,12 @@ if G.HAVE_GLUON:
                                             order=[1, 0])
         keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
         keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
-        cols_s = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)), 0)
         for j in range(n_blocks):
             rs = j % NR
             if not NO_COPY:
                 mbarrier.wait(bars.index(rs), (j // NR) & 1)
-            s4 = raw_scales.index(rs).slice(0, 4, dim=1).load(SCL)
-            s4 = gl.where(gl.expand_dims(start + j * BLOCK_N + keys_s < end, 1), s4, 0.0)
-            f4 = gl.maximum(gl.max(s4, axis=0), 1e-30) / 448.0  # P·scale / f stays within e4m3's 448
-            s4 = s4 / gl.expand_dims(f4, 0)
-            for c in gl.static_range(4):
-                sc.index(rs * 4 + c).store(gl.sum(gl.where(cols_s == c, s4, 0.0), axis=1))
-                f_c = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)) == c, f4, 0.0), axis=0)
-                fs.index(rs * 4 + c).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=FL) + f_c)
+            _store_scales(raw_scales.index(rs).slice(0, 4, dim=1).load(SCL), start + j * BLOCK_N + keys_s < end, sc,
+                          fs, rs, BLOCK_M, SCL, FL)
             n_valid = end - start - j * BLOCK_N
             if n_valid < BLOCK_N:  # rows past the end may hold NaN codes, and 0 · NaN = NaN in P·V: zero them
                 for c in gl.static_range(4):
@@ -171,22 +165,28 @@ if G.HAVE_GLUON:
                 fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(bars.index(KV_READY + rs))
-            _refill(shared, j, PAGE_SIZE, BLOCK_N, NR, LAG, SW, NO_COPY)
+            if j >= LAG:  # refill the stage block j-LAG used, once its consumer has read it
+                nxt = j - LAG + NR
+                if nxt < n_blocks:
+                    prev = (j - LAG) % NR
+                    mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
+                    if not NO_COPY:
+                        M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
+                                       raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW)
 
     @gluon.jit
-    def _refill(shared, j, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, LAG: gl.constexpr,
-                SW: gl.constexpr, NO_COPY: gl.constexpr):
-        """Refill the stage block j - LAG used with block j - LAG + NR, once its consumer has read it."""
-        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
-         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
-        if j >= LAG:
-            nxt = j - LAG + NR
-            if nxt < n_blocks:
-                prev = (j - LAG) % NR
-                mbarrier.wait(bars.index(NR + prev), ((j - LAG) // NR) & 1)  # RAW_FREE + prev
-                if not NO_COPY:
-                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
-                                   raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW)
+    def _store_scales(s4, valid, sc, fs, rs, BLOCK_M: gl.constexpr, SCL: gl.constexpr, FL: gl.constexpr):
+        """A block's per-key chunk scales s4 [keys, 4] (zeroed where not valid) normalised per chunk, so that
+        P·scale / f stays within e4m3's 448: the scales into sc[rs·4 + chunk], each chunk's factor f into
+        fs[rs·4 + chunk] (one per query row)."""
+        s4 = gl.where(gl.expand_dims(valid, 1), s4, 0.0)
+        f4 = gl.maximum(gl.max(s4, axis=0), 1e-30) / 448.0
+        s4 = s4 / gl.expand_dims(f4, 0)
+        chunks = gl.arange(0, 4, layout=gl.SliceLayout(0, SCL))
+        for c in gl.static_range(4):
+            sc.index(rs * 4 + c).store(gl.sum(gl.where(gl.expand_dims(chunks, 0) == c, s4, 0.0), axis=1))
+            f_c = gl.sum(gl.where(chunks == c, f4, 0.0), axis=0)
+            fs.index(rs * 4 + c).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=FL) + f_c)
 
     @gluon.jit
     def _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, c: gl.constexpr, s_zero, Q_SPLIT: gl.constexpr):

@@ -120,7 +120,6 @@ if G.HAVE_GLUON:
                     _issue_raw(KV, BT, b, stride_btb, start + i * BLOCK_N, raw_codes, raw_norms, raw_rope, tbars, i,
                                PAGE_SIZE, BLOCK_N)
         keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
-        cols_s = gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)), 0)
         for j in range(n_blocks):
             rr = j % NRAW
             ds = j % ND
@@ -128,15 +127,10 @@ if G.HAVE_GLUON:
                 mbarrier.wait(tbars.index(rr), (j // NRAW) & 1)
             if j >= ND:  # the consumer of block j - ND has read its stage
                 mbarrier.wait(bars.index(ND + ds), ((j - ND) // ND) & 1)
-            if (PROBE & 8) == 0:
+            if (PROBE & 8) == 0:  # the norms / k as the fp8 kernel's scales
                 n4 = G._reinterpret(raw_norms.index(rr), gl.float16, [BLOCK_N, 8], PLAIN).slice(0, 4, dim=1).load(SCL)
-                s4 = gl.where(gl.expand_dims(start + j * BLOCK_N + keys_s < end, 1), n4.to(gl.float32) * INV_K, 0.0)
-                f4 = gl.maximum(gl.max(s4, axis=0), 1e-30) / 448.0  # P·scale / f stays within e4m3's 448
-                s4 = s4 / gl.expand_dims(f4, 0)
-                for c in gl.static_range(4):
-                    sc.index(ds * 4 + c).store(gl.sum(gl.where(cols_s == c, s4, 0.0), axis=1))
-                    f_c = gl.sum(gl.where(gl.arange(0, 4, layout=gl.SliceLayout(0, SCL)) == c, f4, 0.0), axis=0)
-                    fs.index(ds * 4 + c).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=FL) + f_c)
+                R._store_scales(n4.to(gl.float32) * INV_K, start + j * BLOCK_N + keys_s < end, sc, fs, ds, BLOCK_M,
+                                SCL, FL)
             if (PROBE & 1) == 0:
                 for c in gl.static_range(4):
                     words = G._reinterpret(raw_codes.index(rr * 4 + c), gl.int32, [BLOCK_N, 16], PLAIN).load(DL)
