@@ -1,6 +1,7 @@
 """One decode call of a case, for Nsight Compute: `ncu ... python3 benchmarks/ncu_once.py H B T S [gluon] [kv]`
 (kv: bf16, fp8 or tbq4; FP8_PROBE=N sets `ops.mla_decode_gluon_quant.PROBE`; FP8MMA=1 sends fp8 calls to
-`ops.mla_decode_gluon_fp8mma`, FP8REG=1 to `ops.mla_decode_gluon_fp8reg`)."""
+`ops.mla_decode_gluon_fp8mma`, FP8REG=1 to `ops.mla_decode_gluon_fp8reg`, TBQ4REG=1 tbq4 calls to
+`ops.mla_decode_gluon_tbq4reg`)."""
 
 import os
 
@@ -9,7 +10,7 @@ import sys
 import torch
 from bench_mla_decode import SCALE, make_problem
 
-from specmla.ops import mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant
+from specmla.ops import mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant, mla_decode_gluon_tbq4reg
 from specmla.ops.mla_decode_triton import mla_decode_triton
 
 H, B, T, S = (int(x) for x in sys.argv[1:5])
@@ -18,6 +19,7 @@ kv = sys.argv[6] if len(sys.argv) > 6 else "bf16"
 mla_decode_gluon_quant.PROBE = int(os.environ.get("FP8_PROBE", "0"))
 mla_decode_gluon_fp8mma.USE = os.environ.get("FP8MMA") == "1"
 mla_decode_gluon_fp8reg.USE = os.environ.get("FP8REG") == "1"
+mla_decode_gluon_tbq4reg.USE = os.environ.get("TBQ4REG") == "1"
 caches, table, seq, qs = make_problem(H, B, T, S, 1, kv)
 for _ in range(2):
     mla_decode_triton(qs[0], caches[0], table, seq, SCALE, head_dim_v=512, gluon=gluon, kv_format=kv)

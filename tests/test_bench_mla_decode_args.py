@@ -30,12 +30,12 @@ def test_args():
 
 
 def test_byte_counts():
-    assert [bm.row_bytes(k) for k in ("bf16", "fp8", "tbq4")] == [1152, 656, 392]
+    assert [bm.row_bytes(k) for k in ("bf16", "fp8", "tbq4")] == [1152, 656, 400]
     for B, T, S, H in [(32, 32768, 1, 16), (4, 81920, 4, 16), (3, 7, 2, 128)]:
         qo = B * S * H * (576 + 512) * 2
         assert bm.kv_decode_bytes("bf16", B * T, B, S, H) == decode_bytes(B * T, B, S, H)
         assert bm.kv_decode_bytes("fp8", B * T, B, S, H) == B * T * 656 + qo
-        assert bm.kv_decode_bytes("tbq4", B * T, B, S, H) == B * T * 392 + qo
+        assert bm.kv_decode_bytes("tbq4", B * T, B, S, H) == B * T * 400 + qo
 
 
 @pytest.mark.parametrize("kv,tol", [("bf16", 0.0), ("fp8", 0.05), ("tbq4", 0.15)])

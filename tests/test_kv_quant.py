@@ -16,10 +16,14 @@ from specmla.ops.mla_decode import mla_decode
 
 def test_row_layouts():
     assert row_spec("fp8", 512, 64, torch.bfloat16) == (656, torch.uint8)  # FlashMLA's 656-byte row
-    assert row_spec("tbq4", 512, 64, torch.bfloat16) == (4 * 66 + 128, torch.uint8)  # 392 bytes
+    # tbq4: codes and norms (66 bytes per 128 values) padded to 16 bytes, then the bf16 rope, padded to 16
+    assert row_spec("tbq4", 512, 64, torch.bfloat16) == (272 + 128, torch.uint8)  # 264 → 272, 400 bytes
     assert row_spec("auto", 512, 64, torch.bfloat16) == (576, torch.bfloat16)
-    # tbq4 rows are padded to whole 32-bit words (the decode kernel reads the codes as words)
-    assert row_spec("tbq4", 128, 64, torch.bfloat16) == (196, torch.uint8)  # 66 + 128 → 196
+    assert row_spec("tbq4", 128, 64, torch.bfloat16) == (80 + 128, torch.uint8)  # 66 → 80
+    assert row_spec("tbq4", 256, 16, torch.bfloat16) == (144 + 32, torch.uint8)  # 132 → 144
+    assert row_spec("tbq4", 512, 8, torch.bfloat16) == (272 + 16, torch.uint8)
+    for dc, dr in [(128, 64), (256, 16), (512, 64), (384, 32)]:
+        assert tbq4.rope_offset(dc) % 16 == 0 and row_spec("tbq4", dc, dr, torch.bfloat16)[0] % 16 == 0
     with pytest.raises(ValueError):
         row_spec("fp8", 100, 64, torch.bfloat16)
     with pytest.raises(ValueError):

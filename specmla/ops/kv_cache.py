@@ -5,9 +5,9 @@ One cache row per token holds [c_kv (Dc) | k_pe (Dr)] (after kv_a_layernorm and 
 - "fp8": FlashMLA's 656-byte layout for Dc=512, Dr=64 — Dc e4m3 bytes, one fp32 scale per 128
   values (amax / 448), then Dr bf16 values; uint8 rows of Dc + 4·Dc/128 + 2·Dr bytes;
 - "tbq4": c_kv in 128-blocks rotated by the FWHT and coded on 16 Lloyd–Max centroids (see
-  `ops.tbq4`: all codes, then the blocks' fp16 norms), then Dr bf16 values; uint8 rows of
-  66·Dc/128 + 2·Dr bytes, padded to a multiple of 4 so the decode kernel can read 32-bit words
-  (392 bytes for Dc=512, Dr=64: no padding).
+  `ops.tbq4`: all codes, then the blocks' fp16 norms), then Dr bf16 values, each field starting
+  16-byte aligned and the row padded to a multiple of 16 bytes (`tbq4.cache_row_bytes`: 400 for
+  Dc=512, Dr=64 — 256 of codes, 8 of norms, 8 of padding, 128 of rope), so that TMA can copy it.
 `slot_mapping` holds page * page_size + offset for each new token.
 """
 
@@ -33,8 +33,13 @@ def row_spec(kv_format: str, dc: int, dr: int, native_dtype: torch.dtype) -> tup
     if kv_format == "tbq4":
         if dc % tbq4.BLOCK:
             raise ValueError(f"tbq4 cache needs Dc divisible by {tbq4.BLOCK}, got {dc}")
-        return -(-(tbq4.row_bytes(dc) + 2 * dr) // 4) * 4, torch.uint8
+        return tbq4.cache_row_bytes(dc, dr), torch.uint8
     raise ValueError(f"unknown kv format {kv_format!r} (bf16 | fp16 | fp32 | fp8 | tbq4)")
+
+
+def rope_offset(kv_format: str, dc: int) -> int:
+    """Byte offset of the bf16 rope part in a quantised row (fp8: after the codes and scales)."""
+    return dc + 4 * (dc // FP8_BLOCK) if kv_format == "fp8" else tbq4.rope_offset(dc)
 
 
 def encode_rows(kv_format: str, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
@@ -47,9 +52,10 @@ def encode_rows(kv_format: str, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch
         codes = (blocks / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(T, dc)
         return torch.cat([codes, scale.view(T, -1).contiguous().view(torch.uint8).view(T, -1), rope], dim=-1)
     if kv_format == "tbq4":
-        rows = torch.cat([tbq4.quantize(c_kv), rope], dim=-1)
-        pad = row_spec("tbq4", dc, k_pe.shape[-1], torch.uint8)[0] - rows.shape[-1]
-        return torch.nn.functional.pad(rows, (0, pad)) if pad else rows
+        rows = torch.zeros(T, tbq4.cache_row_bytes(dc, k_pe.shape[-1]), dtype=torch.uint8, device=c_kv.device)
+        rows[:, : tbq4.row_bytes(dc)] = tbq4.quantize(c_kv)
+        rows[:, tbq4.rope_offset(dc) : tbq4.rope_offset(dc) + rope.shape[-1]] = rope
+        return rows
     raise ValueError(f"{kv_format!r} is not a quantized format")
 
 
@@ -60,7 +66,7 @@ def decode_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int, dtype=torc
     lead = rows.shape[:-1]
     rows = rows.reshape(-1, rows.shape[-1])
     T = rows.shape[0]
-    rope_at = dc + 4 * (dc // FP8_BLOCK) if kv_format == "fp8" else tbq4.row_bytes(dc)
+    rope_at = rope_offset(kv_format, dc)
     rope = rows[:, rope_at : rope_at + 2 * dr].contiguous().view(torch.bfloat16).float()
     if kv_format == "fp8":
         codes = rows[:, :dc].contiguous().view(torch.float8_e4m3fn).float().view(T, dc // FP8_BLOCK, FP8_BLOCK)
@@ -139,12 +145,13 @@ def _e4m3_rne(x):
 def _write_quantized_kernel(
     CKV, KPE, SLOT, OUT_U8, OUT_W, OUT_BF, HAD, CENT,
     T, stride_ct, stride_pt, row_u8, row_w, row_bf,
-    DC: tl.constexpr, DR: tl.constexpr, BLOCK_T: tl.constexpr, TBQ4: tl.constexpr,
+    DC: tl.constexpr, DR: tl.constexpr, BLOCK_T: tl.constexpr, TBQ4: tl.constexpr, ROPE_AT: tl.constexpr,
 ):
     """One program per BLOCK_T tokens. fp8: per-128 amax scale, e4m3 codes, fp32 scales (OUT_W is
     the fp32 view of the rows). tbq4: per 128-block y = x·H (Hadamard as a matrix product, split into
     even/odd output columns so that two codes pack into one byte), unit coordinates coded by the
-    nearest centroid, fp16 corrected norm (OUT_W is the fp16 view). Rope goes out as bf16."""
+    nearest centroid, fp16 corrected norm (OUT_W is the fp16 view). Rope goes out as bf16 at ROPE_AT (in
+    bf16 units)."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -187,11 +194,7 @@ def _write_quantized_kernel(
             tl.store(OUT_W + slot * row_w + DC // 4 + blk, scale, mask=t_ok)
     r = tl.arange(0, DR)
     pe = tl.load(KPE + t[:, None] * stride_pt + r[None, :], mask=t_ok[:, None], other=0.0)
-    if TBQ4:
-        rope_at = (DC // 128) * 33  # after the codes (DC/2 bytes) and the norms (2 bytes per block)
-    else:
-        rope_at = (DC + 4 * (DC // 128)) // 2
-    tl.store(OUT_BF + slot[:, None] * row_bf + rope_at + r[None, :], _bf16_rne(pe.to(tl.float32)),
+    tl.store(OUT_BF + slot[:, None] * row_bf + ROPE_AT + r[None, :], _bf16_rne(pe.to(tl.float32)),
              mask=t_ok[:, None])
 
 
@@ -216,5 +219,5 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torc
     _write_quantized_kernel[(triton.cdiv(T, block_t),)](
         c_kv, k_pe, slot_mapping, flat, wide, bf, had, cent,
         T, c_kv.stride(0), k_pe.stride(0), flat.stride(0), wide.stride(0), bf.stride(0),
-        DC=dc, DR=dr, BLOCK_T=block_t, TBQ4=tbq,
+        DC=dc, DR=dr, BLOCK_T=block_t, TBQ4=tbq, ROPE_AT=rope_offset(kv_format, dc) // 2,
     )

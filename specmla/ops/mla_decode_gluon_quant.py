@@ -1,4 +1,4 @@
-"""Hopper MLA decode that reads a quantised latent cache — fp8 (FlashMLA's 656-byte rows) or tbq4 (392-byte
+"""Hopper MLA decode that reads a quantised latent cache — fp8 (FlashMLA's 656-byte rows) or tbq4 (400-byte
 rows, attention in the FWHT-rotated domain) — in Gluon, warp-specialised: a producer warpgroup turns each key
 block's codes into a bf16 tile in shared memory, and two consumer warpgroups run the matmuls on it, with the
 keys as the matmuls' M dimension.
@@ -71,7 +71,7 @@ PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpack
 # 5 neither loads (after the first two blocks) nor unpacks: the consumers' own time
 
 FORMATS = {"fp8": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention in the rotated domain)
-ROW_BYTES = {"fp8": 656, "tbq4": 392}  # Dc = 512, Dr = 64
+ROW_BYTES = {"fp8": 656, "tbq4": tbq4.cache_row_bytes(512, 64)}  # Dc = 512, Dr = 64: 656 and 400
 
 _SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
@@ -104,6 +104,7 @@ add.u32 $1, a, 0x3C003C00;
 
 
 _TBQ4_PAIRS = _c(tbq4.centroid_lookup_ptx(scaled=False))  # centroids, 4 bf16x2 pairs per word
+TBQ4_ROPE_AT = _c(tbq4.rope_offset(512) // 2)  # the rope part of a tbq4 row, in bf16 units
 
 
 if G.HAVE_GLUON:
@@ -195,7 +196,7 @@ if G.HAVE_GLUON:
         words, tbq4 16) and each key's four fp32 scales (fp8) or norms (tbq4, stored fp16), into registers;
         rows not ok read zeros."""
         # fp8: 656-byte rows, 16-byte aligned, [codes 512 | 4 fp32 scales | rope], 32 words per chunk;
-        # tbq4: 392-byte rows, 8-byte aligned, [codes 256 | 4 fp16 norms | rope], 16 words per chunk
+        # tbq4: 400-byte rows, [codes 256 | 4 fp16 norms | pad | rope | pad], 16 words per chunk
         NW: gl.constexpr = 32 if FMT == 0 else 16
         ALIGN: gl.constexpr = 4 if FMT == 0 else 2
         at = gl.expand_dims(gl.multiple_of(rows // 4, ALIGN), 1)
@@ -242,12 +243,12 @@ if G.HAVE_GLUON:
     def _load_rope(KV16, k_r_buf, rows, ok, DC: gl.constexpr, DR: gl.constexpr, FMT: gl.constexpr,
                    ROPE: gl.constexpr):
         """cp.async a key block's bf16 rope part into its shared buffer (rows past the end: zeros). It
-        starts at byte 528 of an fp8 row (16-byte aligned), 264 of a tbq4 row (8-byte aligned)."""
+        starts at byte 528 of an fp8 row, 272 of a tbq4 row (both 16-byte aligned)."""
         cols = gl.arange(0, DR, layout=gl.SliceLayout(0, ROPE))
         if FMT == 0:
             at = gl.multiple_of(rows // 2 + (DC + 4 * (DC // 128)) // 2, 8)
         else:
-            at = gl.multiple_of(rows // 2 + (DC // 2 + 2 * (DC // 128)) // 2, 4)
+            at = gl.multiple_of(rows // 2 + TBQ4_ROPE_AT, 4)
         G._cp_async(k_r_buf, KV16 + gl.expand_dims(at, 1) + gl.expand_dims(cols, 0), mask=gl.expand_dims(ok, 1))
         cp.commit_group()
 
@@ -263,7 +264,7 @@ if G.HAVE_GLUON:
         no load waits on another) and mark the stage ready once the rope has landed."""
         (Q, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_blocks,
          q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, sc_smem, p_smem, s_smem, bars) = shared
-        VEC: gl.constexpr = 4 if FMT == 0 else 2  # 32-bit words per load: rows are 16- (fp8) or 8-byte (tbq4) aligned
+        VEC: gl.constexpr = 4 if FMT == 0 else 2  # 32-bit words per load (tbq4: 8 bytes, so that 8 threads cover a chunk)
         WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[4, 8],
                                                warps_per_cta=[WARPS, 1], order=[1, 0])
         ROPE: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2 * VEC], threads_per_warp=[4, 8],

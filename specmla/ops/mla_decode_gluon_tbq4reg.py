@@ -43,21 +43,18 @@ if G.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-
-    # cp.async global → shared: `async_load` after Triton 3.6
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     _cta_barrier = G._cta_barrier
 
 BLOCK_N = 64
 BLOCK_M = 16
-ROW = tbq4.row_bytes(512) + 128  # 392 bytes: 256 of codes, 4 fp16 norms, 64 bf16 rope values
+ROW = tbq4.cache_row_bytes(512, 64)  # 400 bytes: 256 of codes, 4 fp16 norms, 8 of padding, 64 bf16 rope values
 NUM_DECODED = 3  # decoded stages (40 KB): each consumer holds one, the producer writes the third
 NUM_RAW = 3  # raw stages (24.5 KB): two in flight while the producer decodes the third
 REGS = (224, 56)  # (consumer, producer) registers per thread
 USE = False  # True: mla_decode_triton sends the tbq4 calls this kernel takes here (else `mla_decode_gluon_quant`)
 Q_SPLIT = False  # q as two e4m3 terms in Q·Kᵀ (True) or one
+EARLY_LOADS = False  # the producer loads a block's four chunks of codes before decoding any (needs registers)
 PROBE = 0  # timing probes (wrong results), bits: 1 the producer decodes nothing, 2 copies nothing, 4 the consumers
 # hand every stage straight back, 8 no scales
 
@@ -65,42 +62,43 @@ _SOURCE_KEY = G.source_key(__file__) ^ R._SOURCE_KEY
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 _DECODE = _c(tbq4.e4m3_lookup_ptx())
 _INV_K = 1.0 / tbq4.e4m3_centroids()[0]
+ROW_BYTES = _c(ROW)
+NORMS_AT = _c(tbq4.norms_offset(512) // 2)  # in fp16 units
+ROPE_AT = _c(tbq4.rope_offset(512) // 2)  # in bf16 units
 
 if G.HAVE_GLUON:
 
     @gluon.jit
-    def _issue_raw(KV, BT, b, stride_btb, n0, raw_codes, raw_norms, raw_rope, tbars, rr, PAGE_SIZE: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
-        """Copy the key block starting at key n0 into raw stage rr with cp.async, in 8-byte pieces (KV: the cache as
-        int64, 49 per row): each chunk's codes as [64 keys, 8], the norms (with the rope's first 4 values) as
-        [64, 2], the rope as [64, 16]. The stage's barrier completes once every producer thread's copies have."""
-        CL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        NL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[16, 2], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
-                                            order=[1, 0])
+    def _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, n0, raw_codes, raw_norms, raw_rope, tbars, rr,
+                   PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """TMA the key block starting at key n0 (whole 400-byte rows of its page) into raw stage rr: each chunk's
+        codes as a [64 keys, 16 words] box, the norms (and their padding) as [64, 8] fp16, the rope as [64, 64]
+        bf16; the stage's barrier completes when all 25.6 KB have landed."""
         page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
-        base = KV + (page * PAGE_SIZE + n0 % PAGE_SIZE).to(gl.int64) * 49
-        rows_c = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CL)) * 49, 1)
-        cols_c = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CL)), 0)
+        row = page * PAGE_SIZE + n0 % PAGE_SIZE
+        bar = tbars.index(rr)
+        mbarrier.expect(bar, BLOCK_N * ROW_BYTES)
         for c in gl.static_range(4):
-            _async_load(raw_codes.index(rr * 4 + c), base + rows_c + (8 * c) + cols_c)
-        rows_n = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, NL)) * 49, 1)
-        cols_n = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, NL)), 0)
-        _async_load(raw_norms.index(rr), base + rows_n + 32 + cols_n)
-        rows_r = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, RL)) * 49, 1)
-        cols_r = gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, RL)), 0)
-        _async_load(raw_rope.index(rr), base + rows_r + 33 + cols_r)
-        async_copy.mbarrier_arrive(tbars.index(rr), increment_count=False)
+            M._tma_load(codes_desc, [row, 16 * c], bar, raw_codes.index(rr * 4 + c))
+        M._tma_load(norms_desc, [row, NORMS_AT], bar, raw_norms.index(rr))
+        M._tma_load(rope_desc, [row, ROPE_AT], bar, raw_rope.index(rr))
+
+    @gluon.jit
+    def _decode_chunk(words, dst, BLOCK_N: gl.constexpr):
+        """A chunk's codes [64 keys, 16 words] → e4m3 centroids·k into its decoded tile (fp8 [64, 128])."""
+        TILE32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        lo, hi = gl.inline_asm_elementwise(_DECODE, "=r,=r,r", [words], dtype=(gl.int32, gl.int32), is_pure=True,
+                                           pack=1)
+        G._reinterpret(dst, gl.int32, [BLOCK_N, 32], TILE32).store(gl.reshape(gl.join(lo, hi), [BLOCK_N, 32]))
 
     @gluon.jit
     def _producer(shared, raw, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr):
+                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr,
+                  EARLY: gl.constexpr):
         """Keep NRAW raw blocks in flight; per block wait for its bytes and for a free decoded stage, write the
         per-key scales (norm / k, normalised per chunk as in `mla_decode_gluon_fp8reg`), decode the codes into
         e4m3, copy the rope tile, hand the stage over and refill the raw stage at once."""
-        (KV, unused0, unused1, BT, stride_btb, b, start, end, n_blocks,
+        (codes_desc, norms_desc, rope_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, dec_codes, dec_rope, unused2, sc, fs, p8, bars) = shared
         raw_codes, raw_norms, raw_rope, tbars = raw
         KV_READY: gl.constexpr = 2 * ND
@@ -112,13 +110,11 @@ if G.HAVE_GLUON:
                                             order=[1, 0])
         RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
                                             order=[1, 0])
-        PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        TILE32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         for i in gl.static_range(NRAW):
             if (PROBE & 2) == 0:
                 if i < n_blocks:
-                    _issue_raw(KV, BT, b, stride_btb, start + i * BLOCK_N, raw_codes, raw_norms, raw_rope, tbars, i,
-                               PAGE_SIZE, BLOCK_N)
+                    _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
+                               raw_norms, raw_rope, tbars, i, PAGE_SIZE, BLOCK_N)
         keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
         for j in range(n_blocks):
             rr = j % NRAW
@@ -128,28 +124,34 @@ if G.HAVE_GLUON:
             if j >= ND:  # the consumer of block j - ND has read its stage
                 mbarrier.wait(bars.index(ND + ds), ((j - ND) // ND) & 1)
             if (PROBE & 8) == 0:  # the norms / k as the fp8 kernel's scales
-                n4 = G._reinterpret(raw_norms.index(rr), gl.float16, [BLOCK_N, 8], PLAIN).slice(0, 4, dim=1).load(SCL)
+                n4 = raw_norms.index(rr).slice(0, 4, dim=1).load(SCL)
                 R._store_scales(n4.to(gl.float32) * INV_K, start + j * BLOCK_N + keys_s < end, sc, fs, ds, BLOCK_M,
                                 SCL, FL)
             if (PROBE & 1) == 0:
-                for c in gl.static_range(4):
-                    words = G._reinterpret(raw_codes.index(rr * 4 + c), gl.int32, [BLOCK_N, 16], PLAIN).load(DL)
-                    lo, hi = gl.inline_asm_elementwise(_DECODE, "=r,=r,r", [words], dtype=(gl.int32, gl.int32),
-                                                       is_pure=True, pack=1)
-                    G._reinterpret(dec_codes.index(ds * 4 + c), gl.int32, [BLOCK_N, 32], TILE32).store(
-                        gl.reshape(gl.join(lo, hi), [BLOCK_N, 32]))
-                dec_rope.index(ds).store(G._reinterpret(raw_rope.index(rr), gl.bfloat16, [BLOCK_N, 64], PLAIN).load(RL))
+                if EARLY:  # all four chunks' words in flight at once
+                    w0 = raw_codes.index(rr * 4 + 0).load(DL)
+                    w1 = raw_codes.index(rr * 4 + 1).load(DL)
+                    w2 = raw_codes.index(rr * 4 + 2).load(DL)
+                    w3 = raw_codes.index(rr * 4 + 3).load(DL)
+                    _decode_chunk(w0, dec_codes.index(ds * 4 + 0), BLOCK_N)
+                    _decode_chunk(w1, dec_codes.index(ds * 4 + 1), BLOCK_N)
+                    _decode_chunk(w2, dec_codes.index(ds * 4 + 2), BLOCK_N)
+                    _decode_chunk(w3, dec_codes.index(ds * 4 + 3), BLOCK_N)
+                else:
+                    for c in gl.static_range(4):
+                        _decode_chunk(raw_codes.index(rr * 4 + c).load(DL), dec_codes.index(ds * 4 + c), BLOCK_N)
+                dec_rope.index(ds).store(raw_rope.index(rr).load(RL))
             fence_async_shared()
             _cta_barrier()  # every warp has written the stage and read the raw one
             mbarrier.arrive(bars.index(KV_READY + ds))
             if (PROBE & 2) == 0:
                 if j + NRAW < n_blocks:
-                    _issue_raw(KV, BT, b, stride_btb, start + (j + NRAW) * BLOCK_N, raw_codes, raw_norms, raw_rope,
-                               tbars, rr, PAGE_SIZE, BLOCK_N)
+                    _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, start + (j + NRAW) * BLOCK_N,
+                               raw_codes, raw_norms, raw_rope, tbars, rr, PAGE_SIZE, BLOCK_N)
 
     @gluon.jit
     def _mla_decode_tbq4reg_kernel(
-        Q, KV, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
+        Q, codes_desc, norms_desc, rope_desc, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
         stride_qb, stride_qs, stride_qh,
         stride_kvp, stride_kvt,
         stride_btb,
@@ -162,7 +164,7 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, ND: gl.constexpr, NRAW: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_SPLIT: gl.constexpr, INV_K: gl.constexpr,
-        PROBE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        PROBE: gl.constexpr, EARLY: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -182,20 +184,21 @@ if G.HAVE_GLUON:
         sc = gl.allocate_shared_memory(gl.float32, [ND * 4, BLOCK_N], PLAIN)  # [stage · 4 + chunk, key]
         fs = gl.allocate_shared_memory(gl.float32, [ND * 4, BLOCK_M], PLAIN)  # each chunk's f, per row
         p8 = gl.allocate_shared_memory(gl.float8e4nv, [12, BLOCK_M, BLOCK_N], P8)  # [consumer · 8 + chunk]
-        PLAIN2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        raw_codes = gl.allocate_shared_memory(gl.int64, [NRAW * 4, BLOCK_N, 8], PLAIN2)  # [stage · 4 + chunk, key]
-        raw_norms = gl.allocate_shared_memory(gl.int64, [NRAW, BLOCK_N, 2], PLAIN2)  # 4 norms, 4 rope values
-        raw_rope = gl.allocate_shared_memory(gl.int64, [NRAW, BLOCK_N, 16], PLAIN2)
+        W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        W16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        raw_codes = gl.allocate_shared_memory(gl.int32, [NRAW * 4, BLOCK_N, 16], W32)  # [stage · 4 + chunk, key]
+        raw_norms = gl.allocate_shared_memory(gl.float16, [NRAW, BLOCK_N, 8], W16)  # 4 norms, 4 padding
+        raw_rope = gl.allocate_shared_memory(gl.bfloat16, [NRAW, BLOCK_N, 64], QR)
         n_bars: gl.constexpr = 3 * ND + 3
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         tbars = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n_bars):
             mbarrier.init(bars.index(i), count=1)
         for i in gl.static_range(NRAW):
-            mbarrier.init(tbars.index(i), count=128)  # one cp.async arrival per producer thread
+            mbarrier.init(tbars.index(i), count=1)
         fence_async_shared()
         raw = (raw_codes, raw_norms, raw_rope, tbars)
-        shared = (KV, KV, KV, BT, stride_btb, b, start, end, n_blocks,
+        shared = (codes_desc, norms_desc, rope_desc, BT, stride_btb, b, start, end, n_blocks,
                   q_hi, q_lo, q_r, qs, dec_codes, dec_rope, dec_rope, sc, fs, p8, bars)
         args = (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
                 stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
@@ -205,8 +208,23 @@ if G.HAVE_GLUON:
                            False, Q_SPLIT)),
             (R._consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
                            False, Q_SPLIT)),
-            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE)),
+            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE, EARLY)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _descriptors(kv_cache: torch.Tensor) -> tuple:
+    """TMA views of the 400-byte rows: codes as int32 words [rows, 100] in [64, 16] boxes (one chunk), norms as
+    fp16 [rows, 200] in [64, 8] boxes (4 norms, 4 padding), rope as bf16 [rows, 200] in [64, 64] boxes."""
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    words = kv_cache.view(torch.int32).view(rows, ROW // 4)
+    halves = kv_cache.view(torch.float16).view(rows, ROW // 2)
+    rope = kv_cache.view(torch.bfloat16).view(rows, ROW // 2)
+    w32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    w16 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    qr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return (M.TensorDescriptor.from_tensor(words, [BLOCK_N, 16], w32),
+            M.TensorDescriptor.from_tensor(halves, [BLOCK_N, 8], w16),
+            M.TensorDescriptor.from_tensor(rope, [BLOCK_N, 64], qr))
 
 
 def tbq4reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
@@ -222,7 +240,7 @@ def launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out
     other kernels)."""
     grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                            cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
-                                           views=(kv_cache.view(torch.int64),))
+                                           views=_descriptors(kv_cache))
     _mla_decode_tbq4reg_kernel[grid](*args, **consts, ND=NUM_DECODED, NRAW=NUM_RAW, CONSUMER_REGS=REGS[0],
-                                     PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY,
+                                     PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, EARLY=EARLY_LOADS, SOURCE_KEY=_SOURCE_KEY,
                                      num_warps=4)

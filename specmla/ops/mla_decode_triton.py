@@ -24,6 +24,7 @@ import triton.language as tl
 
 from specmla.ops import (mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant,
                          mla_decode_gluon_tbq4reg, tbq4)
+from specmla.ops.kv_cache import rope_offset
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -544,7 +545,7 @@ def mla_decode_triton(
         # the same bytes viewed as codes (fp8: uint8, tbq4: int32 words), scales (fp32) / norms (fp16), rope (bf16)
         scales, rope = kv_cache.view(torch.float32 if fp8 else torch.float16), kv_cache.view(torch.bfloat16)
         kv = kv_cache if fp8 else kv_cache.view(torch.int32)
-        rope_at = dc + 4 * (dc // 128) if fp8 else tbq4.row_bytes(dc)  # bytes into the row
+        rope_at = rope_offset(kv_format, dc)  # bytes into the row
         quant = dict(
             # prefetching pays for small row tiles; 64-row tiles have no registers to spare for it
             PREFETCH=block_m < 64 if prefetch is None else prefetch, ROPE_AT=rope_at // 2,

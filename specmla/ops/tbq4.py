@@ -204,3 +204,18 @@ def row_bytes(dc: int) -> int:
 def norms_offset(dc: int) -> int:
     """Byte offset of the first block norm in a row (the codes come first)."""
     return dc // 2
+
+
+ALIGN = 16  # bytes: TMA copies need 16-byte-aligned fields and row strides
+
+
+def rope_offset(dc: int) -> int:
+    """Byte offset of the bf16 rope part in a cache row: after the codes and norms, padded to 16 bytes."""
+    return -(-row_bytes(dc) // ALIGN) * ALIGN
+
+
+def cache_row_bytes(dc: int, dr: int) -> int:
+    """Bytes of one tbq4 cache row, [codes | norms | pad | rope (bf16) | pad], a multiple of 16 (400 for
+    Dc = 512, Dr = 64) so that every field and every row starts 16-byte aligned: TMA boxes and 16-byte vector
+    loads can copy them (392-byte rows could only be read in 8-byte pieces)."""
+    return -(-(rope_offset(dc) + 2 * dr) // ALIGN) * ALIGN
