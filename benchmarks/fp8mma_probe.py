@@ -9,7 +9,8 @@ in the same run, with their timing probes (`PROBE`, wrong results).
 
 - `ops.mla_decode_gluon_tbq4reg` ("tbq4_reg") against the unpacking kernel ("tbq4_unpack"), with its probes (`PROBE`
   bits): no decode (1), no copies (2), the consumers alone (3), the producer alone (4), the copies alone (13), no
-  scales (8); "_early": a block's four chunks of codes loaded before any is decoded (`EARLY_LOADS`).
+  scales (8); "_regs_208_80": 80 producer registers. (Variants measured in the fourteenth session and removed:
+  docs/benchmarks.md, issue 7.)
 
     PYTHONPATH=.:benchmarks python3 benchmarks/fp8mma_probe.py [--out DIR] [--cases 16x32x32768x1,...]
 """
@@ -55,8 +56,7 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("tbq4_producer_alone", "tbq4", T, dict(USE=True, PROBE=4)),
             ("tbq4_copies_alone", "tbq4", T, dict(USE=True, PROBE=13)),
             ("tbq4_no_scales", "tbq4", T, dict(USE=True, PROBE=8)),
-            ("tbq4_regs_216_72", "tbq4", T, dict(USE=True, REGS=(216, 72))),
-            ("tbq4_early", "tbq4", T, dict(USE=True, REGS=(216, 72), EARLY_LOADS=True)))
+            ("tbq4_regs_208_80", "tbq4", T, dict(USE=True, REGS=(208, 80))))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 

@@ -2,27 +2,27 @@
 consumers of `mla_decode_gluon_fp8reg` (e4m3 matmuls, Vᵀ from registers) run on them.
 
 Why: the unpacking kernel (`mla_decode_gluon_quant`) writes a bf16 tile per block and runs bf16 matmuls on it;
-it reads 392-byte rows at 1.0× bf16's speed, against 2.9× fewer bytes. Here:
-- The producer copies each 64-key block raw with cp.async in 8-byte pieces (each chunk's codes, the norms, the rope
-  into their own tiles). TMA cannot: a TMA row stride must be a multiple of 16 bytes and a box start 16-byte
-  aligned, and 392-byte rows are neither (odd keys' rows are 8-byte aligned).
-- The producer warpgroup then decodes each 32-bit word of 8 codes into 8 e4m3 bytes (three byte permutes per 4
-  codes on a 16-entry register table, `tbq4.e4m3_lookup_ptx`: the centroids times k, rounded to e4m3 within 2 %), copies
-  the rope tile and writes the per-key scales norm/k normalised per chunk, as the fp8 kernel's producer does
-  with the fp8 scales. That is the fp8 kernel's stage, so its consumers run unchanged: Q·Kᵀ as e4m3 wgmmas on
+it reads tbq4 rows at 1.0× bf16's speed, against 2.9× fewer bytes. Here:
+- The producer copies each 64-key block of 400-byte rows with TMA (each chunk's codes as a [64, 16]-word box, the
+  norms as [64, 8] fp16, the rope as [64, 64] bf16): the row layout (`tbq4.cache_row_bytes`) keeps every field
+  16-byte aligned for that. (392-byte rows allowed only 8-byte cp.async through L1: 385 against 308 µs.)
+- The producer warpgroup loads a block's 32 words per thread at once, then decodes each word of 8 codes into 8
+  e4m3 bytes with 9 instructions (`tbq4.e4m3_lookup_ptx`: codes are sign·8 + magnitude rank, so one byte permute
+  on an 8-entry table gives four magnitudes and a second one the four signs; the centroids times k are rounded to
+  e4m3 within 2 %), copies the rope tile and writes the per-key scales norm/k, normalised by one factor per block
+  (a warp's reduction). That is the fp8 kernel's stage, so its consumers run unchanged: Q·Kᵀ as e4m3 wgmmas on
   the stage, Vᵀ loaded from it into registers, P·V in e4m3.
-- Two rings: raw stages (24.5 KB, refilled as soon as the producer has decoded them) and decoded stages (40 KB,
-  freed by the consumers). Three of each fit beside q and Pᵀ.
+- Two rings: raw stages (25.6 KB, refilled once the producer has decoded them) and decoded stages (40 KB, freed
+  by the consumers). Three of each fit beside q and Pᵀ.
 - q is one e4m3 term (`Q_SPLIT`) and so is Pᵀ: their rounding (≈ 3 % per element) is small beside the 4-bit
   codes' 9.6 %, and the second terms would cost a third of the consumers' time (docs/benchmarks.md, issue 7).
 - Attention runs in the rotated domain: the caller rotates q's latent part and the output (`mla_decode_triton`).
 
-Status (H100, H=16, `benchmarks/fp8mma_probe.py`, docs/benchmarks.md issue 7, thirteenth session): correct (2–4 %
-from the exact tbq4 attention, every row's cosine > 0.999) but little faster than the unpacking kernel: 383 µs
-against 407 at B=32 T=32k (bf16 411), 148 against 155 at B=4 T=80k. The copies are the bottleneck: alone they take
-222 µs (1.85 TB/s). 8-byte cp.async is `.ca`, cached in L1, and the 227 KB of shared memory leave L1 about 29 KB;
-16-byte copies (`.cg`, past L1) or TMA need 16-byte-aligned rows, so a 400-byte row (rope before the norms) is
-the next step. Opt-in (`USE`) until then.
+Status (H100, H=16, docs/benchmarks.md issue 7, fourteenth session): 2–4 % from the exact tbq4 attention, every
+row's cosine > 0.999 (GPU tests); 257 µs at B=32 T=32k against bf16's 412 (1.61×), 114 against 140 at B=4 T=80k
+(1.22×); the unpacking kernel 423 and 159. What bounds it: the copies alone reach 74 % of the copy rate (three
+25.6 KB stages in flight are too few), the consumers alone take 183 µs, and the producer's decode, beside the
+consumers, adds ~45 µs to them (no copies: 228 µs).
 
 16 query rows (H = 16, S = 1), Dc = 512, Dr = 64, pages of a multiple of 64 keys; other calls go to the other
 kernels. Same contract, grid, split rule and partials as `mla_decode_triton`. Gluon does not run in the Triton
@@ -51,10 +51,9 @@ BLOCK_M = 16
 ROW = tbq4.cache_row_bytes(512, 64)  # 400 bytes: 256 of codes, 4 fp16 norms, 8 of padding, 64 bf16 rope values
 NUM_DECODED = 3  # decoded stages (40 KB): each consumer holds one, the producer writes the third
 NUM_RAW = 3  # raw stages (24.5 KB): two in flight while the producer decodes the third
-REGS = (224, 56)  # (consumer, producer) registers per thread
-USE = False  # True: mla_decode_triton sends the tbq4 calls this kernel takes here (else `mla_decode_gluon_quant`)
+REGS = (216, 72)  # (consumer, producer) registers per thread
+USE = True  # True: mla_decode_triton sends the tbq4 calls this kernel takes here (else `mla_decode_gluon_quant`)
 Q_SPLIT = False  # q as two e4m3 terms in Q·Kᵀ (True) or one
-EARLY_LOADS = False  # the producer loads a block's four chunks of codes before decoding any (needs registers)
 PROBE = 0  # timing probes (wrong results), bits: 1 the producer decodes nothing, 2 copies nothing, 4 the consumers
 # hand every stage straight back, 8 no scales
 
@@ -92,9 +91,23 @@ if G.HAVE_GLUON:
         G._reinterpret(dst, gl.int32, [BLOCK_N, 32], TILE32).store(gl.reshape(gl.join(lo, hi), [BLOCK_N, 32]))
 
     @gluon.jit
+    def _store_block_scales(n4, valid, sc, fs, ds, INV_K: gl.constexpr, BLOCK_M: gl.constexpr, NL: gl.constexpr,
+                            FL: gl.constexpr):
+        """A block's norms n4 [keys, 4 chunks] (fp16; zeroed where not valid) as the consumers' scales, normalised by
+        one factor per block instead of one per chunk (`fp8reg._store_scales`): a block's four chunks of a token
+        have norms of one size, and one maximum is a warp's reduction, where four were a warpgroup's (barriers)."""
+        s4 = gl.where(gl.expand_dims(valid, 1), n4.to(gl.float32), 0.0)
+        m = gl.maximum(gl.max(gl.max(s4, axis=1), axis=0), 1e-30)
+        s4 = s4 * (448.0 / m)
+        f = m * (INV_K / 448.0)
+        chunks = gl.arange(0, 4, layout=gl.SliceLayout(0, NL))
+        for c in gl.static_range(4):
+            sc.index(ds * 4 + c).store(gl.sum(gl.where(gl.expand_dims(chunks, 0) == c, s4, 0.0), axis=1))
+            fs.index(ds * 4 + c).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=FL) + f)
+
+    @gluon.jit
     def _producer(shared, raw, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr,
-                  EARLY: gl.constexpr):
+                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr):
         """Keep NRAW raw blocks in flight; per block wait for its bytes and for a free decoded stage, write the
         per-key scales (norm / k, normalised per chunk as in `mla_decode_gluon_fp8reg`), decode the codes into
         e4m3, copy the rope tile, hand the stage over and refill the raw stage at once."""
@@ -102,8 +115,6 @@ if G.HAVE_GLUON:
          q_hi, q_lo, q_r, qs, dec_codes, dec_rope, unused2, sc, fs, p8, bars) = shared
         raw_codes, raw_norms, raw_rope, tbars = raw
         KV_READY: gl.constexpr = 2 * ND
-        SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
-                                             order=[1, 0])
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         # a chunk's codes [64 keys, 16 words] (64-byte rows), 8-byte loads: 4 keys per warp, conflict-free
         DL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
@@ -115,7 +126,10 @@ if G.HAVE_GLUON:
                 if i < n_blocks:
                     _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
                                raw_norms, raw_rope, tbars, i, PAGE_SIZE, BLOCK_N)
-        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
+        # the norms [64 keys, 4] in each warp whole (the other warps hold copies): reductions within a warp
+        NL: gl.constexpr = gl.BlockedLayout(size_per_thread=[2, 4], threads_per_warp=[32, 1], warps_per_cta=[1, 4],
+                                            order=[1, 0])
+        keys_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, NL))
         for j in range(n_blocks):
             rr = j % NRAW
             ds = j % ND
@@ -124,22 +138,17 @@ if G.HAVE_GLUON:
             if j >= ND:  # the consumer of block j - ND has read its stage
                 mbarrier.wait(bars.index(ND + ds), ((j - ND) // ND) & 1)
             if (PROBE & 8) == 0:  # the norms / k as the fp8 kernel's scales
-                n4 = raw_norms.index(rr).slice(0, 4, dim=1).load(SCL)
-                R._store_scales(n4.to(gl.float32) * INV_K, start + j * BLOCK_N + keys_s < end, sc, fs, ds, BLOCK_M,
-                                SCL, FL)
-            if (PROBE & 1) == 0:
-                if EARLY:  # all four chunks' words in flight at once
-                    w0 = raw_codes.index(rr * 4 + 0).load(DL)
-                    w1 = raw_codes.index(rr * 4 + 1).load(DL)
-                    w2 = raw_codes.index(rr * 4 + 2).load(DL)
-                    w3 = raw_codes.index(rr * 4 + 3).load(DL)
-                    _decode_chunk(w0, dec_codes.index(ds * 4 + 0), BLOCK_N)
-                    _decode_chunk(w1, dec_codes.index(ds * 4 + 1), BLOCK_N)
-                    _decode_chunk(w2, dec_codes.index(ds * 4 + 2), BLOCK_N)
-                    _decode_chunk(w3, dec_codes.index(ds * 4 + 3), BLOCK_N)
-                else:
-                    for c in gl.static_range(4):
-                        _decode_chunk(raw_codes.index(rr * 4 + c).load(DL), dec_codes.index(ds * 4 + c), BLOCK_N)
+                _store_block_scales(raw_norms.index(rr).slice(0, 4, dim=1).load(NL), start + j * BLOCK_N + keys_n < end,
+                                    sc, fs, ds, INV_K, BLOCK_M, NL, FL)
+            if (PROBE & 1) == 0:  # all four chunks' words loaded before any is decoded
+                w0 = raw_codes.index(rr * 4 + 0).load(DL)
+                w1 = raw_codes.index(rr * 4 + 1).load(DL)
+                w2 = raw_codes.index(rr * 4 + 2).load(DL)
+                w3 = raw_codes.index(rr * 4 + 3).load(DL)
+                _decode_chunk(w0, dec_codes.index(ds * 4 + 0), BLOCK_N)
+                _decode_chunk(w1, dec_codes.index(ds * 4 + 1), BLOCK_N)
+                _decode_chunk(w2, dec_codes.index(ds * 4 + 2), BLOCK_N)
+                _decode_chunk(w3, dec_codes.index(ds * 4 + 3), BLOCK_N)
                 dec_rope.index(ds).store(raw_rope.index(rr).load(RL))
             fence_async_shared()
             _cta_barrier()  # every warp has written the stage and read the raw one
@@ -164,7 +173,7 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, ND: gl.constexpr, NRAW: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_SPLIT: gl.constexpr, INV_K: gl.constexpr,
-        PROBE: gl.constexpr, EARLY: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        PROBE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -208,7 +217,7 @@ if G.HAVE_GLUON:
                            False, Q_SPLIT)),
             (R._consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
                            False, Q_SPLIT)),
-            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE, EARLY)),
+            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -242,5 +251,5 @@ def launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out
                                            cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
                                            views=_descriptors(kv_cache))
     _mla_decode_tbq4reg_kernel[grid](*args, **consts, ND=NUM_DECODED, NRAW=NUM_RAW, CONSUMER_REGS=REGS[0],
-                                     PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, EARLY=EARLY_LOADS, SOURCE_KEY=_SOURCE_KEY,
+                                     PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY,
                                      num_warps=4)

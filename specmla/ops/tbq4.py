@@ -48,12 +48,22 @@ def lloyd_max_centroids(levels: int = LEVELS, sigma: float = 1 / math.sqrt(BLOCK
 _CENTROIDS: dict = {}
 
 
+def code_centroids() -> tuple:
+    """The 16 centroids in code order: code = 8·sign + magnitude rank, i.e. the 8 positive centroids from the
+    smallest up, then their negatives. The centroids are symmetric, so a code's e4m3 / bf16 value is a magnitude
+    from an 8-entry table with the code's fourth bit as the sign bit: the register kernel's decode needs one
+    table register and no selection between table halves (`e4m3_lookup_ptx`)."""
+    c = lloyd_max_centroids()
+    positive = c[LEVELS // 2:]
+    return tuple(positive) + tuple(-x for x in positive)
+
+
 def centroids(device=None, dtype=torch.float32) -> torch.Tensor:
-    """The 16 centroids as a tensor, made once per (device, dtype): a fresh host→device copy on
-    every call could not be captured in a CUDA graph."""
+    """The 16 centroids in code order (`code_centroids`) as a tensor, made once per (device, dtype): a fresh
+    host→device copy on every call could not be captured in a CUDA graph."""
     key = (str(torch.device(device) if device is not None else "cpu"), dtype)
     if key not in _CENTROIDS:
-        _CENTROIDS[key] = torch.tensor(lloyd_max_centroids(), device=device, dtype=dtype)
+        _CENTROIDS[key] = torch.tensor(code_centroids(), device=device, dtype=dtype)
     return _CENTROIDS[key]
 
 
@@ -81,7 +91,7 @@ def centroid_lookup_ptx(scaled: bool) -> str:
     scaled (the Triton kernel): each value times the block norm, $8 = codes, $9 = the norm as bf16 in both
     halves, $0..$7 = coordinates 0..7 of the word. Unscaled (the Gluon kernel, which applies the norms to
     the scores and P): $4 = codes, $0..$3 = the bf16x2 pairs of coordinates (0, 1), (2, 3), (4, 5), (6, 7)."""
-    bits = torch.tensor(lloyd_max_centroids(), dtype=torch.bfloat16).view(torch.int16).tolist()
+    bits = torch.tensor(code_centroids(), dtype=torch.bfloat16).view(torch.int16).tolist()
     lo = [b & 0xFF for b in bits]
     hi = [(b >> 8) & 0xFF for b in bits]
 
@@ -113,9 +123,9 @@ prmt.b32 ta, tg0, tg1, ts; prmt.b32 tc, tg2, tg3, ts; prmt.b32 thi, ta, tc, th;
 def e4m3_centroids() -> tuple:
     """The centroids as e4m3 codes of centroid·k, with k (a power of two times 1…2) the one that rounds them best:
     the largest relative error is then 2 % (on a 3-bit mantissa's grid it could be 6 %), against the 9.6 % of the
-    4-bit quantisation itself. Returns (k, the 16 codes as ints). For kernels that feed the codes to e4m3 matmuls
-    and fold 1/k into the block norms."""
-    mag = torch.tensor(lloyd_max_centroids(), dtype=torch.float64)
+    4-bit quantisation itself. Returns (k, the 16 codes as ints, in code order). For kernels that feed the codes to
+    e4m3 matmuls and fold 1/k into the block norms."""
+    mag = torch.tensor(code_centroids(), dtype=torch.float64).abs()
     best = None
     for u in torch.linspace(1, 2, 2001, dtype=torch.float64)[:-1].tolist():
         k = u * 64.0  # |centroid·k| between 0.7 and 31: normal e4m3 numbers
@@ -124,23 +134,27 @@ def e4m3_centroids() -> tuple:
         if best is None or err < best[0]:
             best = (err, k)
     k = best[1]
-    codes = (mag * k).float().to(torch.float8_e4m3fn).view(torch.uint8).tolist()
-    return k, tuple(codes)
+    codes = (torch.tensor(code_centroids(), dtype=torch.float64) * k).float().to(torch.float8_e4m3fn)
+    return k, tuple(codes.view(torch.uint8).tolist())
 
 
 def e4m3_lookup_ptx() -> str:
     """PTX that turns one 32-bit word of 8 codes into their 8 centroids·k as e4m3 bytes ($2 → $0: coordinates 0…3,
-    $1: 4…7; k from `e4m3_centroids`): the 16 one-byte entries are four registers; a 3-bit selector picks among 8
-    entries in each half (two byte permutes), the code's fourth bit picks the half (a third). 11 instructions per
-    word."""
+    $1: 4…7; k from `e4m3_centroids`), 9 instructions per word. A code is 8·sign + magnitude rank
+    (`code_centroids`): one byte permute picks four magnitudes from the 8-entry table (two registers, one of them an
+    immediate in the SASS), a second one in sign-replicating mode turns the four codes' fourth bits into 0x00 / 0xFF
+    bytes (the bits sit at byte tops in the word or in the word shifted left by 4), and one lop3 puts those bytes'
+    top bits on the magnitudes (e4m3's sign bit)."""
     _, codes = e4m3_centroids()
-    words = [codes[4 * i] | codes[4 * i + 1] << 8 | codes[4 * i + 2] << 16 | codes[4 * i + 3] << 24 for i in range(4)]
-    tables = "".join(f"mov.b32 t{i}, {hex(w)};\n" for i, w in enumerate(words))
-    return ("{\n.reg .b32 t0, t1, t2, t3, ts, th, ta, tb;\n" + tables +
-            "and.b32 ts, $2, 0x77777777;\nshr.u32 th, $2, 1;\nand.b32 th, th, 0x44444444;\nor.b32 th, th, 0x32103210;\n"
-            "prmt.b32 ta, t0, t1, ts;\nprmt.b32 tb, t2, t3, ts;\nprmt.b32 $0, ta, tb, th;\n"
-            "shr.u32 ts, ts, 16;\nshr.u32 th, th, 16;\n"
-            "prmt.b32 ta, t0, t1, ts;\nprmt.b32 tb, t2, t3, ts;\nprmt.b32 $1, ta, tb, th;\n}")
+    t0 = codes[0] | codes[1] << 8 | codes[2] << 16 | codes[3] << 24
+    t1 = codes[4] | codes[5] << 8 | codes[6] << 16 | codes[7] << 24
+    # sign selectors: output byte j takes the top bit of the byte holding code j's fourth bit, with bit 3 set
+    # (replicate): code 0 → byte 0 of w << 4 (index 4), code 1 → byte 0 of w, code 2 → 5, code 3 → 1; then 6, 2, 7, 3
+    return ("{\n.reg .b32 t0, t1, ts, tw, tm, tg;\n" + f"mov.b32 t0, {hex(t0)};\nmov.b32 t1, {hex(t1)};\n"
+            "and.b32 ts, $2, 0x77777777;\nshl.b32 tw, $2, 4;\n"
+            "prmt.b32 tm, t0, t1, ts;\nprmt.b32 tg, $2, tw, 0x9D8C;\nlop3.b32 $0, tg, 0x80808080, tm, 0xEA;\n"
+            "shr.u32 ts, ts, 16;\n"
+            "prmt.b32 tm, t0, t1, ts;\nprmt.b32 tg, $2, tw, 0xBFAE;\nlop3.b32 $1, tg, 0x80808080, tm, 0xEA;\n}")
 
 
 _HADAMARD: dict = {}
