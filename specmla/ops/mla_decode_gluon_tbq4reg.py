@@ -109,8 +109,9 @@ if G.HAVE_GLUON:
     def _producer(shared, raw, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                   ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr):
         """Keep NRAW raw blocks in flight; per block wait for its bytes and for a free decoded stage, write the
-        per-key scales (norm / k, normalised per chunk as in `mla_decode_gluon_fp8reg`), decode the codes into
-        e4m3, copy the rope tile, hand the stage over and refill the raw stage at once."""
+        per-key scales (norm / k, normalised once per block), load the block's codes, decode them into e4m3, copy
+        the rope tile, hand the stage over and refill the raw stage. (Refilling it before the decode, once the
+        words are in registers, was slower: 289 against 257 µs, docs/benchmarks.md issue 7.)"""
         (codes_desc, norms_desc, rope_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, dec_codes, dec_rope, unused2, sc, fs, p8, bars) = shared
         raw_codes, raw_norms, raw_rope, tbars = raw
