@@ -53,8 +53,9 @@ def encode_rows(kv_format: str, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch
         return torch.cat([codes, scale.view(T, -1).contiguous().view(torch.uint8).view(T, -1), rope], dim=-1)
     if kv_format == "tbq4":
         rows = torch.zeros(T, tbq4.cache_row_bytes(dc, k_pe.shape[-1]), dtype=torch.uint8, device=c_kv.device)
+        rope_at = tbq4.rope_offset(dc)
         rows[:, : tbq4.row_bytes(dc)] = tbq4.quantize(c_kv)
-        rows[:, tbq4.rope_offset(dc) : tbq4.rope_offset(dc) + rope.shape[-1]] = rope
+        rows[:, rope_at : rope_at + rope.shape[-1]] = rope
         return rows
     raise ValueError(f"{kv_format!r} is not a quantized format")
 

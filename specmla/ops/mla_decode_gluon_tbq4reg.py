@@ -48,7 +48,7 @@ if G.HAVE_GLUON:
 
 BLOCK_N = 64
 BLOCK_M = 16
-ROW = tbq4.cache_row_bytes(512, 64)  # 400 bytes: 256 of codes, 4 fp16 norms, 8 of padding, 64 bf16 rope values
+ROW = Q8.ROW_BYTES["tbq4"]  # 400 bytes: 256 of codes, 4 fp16 norms, 8 of padding, 64 bf16 rope values
 NUM_DECODED = 3  # decoded stages (40 KB): each consumer holds one, the producer writes the third
 NUM_RAW = 3  # raw stages (24.5 KB): two in flight while the producer decodes the third
 REGS = (216, 72)  # (consumer, producer) registers per thread
@@ -63,7 +63,7 @@ _DECODE = _c(tbq4.e4m3_lookup_ptx())
 _INV_K = 1.0 / tbq4.e4m3_centroids()[0]
 ROW_BYTES = _c(ROW)
 NORMS_AT = _c(tbq4.norms_offset(512) // 2)  # in fp16 units
-ROPE_AT = _c(tbq4.rope_offset(512) // 2)  # in bf16 units
+ROPE_AT = Q8.TBQ4_ROPE_AT  # in bf16 units
 
 if G.HAVE_GLUON:
 
