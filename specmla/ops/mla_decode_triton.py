@@ -26,6 +26,7 @@ from specmla.ops import (mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_g
                          mla_decode_gluon_tbq4reg, tbq4)
 from specmla.ops.kv_cache import rope_offset
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
+from specmla.ops.tbq4_rotate import rotate_rows
 
 LOG2E = 1.4426950408889634
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
@@ -558,7 +559,7 @@ def mla_decode_triton(
     else:
         scales = rope = kv_cache
     if tbq:  # attention runs in the rotated domain: rotate q's latent part once (and the output back)
-        q = torch.cat([tbq4.rotate_blocks(q[..., :dc].float()).to(q.dtype), q[..., dc:]], dim=-1)
+        q = rotate_rows(q, dc)
         cent = tbq4.centroids(q.device)
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
@@ -638,7 +639,7 @@ def _aligned_elements(view: torch.Tensor, offset_bytes: int, cap: int = 16) -> i
 
 def _finish(out, lse, return_lse, rotated):
     if rotated:  # tbq4: the output was accumulated in the rotated domain
-        out.copy_(tbq4.rotate_blocks(out.float()).to(out.dtype))
+        rotate_rows(out, out.shape[-1], out=out)
     return (out, lse) if return_lse else out
 
 
