@@ -51,6 +51,19 @@ def test_tbq4reg_kernel_matches_the_reference(lens, splits, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("code_box", [16, 32])
+def test_tbq4reg_code_box_width_does_not_change_the_result(code_box, monkeypatch):
+    """Code boxes of one or two chunks' codes per TMA copy land the same words as the default whole-row box."""
+    q, cache, table, seq = _problem([4097, 77, 128], 1, kv_format="tbq4")
+    want, _ = _run(q, cache, table, seq, 3, monkeypatch)
+    monkeypatch.setattr(T, "CODE_BOX", code_box)
+    got, launches = _run(q, cache, table, seq, 3, monkeypatch)
+    assert launches == [1]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@hopper
 def test_tbq4reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 

@@ -3,7 +3,7 @@ consumers of `mla_decode_gluon_fp8reg` (e4m3 matmuls, Vᵀ from registers) run o
 
 Why: the unpacking kernel (`mla_decode_gluon_quant`) writes a bf16 tile per block and runs bf16 matmuls on it;
 it reads tbq4 rows at 1.0× bf16's speed, against 2.9× fewer bytes. Here:
-- The producer copies each 64-key block of 400-byte rows with TMA (each chunk's codes as a [64, 16]-word box, the
+- The producer copies each 64-key block of 400-byte rows with TMA (the codes as one [64, 64]-word box, the
   norms as [64, 8] fp16, the rope as [64, 64] bf16): the row layout (`tbq4.cache_row_bytes`) keeps every field
   16-byte aligned for that. (392-byte rows allowed only 8-byte cp.async through L1: 385 against 308 µs.)
 - The producer warpgroup loads a block's 32 words per thread at once, then decodes each word of 8 codes into 8
@@ -52,6 +52,7 @@ ROW = Q8.ROW_BYTES["tbq4"]  # 400 bytes: 256 of codes, 4 fp16 norms, 8 of paddin
 NUM_DECODED = 3  # decoded stages (40 KB): each consumer holds one, the producer writes the third
 NUM_RAW = 3  # raw stages (24.5 KB): two in flight while the producer decodes the third
 REGS = (216, 72)  # (consumer, producer) registers per thread
+CODE_BOX = 64  # 32-bit words per row of a code TMA box: 64, all four chunks (256 bytes; 16, a box per chunk: 3 % slower)
 USE = True  # True: mla_decode_triton sends the tbq4 calls this kernel takes here (else `mla_decode_gluon_quant`)
 Q_SPLIT = False  # q as two e4m3 terms in Q·Kᵀ (True) or one
 PROBE = 0  # timing probes (wrong results), bits: 1 the producer decodes nothing, 2 copies nothing, 4 the consumers
@@ -69,18 +70,27 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, n0, raw_codes, raw_norms, raw_rope, tbars, rr,
-                   PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+                   PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, CB: gl.constexpr):
         """TMA the key block starting at key n0 (whole 400-byte rows of its page) into raw stage rr: each chunk's
-        codes as a [64 keys, 16 words] box, the norms (and their padding) as [64, 8] fp16, the rope as [64, 64]
+        codes in [64 keys, CB words] boxes, the norms (and their padding) as [64, 8] fp16, the rope as [64, 64]
         bf16; the stage's barrier completes when all 25.6 KB have landed."""
         page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
         row = page * PAGE_SIZE + n0 % PAGE_SIZE
         bar = tbars.index(rr)
         mbarrier.expect(bar, BLOCK_N * ROW_BYTES)
-        for c in gl.static_range(4):
-            M._tma_load(codes_desc, [row, 16 * c], bar, raw_codes.index(rr * 4 + c))
+        for c in gl.static_range(64 // CB):
+            M._tma_load(codes_desc, [row, CB * c], bar, raw_codes.index(rr * (64 // CB) + c))
         M._tma_load(norms_desc, [row, NORMS_AT], bar, raw_norms.index(rr))
         M._tma_load(rope_desc, [row, ROPE_AT], bar, raw_rope.index(rr))
+
+    @gluon.jit
+    def _chunk_words(raw_codes, rr, c: gl.constexpr, CB: gl.constexpr):
+        """Raw stage rr's codes of chunk c ([64 keys, 16 words]) within its code box."""
+        box = raw_codes.index(rr * (64 // CB) + (16 * c) // CB)
+        if CB == 16:
+            return box
+        else:
+            return box.slice((16 * c) % CB, 16, dim=1)
 
     @gluon.jit
     def _decode_chunk(words, dst, BLOCK_N: gl.constexpr):
@@ -107,7 +117,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _producer(shared, raw, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr):
+                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr, CB: gl.constexpr):
         """Keep NRAW raw blocks in flight; per block wait for its bytes and for a free decoded stage, write the
         per-key scales (norm / k, normalised once per block), load the block's codes, decode them into e4m3, copy
         the rope tile, hand the stage over and refill the raw stage. (Refilling it before the decode, once the
@@ -126,7 +136,7 @@ if G.HAVE_GLUON:
             if (PROBE & 2) == 0:
                 if i < n_blocks:
                     _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
-                               raw_norms, raw_rope, tbars, i, PAGE_SIZE, BLOCK_N)
+                               raw_norms, raw_rope, tbars, i, PAGE_SIZE, BLOCK_N, CB)
         # the norms [64 keys, 4] in each warp whole (the other warps hold copies): reductions within a warp
         NL: gl.constexpr = gl.BlockedLayout(size_per_thread=[2, 4], threads_per_warp=[32, 1], warps_per_cta=[1, 4],
                                             order=[1, 0])
@@ -142,10 +152,10 @@ if G.HAVE_GLUON:
                 _store_block_scales(raw_norms.index(rr).slice(0, 4, dim=1).load(NL), start + j * BLOCK_N + keys_n < end,
                                     sc, fs, ds, INV_K, BLOCK_M, NL, FL)
             if (PROBE & 1) == 0:  # all four chunks' words loaded before any is decoded
-                w0 = raw_codes.index(rr * 4 + 0).load(DL)
-                w1 = raw_codes.index(rr * 4 + 1).load(DL)
-                w2 = raw_codes.index(rr * 4 + 2).load(DL)
-                w3 = raw_codes.index(rr * 4 + 3).load(DL)
+                w0 = _chunk_words(raw_codes, rr, 0, CB).load(DL)
+                w1 = _chunk_words(raw_codes, rr, 1, CB).load(DL)
+                w2 = _chunk_words(raw_codes, rr, 2, CB).load(DL)
+                w3 = _chunk_words(raw_codes, rr, 3, CB).load(DL)
                 _decode_chunk(w0, dec_codes.index(ds * 4 + 0), BLOCK_N)
                 _decode_chunk(w1, dec_codes.index(ds * 4 + 1), BLOCK_N)
                 _decode_chunk(w2, dec_codes.index(ds * 4 + 2), BLOCK_N)
@@ -157,7 +167,7 @@ if G.HAVE_GLUON:
             if (PROBE & 2) == 0:
                 if j + NRAW < n_blocks:
                     _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, start + (j + NRAW) * BLOCK_N,
-                               raw_codes, raw_norms, raw_rope, tbars, rr, PAGE_SIZE, BLOCK_N)
+                               raw_codes, raw_norms, raw_rope, tbars, rr, PAGE_SIZE, BLOCK_N, CB)
 
     @gluon.jit
     def _mla_decode_tbq4reg_kernel(
@@ -174,7 +184,7 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, ND: gl.constexpr, NRAW: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_SPLIT: gl.constexpr, INV_K: gl.constexpr,
-        PROBE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        PROBE: gl.constexpr, CB: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -196,7 +206,7 @@ if G.HAVE_GLUON:
         p8 = gl.allocate_shared_memory(gl.float8e4nv, [12, BLOCK_M, BLOCK_N], P8)  # [consumer · 8 + chunk]
         W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         W16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        raw_codes = gl.allocate_shared_memory(gl.int32, [NRAW * 4, BLOCK_N, 16], W32)  # [stage · 4 + chunk, key]
+        raw_codes = gl.allocate_shared_memory(gl.int32, [NRAW * (64 // CB), BLOCK_N, CB], W32)  # [stage, box][key]
         raw_norms = gl.allocate_shared_memory(gl.float16, [NRAW, BLOCK_N, 8], W16)  # 4 norms, 4 padding
         raw_rope = gl.allocate_shared_memory(gl.bfloat16, [NRAW, BLOCK_N, 64], QR)
         n_bars: gl.constexpr = 3 * ND + 3
@@ -218,12 +228,12 @@ if G.HAVE_GLUON:
                            False, Q_SPLIT)),
             (R._consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
                            False, Q_SPLIT)),
-            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE)),
+            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE, CB)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _descriptors(kv_cache: torch.Tensor) -> tuple:
-    """TMA views of the 400-byte rows: codes as int32 words [rows, 100] in [64, 16] boxes (one chunk), norms as
+    """TMA views of the 400-byte rows: codes as int32 words [rows, 100] in [64, CODE_BOX] boxes, norms as
     fp16 [rows, 200] in [64, 8] boxes (4 norms, 4 padding), rope as bf16 [rows, 200] in [64, 64] boxes."""
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     words = kv_cache.view(torch.int32).view(rows, ROW // 4)
@@ -232,7 +242,7 @@ def _descriptors(kv_cache: torch.Tensor) -> tuple:
     w32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     w16 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     qr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return (M.TensorDescriptor.from_tensor(words, [BLOCK_N, 16], w32),
+    return (M.TensorDescriptor.from_tensor(words, [BLOCK_N, CODE_BOX], w32),
             M.TensorDescriptor.from_tensor(halves, [BLOCK_N, 8], w16),
             M.TensorDescriptor.from_tensor(rope, [BLOCK_N, 64], qr))
 
@@ -252,5 +262,6 @@ def launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out
                                            cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
                                            views=_descriptors(kv_cache))
     _mla_decode_tbq4reg_kernel[grid](*args, **consts, ND=NUM_DECODED, NRAW=NUM_RAW, CONSUMER_REGS=REGS[0],
-                                     PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY,
+                                     PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, CB=CODE_BOX,
+                                     SOURCE_KEY=_SOURCE_KEY,
                                      num_warps=4)
