@@ -209,6 +209,17 @@ if G.HAVE_GLUON:
         return r * ulp
 
     @gluon.jit
+    def _store_q_chunk(x, sq, hi_smem, lo_smem, qs_smem, LO: gl.constexpr):
+        """One 128-column chunk x [rows, 128] of q as e4m3 terms of x / sq: hi, and with LO its residual lo."""
+        FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+        y = x / gl.expand_dims(sq, 1)
+        hi_f = _round_e4m3(y)
+        hi_smem.store(hi_f.to(gl.float8e4nv))  # exact
+        if LO:
+            lo_smem.store((y - hi_f).to(gl.float8e4nv))
+        qs_smem.store(gl.convert_layout(sq, FL))
+
+    @gluon.jit
     def _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
                 FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
                 ROW_SCALE: gl.constexpr = False, LO: gl.constexpr = True):
@@ -217,31 +228,29 @@ if G.HAVE_GLUON:
         untouched), and its rope part in bf16; padded rows are zeros."""
         QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
-        FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
         s_q = g * FOLD + rows_q // BLOCK_H
         h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
         ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
         q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
         cols = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, QL)), 0)
-        row_max = gl.full([BLOCK_M], 1e-30, gl.float32, layout=gl.SliceLayout(1, QL))
-        if ROW_SCALE:
+        if ROW_SCALE:  # the row's four chunks loaded once, then one scale for all of them
+            x0 = gl.load(Q + q_at + 0 * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
+            x1 = gl.load(Q + q_at + 1 * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
+            x2 = gl.load(Q + q_at + 2 * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
+            x3 = gl.load(Q + q_at + 3 * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
+            row_max = gl.maximum(gl.maximum(gl.max(gl.abs(x0), axis=1), gl.max(gl.abs(x1), axis=1)),
+                                 gl.maximum(gl.max(gl.abs(x2), axis=1), gl.max(gl.abs(x3), axis=1)))
+            sq = gl.maximum(row_max, 1e-30) / 448.0
+            _store_q_chunk(x0, sq, q_hi.index(0), q_lo.index(0), qs.index(0), LO)
+            _store_q_chunk(x1, sq, q_hi.index(1), q_lo.index(1), qs.index(1), LO)
+            _store_q_chunk(x2, sq, q_hi.index(2), q_lo.index(2), qs.index(2), LO)
+            _store_q_chunk(x3, sq, q_hi.index(3), q_lo.index(3), qs.index(3), LO)
+        else:
             for c in gl.static_range(4):
                 x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
-                row_max = gl.maximum(row_max, gl.max(gl.abs(x), axis=1))
-        for c in gl.static_range(4):
-            x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
-            if ROW_SCALE:
-                sq = row_max / 448.0
-            else:
                 sq = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30) / 448.0
-            y = x / gl.expand_dims(sq, 1)
-            hi_f = _round_e4m3(y)
-            hi = hi_f.to(gl.float8e4nv)  # exact
-            q_hi.index(c).store(hi)
-            if LO:
-                q_lo.index(c).store((y - hi_f).to(gl.float8e4nv))
-            qs.index(c).store(gl.convert_layout(sq, FL))
+                _store_q_chunk(x, sq, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
         cols_r = gl.expand_dims(gl.arange(0, DR, layout=gl.SliceLayout(0, QL)), 0)
         q_r.store(gl.load(Q + q_at + DC + cols_r, mask=ok_q, other=0.0).to(gl.bfloat16))
 
