@@ -56,7 +56,18 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("tbq4_producer_alone", "tbq4", T, dict(USE=True, PROBE=4)),
             ("tbq4_copies_alone", "tbq4", T, dict(USE=True, PROBE=13)),
             ("tbq4_no_scales", "tbq4", T, dict(USE=True, PROBE=8)),
-            ("tbq4_regs_208_80", "tbq4", T, dict(USE=True, REGS=(208, 80))))
+            ("tbq4_regs_208_80", "tbq4", T, dict(USE=True, REGS=(208, 80))),
+            ("reg1_splits_1x", "fp8", R, dict(USE=True, P_SPLIT=False, num_splits=1.0)),
+            ("reg1_no_blocks", "fp8", R, dict(USE=True, P_SPLIT=False, PROBE=6)),
+            ("reg1_no_blocks_splits_1x", "fp8", R, dict(USE=True, P_SPLIT=False, PROBE=6, num_splits=1.0)),
+            ("reg1_producer_alone", "fp8", R, dict(USE=True, P_SPLIT=False, PROBE=5)),
+            ("reg1_producer_alone_splits_1x", "fp8", R, dict(USE=True, P_SPLIT=False, PROBE=5, num_splits=1.0)),
+            ("reg1_lag1", "fp8", R, dict(USE=True, P_SPLIT=False, REFILL_LAG=1)),
+            ("tbq4_cb32", "tbq4", T, dict(USE=True, CODE_BOX=32)), ("tbq4_cb64", "tbq4", T, dict(USE=True, CODE_BOX=64)),
+            ("tbq4_copies_alone_cb32", "tbq4", T, dict(USE=True, PROBE=13, CODE_BOX=32)),
+            ("tbq4_copies_alone_cb64", "tbq4", T, dict(USE=True, PROBE=13, CODE_BOX=64)),
+            ("tbq4_splits_1x", "tbq4", T, dict(USE=True, num_splits=1.0)),
+            ("tbq4_cb64_splits_1x", "tbq4", T, dict(USE=True, CODE_BOX=64, num_splits=1.0)))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 
