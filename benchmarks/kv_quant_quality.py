@@ -8,15 +8,23 @@
    the paged cache, then attends over the cache with S = 8 query tokens, causal within the step).
 3. Greedy agreement: a batch of 32 code prompts generated with each cache format vs bf16.
 
+The "-kernel" formats are the same fp8 / tbq4 caches read with the Hopper e4m3 kernels' arithmetic
+(`ops.mla_decode_e4m3`, a torch emulation of their rounding of q and P): "fp8-kernel" with P in one e4m3
+term, "fp8-kernel-psplit" with P in two (the fp8 kernel's default), "tbq4-kernel" as the tbq4 kernel runs.
+For perplexity and greedy decoding the model's cache reads are routed there by `kernel_reads` (the engine
+is unchanged).
+
     PYTHONPATH=. python3 benchmarks/kv_quant_quality.py --data data/stdlib --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +33,63 @@ import torch.nn.functional as F
 
 from specmla import LLM, SamplingParams
 from specmla.engine.kv_pool import KVPool
+from specmla.model import deepseek
 from specmla.model.default import default_model_path
 from specmla.model.metadata import AttentionMetadata
 from specmla.ops.kv_cache import row_spec, write_kv_cache
 from specmla.ops.mla_decode import mla_decode
+from specmla.ops.mla_decode_e4m3 import mla_decode_e4m3
 from specmla.ops.rope import apply_rope
 
-FORMATS = ("bf16", "fp8", "tbq4")
+FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-kernel-psplit", "tbq4", "tbq4-kernel")
+# format → (its cache format, mla_decode_e4m3's settings): the e4m3 kernels' arithmetic on the same cache
+KERNEL_FORMATS = {
+    "fp8-kernel": ("fp8", dict(q_split=True, p_split=False)),  # P in one e4m3 term
+    "fp8-kernel-psplit": ("fp8", dict(q_split=True, p_split=True)),  # P in two (mla_decode_gluon_fp8reg.P_SPLIT)
+    "tbq4-kernel": ("tbq4", {}),  # q and P in one term each (mla_decode_gluon_tbq4reg)
+}
+
+
+def cache_format(fmt: str) -> str:
+    """The kv_format of `fmt`'s cache ("auto" for bf16)."""
+    base = KERNEL_FORMATS[fmt][0] if fmt in KERNEL_FORMATS else fmt
+    return "auto" if base == "bf16" else base
+
+
+def attend(fmt: str, q, cache, table, seq_lens, scale, dc):
+    """One cache read of `fmt`: the torch reference, or the e4m3 kernels' emulation for the -kernel formats."""
+    if fmt in KERNEL_FORMATS:
+        return mla_decode_e4m3(q, cache, table, seq_lens, scale, causal=True, head_dim_v=dc,
+                               kv_format=KERNEL_FORMATS[fmt][0], **KERNEL_FORMATS[fmt][1])
+    return mla_decode(q, cache, table, seq_lens, scale, causal=True, head_dim_v=dc, kv_format=cache_format(fmt))
+
+
+@contextlib.contextmanager
+def kernel_reads(fmt: str):
+    """Within: the model's decode / verify reads of the cache (`deepseek.mla_decode`, the absorbed path) go
+    through `mla_decode_e4m3` with `fmt`'s settings when fmt is a -kernel format. Yields a one-element call
+    counter, so that callers can check the reads did go there."""
+    calls = [0]
+    if fmt not in KERNEL_FORMATS:
+        yield calls
+        return
+    base, settings = KERNEL_FORMATS[fmt]
+    original = deepseek.mla_decode
+
+    def read(q, kv_cache, block_table, seq_lens, softmax_scale, *, causal=True, kv_format="bf16", head_dim_v=None,
+             **rest):
+        if kv_format != base or rest.get("return_lse") or rest.get("out") is not None:
+            return original(q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
+                            head_dim_v=head_dim_v, **rest)
+        calls[0] += 1
+        return mla_decode_e4m3(q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
+                               head_dim_v=head_dim_v, **settings)
+
+    deepseek.mla_decode = read
+    try:
+        yield calls
+    finally:
+        deepseek.mla_decode = original
 
 
 def capture_attention_inputs(model, ids: torch.Tensor):
@@ -63,8 +121,8 @@ def capture_attention_inputs(model, ids: torch.Tensor):
     return grabbed
 
 
-def attention_cosines(model, ids: torch.Tensor, page: int = 16) -> dict:
-    out = {f: [] for f in FORMATS}
+def attention_cosines(model, ids: torch.Tensor, formats=FORMATS, page: int = 16) -> dict:
+    out = {f: [] for f in formats}
     T = ids.shape[0]
     pages = -(-T // page)
     table = torch.randperm(pages, dtype=torch.int32)[None]  # pages in any order
@@ -73,15 +131,18 @@ def attention_cosines(model, ids: torch.Tensor, page: int = 16) -> dict:
         q_last = q[-32:][None].float()  # the last 32 positions attend over the whole window
         seq_q = torch.tensor([T], dtype=torch.int32)
         exact = None
-        for fmt in ("exact",) + FORMATS:
-            kv_fmt = {"exact": "auto", "bf16": "auto"}.get(fmt, fmt)
+        for fmt in ("exact",) + tuple(formats):
+            kv_fmt = "auto" if fmt == "exact" else cache_format(fmt)
             dtype = torch.float32 if fmt == "exact" else torch.bfloat16
             width, row_dtype = row_spec(kv_fmt, dc, 64, dtype)
             cache = torch.zeros(pages, page, width, dtype=row_dtype)
             slots = (table[0].long()[torch.arange(T) // page] * page + torch.arange(T) % page)
             write_kv_cache(cache, latent[:, :dc].to(dtype), latent[:, dc:].to(dtype), slots, kv_fmt)
-            o = mla_decode(q_last if fmt == "exact" else q_last.to(torch.bfloat16).float(), cache, table, seq_q,
-                           scale, causal=True, head_dim_v=dc, kv_format=kv_fmt).float()
+            if fmt == "exact":
+                o = mla_decode(q_last, cache, table, seq_q, scale, causal=True, head_dim_v=dc, kv_format=kv_fmt)
+            else:
+                o = attend(fmt, q_last.to(torch.bfloat16).float(), cache, table, seq_q, scale, dc)
+            o = o.float()
             if fmt == "exact":
                 exact = o
                 continue
@@ -92,11 +153,12 @@ def attention_cosines(model, ids: torch.Tensor, page: int = 16) -> dict:
 
 @torch.no_grad()
 def teacher_forced_nll(model, tokens: np.ndarray, fmt: str, S: int = 8, page: int = 16) -> tuple[float, int]:
-    """Σ NLL of tokens[1:] with every attention read from a `fmt` cache (decode steps of S tokens)."""
+    """Σ NLL of tokens[1:] with every attention read from a `fmt` cache (decode steps of S tokens); -kernel
+    formats read it through `kernel_reads` (the caller's context)."""
     cfg = model.config
     L = len(tokens) - 1
     L -= L % S
-    kv_fmt = "auto" if fmt == "bf16" else fmt
+    kv_fmt = cache_format(fmt)
     pool = KVPool(model.num_cache_layers, -(-L // page), page, cfg.latent_dim, torch.bfloat16 if fmt == "bf16"
                   else torch.float32, "cpu", kv_format=kv_fmt, kv_lora_rank=cfg.kv_lora_rank)
     table = torch.arange(pool.num_pages, dtype=torch.int32)[None]
@@ -120,39 +182,59 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--prompts", default="data/bench/code_complete.jsonl")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, from " + ", ".join(FORMATS))
     args = ap.parse_args()
+    formats = tuple(args.formats.split(","))
+    if formats[0] != "bf16" or not set(formats) <= set(FORMATS):
+        ap.error(f"--formats: bf16 first, then any of {FORMATS}")
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
     torch.manual_seed(0)
     path = default_model_path()
     heldout = np.fromfile(Path(args.data) / "heldout.bin", dtype=np.uint16)
     llm = LLM(path, device="cpu", dtype="float32")
     model = llm.model
     report = {"model": str(path)}
-    cos = [attention_cosines(model, torch.from_numpy(heldout[i * 700 : i * 700 + 600].astype(np.int64)))
+    cos = [attention_cosines(model, torch.from_numpy(heldout[i * 700 : i * 700 + 600].astype(np.int64)), formats)
            for i in range(2)]
     report["attention_cosine"] = {f: {"min": min(c[f]["min"] for c in cos), "mean": sum(c[f]["mean"] for c in cos) / 2}
-                                  for f in FORMATS}
-    print("attention-output cosine vs unquantised (real activations):", json.dumps(report["attention_cosine"]))
-    ppl = {}
-    for fmt in FORMATS:
+                                  for f in formats}
+    print("attention-output cosine vs unquantised (real activations):", json.dumps(report["attention_cosine"]),
+          f"[{time.time() - t_start:.0f} s]", flush=True)
+    ppl, reads = {}, {}
+    for fmt in formats:
         tot, n = 0.0, 0
-        for w in range(args.windows):
-            a, b = teacher_forced_nll(model, heldout[w * (args.window + 1) : (w + 1) * (args.window + 1)], fmt)
-            tot, n = tot + a, n + b
+        with kernel_reads(fmt) as calls:
+            for w in range(args.windows):
+                a, b = teacher_forced_nll(model, heldout[w * (args.window + 1) : (w + 1) * (args.window + 1)], fmt)
+                tot, n = tot + a, n + b
+                print(f"  {fmt} window {w + 1}/{args.windows}: running ppl {math.exp(tot / n):.4f} "
+                      f"[{time.time() - t_start:.0f} s]", flush=True)
+        if fmt in KERNEL_FORMATS:
+            assert calls[0] > 0, f"{fmt}: no cache read went through mla_decode_e4m3"
+            reads[fmt] = calls[0]
         ppl[fmt] = math.exp(tot / n)
         print(f"held-out perplexity, {fmt} cache: {ppl[fmt]:.4f} ({n} tokens)", flush=True)
     report["heldout_ppl"] = ppl
-    report["ppl_delta_pct"] = {f: 100 * (ppl[f] / ppl["bf16"] - 1) for f in FORMATS}
+    report["ppl_delta_pct"] = {f: 100 * (ppl[f] / ppl["bf16"] - 1) for f in formats}
+    report["ppl_kernel_reads"] = reads  # mla_decode_e4m3 calls per -kernel format (all layers, all steps)
     prompts = [json.loads(ln)["prompt"] for ln in Path(args.prompts).read_text().splitlines()[:32]]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    outs = {}
-    for fmt in FORMATS:
-        g = LLM(path, device="cpu", dtype="float32", kv_cache_dtype=fmt)  # fp32 weights, only the cache differs
-        outs[fmt] = [o.token_ids for o in g.generate(prompts, params)]
+    outs, reads = {}, {}
+    for fmt in formats:
+        with kernel_reads(fmt) as calls:  # fp32 weights, only the cache (and its reads) differ
+            g = LLM(path, device="cpu", dtype="float32", kv_cache_dtype=cache_format(fmt).replace("auto", "bf16"))
+            outs[fmt] = [o.token_ids for o in g.generate(prompts, params)]
+        if fmt in KERNEL_FORMATS:
+            assert calls[0] > 0, f"{fmt}: no cache read went through mla_decode_e4m3"
+            reads[fmt] = calls[0]
+        print(f"greedy, {fmt} cache: done [{time.time() - t_start:.0f} s]", flush=True)
     report["greedy_identical_prompts_vs_bf16"] = {f: sum(a == b for a, b in zip(outs[f], outs["bf16"])) / len(prompts)
-                                                  for f in FORMATS}
+                                                  for f in formats}
     report["greedy_token_agreement_vs_bf16"] = {
         f: sum(x == y for a, b in zip(outs[f], outs["bf16"]) for x, y in zip(a, b)) / (32 * len(prompts))
-        for f in FORMATS}
+        for f in formats}
+    report["greedy_kernel_reads"] = reads
     print(json.dumps(report, indent=1))
     with open(os.path.join(args.out, "kv_quant_quality.json"), "w") as f:
         json.dump(report, f, indent=1)
