@@ -9,7 +9,7 @@ than the exact one.
 
 What is emulated (read from the kernels' sources):
 - q's latent part: one scale per query row, sq = max(max|q_lat|, 1e-30) / 448 (`fp8mma._load_q`, ROW_SCALE), then
-  hi = e4m3(q/sq) and, with q_split, lo = e4m3(q/sq − hi); the rope parts of q and of the keys in bf16.
+  hi = e4m3(q·448/max) and, with q_split, lo = e4m3(q·448/max − hi); the rope parts of q and of the keys in bf16.
 - Keys in blocks of `block_n` (64); per block and 128-column chunk c the producer's scales: fp8
   (`fp8reg._store_scales`): f_c = max_{valid keys} scale_{k,c} / 448, sc_{k,c} = scale_{k,c} / f_c; tbq4
   (`tbq4reg._store_block_scales`): one factor per block for all chunks, m = max_{valid keys, chunks} norm,
@@ -61,8 +61,9 @@ def split_p(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_q(q_lat: torch.Tensor, q_split: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q's latent part [..., Dc] → (hi + lo as fp32 [..., Dc], the row scale sq [...]) as `_load_q` with ROW_SCALE."""
     x = q_lat.float()
-    sq = x.abs().amax(-1).clamp_min(1e-30) / E4M3_MAX
-    y = x / sq[..., None]
+    amax = x.abs().amax(-1).clamp_min(1e-30)
+    sq = amax / E4M3_MAX
+    y = x * (E4M3_MAX / amax)[..., None]  # the kernels multiply by the reciprocal
     hi = round_e4m3(y)
     return (hi + round_e4m3(y - hi) if q_split else hi), sq
 

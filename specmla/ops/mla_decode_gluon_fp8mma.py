@@ -24,7 +24,8 @@ Status (H100, H=16, `benchmarks/fp8mma_probe.py`): correct, and a little faster 
 from P in e4m3 (cosine above 0.999, the issue's bar; the unpacking kernel: 0.2 %), so it stays opt-in (`USE`)
 until the end-to-end quality checks have run through it.
 A Triton 3.6 pitfall met on the way, which a GPU test pins: lo = y − hi with hi decoded from its e4m3 codes by
-`.to(gl.float32)` held hi-sized values at some elements, so hi is rounded in fp32 arithmetic (`_round_e4m3`).
+`.to(gl.float32)` held hi-sized values at some elements, so hi is rounded and decoded by inline PTX conversions
+(`_ROUND_E4M3_PAIR`; first in fp32 arithmetic, which made the q prologue ~1400 instructions long).
 
 Same contract, grid, split rule and partials as `mla_decode_triton` (its combine merges the splits); Dc = 512,
 Dr = 64, 16 or 32 query rows, bf16 queries, page sizes that are multiples of 64. Gluon does not run in the
@@ -76,6 +77,19 @@ prmt.b32 $1, t0, t2, 0x7632;
 prmt.b32 $2, t1, t3, 0x5410;
 prmt.b32 $3, t1, t3, 0x7632;
 }""")
+# Two fp32 values rounded to e4m3 (nearest, ties to even) and back to fp32 by the hardware's conversions: 5
+# instructions per pair where rounding in fp32 arithmetic took ~10 per value (the q prologue of a decode
+# program was ~1400 instructions long on one warp per scheduler). e4m3 → f16 is exact.
+_ROUND_E4M3_PAIR = _c("""{
+.reg .b16 q8, h0, h1;
+.reg .b32 h2;
+cvt.rn.satfinite.e4m3x2.f32 q8, $3, $2;
+cvt.rn.f16x2.e4m3x2 h2, q8;
+mov.b32 {h0, h1}, h2;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+}""")
+
 
 
 def _transpose16_ptx() -> str:
@@ -198,22 +212,12 @@ if G.HAVE_GLUON:
             mbarrier.arrive(bars.index(RAW_FREE + rs))
 
     @gluon.jit
-    def _round_e4m3(y):
-        """y (|y| ≤ 448) rounded to the nearest e4m3 value (ties to even), in fp32 arithmetic. (Decoding the e4m3
-        codes back with `.to(gl.float32)` gave wrong values for some elements here, Triton 3.6 on the H100.)"""
-        e = ((y.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        e = gl.maximum(e, -6)  # subnormals: steps of 2⁻⁹
-        ulp = ((e - 3 + 127) << 23).to(gl.float32, bitcast=True)
-        t = y / ulp  # exact: ulp is a power of two
-        r = (t + 12582912.0) - 12582912.0  # round to nearest even (|t| < 2²²)
-        return r * ulp
-
-    @gluon.jit
-    def _store_q_chunk(x, sq, hi_smem, lo_smem, qs_smem, LO: gl.constexpr):
-        """One 128-column chunk x [rows, 128] of q as e4m3 terms of x / sq: hi, and with LO its residual lo."""
+    def _store_q_chunk(x, inv, sq, hi_smem, lo_smem, qs_smem, LO: gl.constexpr):
+        """One 128-column chunk x [rows, 128] of q as e4m3 terms of y = x·inv (inv = 1/sq per row): hi, and with LO
+        its residual lo; sq into qs_smem."""
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
-        y = x / gl.expand_dims(sq, 1)
-        hi_f = _round_e4m3(y)
+        y = x * gl.expand_dims(inv, 1)
+        hi_f = gl.inline_asm_elementwise(_ROUND_E4M3_PAIR, "=f,=f,f,f", [y], dtype=gl.float32, is_pure=True, pack=2)
         hi_smem.store(hi_f.to(gl.float8e4nv))  # exact
         if LO:
             lo_smem.store((y - hi_f).to(gl.float8e4nv))
@@ -222,10 +226,12 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
                 FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
-                ROW_SCALE: gl.constexpr = False, LO: gl.constexpr = True):
+                ROW_SCALE: gl.constexpr = False, LO: gl.constexpr = True, FIRST: gl.constexpr = 0,
+                COUNT: gl.constexpr = 4, ROPE: gl.constexpr = True):
         """q's latent part as two e4m3 terms per 128-column chunk, q ≈ (hi + lo)·sq (sq: the row's chunk
         maximum / 448; ROW_SCALE: the row's maximum / 448, the same for every chunk; LO False: hi alone, q_lo
-        untouched), and its rope part in bf16; padded rows are zeros."""
+        untouched), and (ROPE) its rope part in bf16; padded rows are zeros. Only chunks FIRST .. FIRST+COUNT-1
+        are written: two warpgroups can share the work (with ROW_SCALE each still reads the whole row)."""
         QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
@@ -241,18 +247,27 @@ if G.HAVE_GLUON:
             x3 = gl.load(Q + q_at + 3 * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
             row_max = gl.maximum(gl.maximum(gl.max(gl.abs(x0), axis=1), gl.max(gl.abs(x1), axis=1)),
                                  gl.maximum(gl.max(gl.abs(x2), axis=1), gl.max(gl.abs(x3), axis=1)))
-            sq = gl.maximum(row_max, 1e-30) / 448.0
-            _store_q_chunk(x0, sq, q_hi.index(0), q_lo.index(0), qs.index(0), LO)
-            _store_q_chunk(x1, sq, q_hi.index(1), q_lo.index(1), qs.index(1), LO)
-            _store_q_chunk(x2, sq, q_hi.index(2), q_lo.index(2), qs.index(2), LO)
-            _store_q_chunk(x3, sq, q_hi.index(3), q_lo.index(3), qs.index(3), LO)
+            row_max = gl.maximum(row_max, 1e-30)
+            sq = row_max / 448.0
+            inv = 448.0 / row_max
+            for c in gl.static_range(FIRST, FIRST + COUNT):
+                if c == 0:
+                    xc = x0
+                elif c == 1:
+                    xc = x1
+                elif c == 2:
+                    xc = x2
+                else:
+                    xc = x3
+                _store_q_chunk(xc, inv, sq, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
         else:
-            for c in gl.static_range(4):
+            for c in gl.static_range(FIRST, FIRST + COUNT):
                 x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
-                sq = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30) / 448.0
-                _store_q_chunk(x, sq, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
-        cols_r = gl.expand_dims(gl.arange(0, DR, layout=gl.SliceLayout(0, QL)), 0)
-        q_r.store(gl.load(Q + q_at + DC + cols_r, mask=ok_q, other=0.0).to(gl.bfloat16))
+                chunk_max = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30)
+                _store_q_chunk(x, 448.0 / chunk_max, chunk_max / 448.0, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
+        if ROPE:
+            cols_r = gl.expand_dims(gl.arange(0, DR, layout=gl.SliceLayout(0, QL)), 0)
+            q_r.store(gl.load(Q + q_at + DC + cols_r, mask=ok_q, other=0.0).to(gl.bfloat16))
 
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,

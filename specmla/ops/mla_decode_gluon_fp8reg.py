@@ -229,14 +229,14 @@ if G.HAVE_GLUON:
         WROTE1: gl.constexpr = 3 * NR + 2
         ROW: gl.constexpr = gl.SliceLayout(0, ACC)
         KEY: gl.constexpr = gl.SliceLayout(1, ACC)
-        if ROLE == 0:
-            M._load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512,
-                      64, True, Q_SPLIT)
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(bars.index(Q_READY))
-        else:
-            mbarrier.wait(bars.index(Q_READY), 0)
+        # q's prologue split between the consumers: each quantises two chunks (the row scale needs the whole
+        # row, so each reads all of it), consumer 0 the rope part too; Q_READY counts both arrivals
+        M._load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512,
+                  64, True, Q_SPLIT, 2 * ROLE, 2, ROLE == 0)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(bars.index(Q_READY))
+        mbarrier.wait(bars.index(Q_READY), 0)
         q0 = qs.index(0).load(ROW)  # one scale per row for every chunk: fewer registers
         cols_r = gl.arange(0, BLOCK_M, layout=ROW)
         if CAUSAL:
@@ -403,7 +403,7 @@ if G.HAVE_GLUON:
         n_bars: gl.constexpr = 3 * NR + 3
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n_bars):
-            mbarrier.init(bars.index(i), count=1)
+            mbarrier.init(bars.index(i), count=2 if i == 3 * NR else 1)  # Q_READY: both consumers arrive
         fence_async_shared()
         shared = (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
                   q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars)

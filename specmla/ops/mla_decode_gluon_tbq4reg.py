@@ -213,7 +213,7 @@ if G.HAVE_GLUON:
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         tbars = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n_bars):
-            mbarrier.init(bars.index(i), count=1)
+            mbarrier.init(bars.index(i), count=2 if i == 3 * ND else 1)  # Q_READY: both consumers arrive
         for i in gl.static_range(NRAW):
             mbarrier.init(tbars.index(i), count=1)
         fence_async_shared()
