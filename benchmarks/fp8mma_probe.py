@@ -27,6 +27,7 @@ from limits import copy_bandwidth
 from specmla.ops import mla_decode_gluon_fp8mma as M
 from specmla.ops import mla_decode_gluon_fp8reg as R
 from specmla.ops import mla_decode_gluon_tbq4reg as T
+from specmla.ops import mla_decode_triton as D
 from specmla.ops.mla_decode_triton import mla_decode_triton, plan
 
 VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
@@ -67,7 +68,8 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("tbq4_copies_alone_cb32", "tbq4", T, dict(USE=True, PROBE=13, CODE_BOX=32)),
             ("tbq4_copies_alone_cb64", "tbq4", T, dict(USE=True, PROBE=13, CODE_BOX=64)),
             ("tbq4_splits_1x", "tbq4", T, dict(USE=True, num_splits=1.0)),
-            ("tbq4_cb64_splits_1x", "tbq4", T, dict(USE=True, CODE_BOX=64, num_splits=1.0)))
+            ("tbq4_cb64_splits_1x", "tbq4", T, dict(USE=True, CODE_BOX=64, num_splits=1.0)),
+            ("tbq4_separate_rotate", "tbq4", D, dict(TBQ4_COMBINE_ROTATE=False)))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 

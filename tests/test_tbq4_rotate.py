@@ -1,6 +1,6 @@
-"""The tbq4 rotation kernel (`ops.tbq4_rotate`) against its torch reference, in the Triton interpreter on CPU (fp32
-and fp16: the interpreter's bf16 dot is wrong) and on the GPU in bf16: odd row counts, a tail past `width` or none,
-in place, strided input, and the errors for a bad width or out shape."""
+"""The tbq4 rotation kernels (`ops.tbq4_rotate`: the rotation, and the split combine that rotates back) against
+their torch references, in the Triton interpreter on CPU and on the GPU: odd row and head counts, a tail past
+`width` or none, in place, strided input, empty splits and rows, and the errors for a bad width or out shape."""
 
 import pytest
 import torch
@@ -76,3 +76,50 @@ def test_rotate_rows_bf16_on_the_gpu():
     # both round the same fp32 result to bf16; tf32 dot of exact inputs may differ in the sums' order only
     assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
     assert torch.equal(got[..., 512:], x[..., 512:])
+
+
+@pytest.mark.parametrize("B,S,H,ns", [(2, 1, 16, 3), (1, 2, 5, 4), (3, 1, 20, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_rotate_matches_the_reference(B, S, H, ns, dtype):
+    from specmla.ops.tbq4_rotate import combine_rotate, combine_rotate_torch
+
+    torch.manual_seed(3)
+    mid_o = torch.randn(B, S, H, ns, 512, device=DEVICE)
+    mid_lse = torch.randn(B, S, H, ns, device=DEVICE) * 3
+    mid_lse[0, 0, 0, 0] = float("-inf")  # an empty split
+    if ns > 1:
+        mid_lse[-1, -1, -1, :] = float("-inf")  # a row that saw no keys
+    want_o, want_lse = torch.empty(B, S, H, 512, device=DEVICE, dtype=dtype), torch.empty(B, S, H, device=DEVICE)
+    combine_rotate_torch(mid_o, mid_lse, want_o, want_lse)
+    got_o, got_lse = torch.empty_like(want_o), torch.empty_like(want_lse)
+    combine_rotate(mid_o, mid_lse, got_o, got_lse)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got_o.float(), want_o.float(), rtol=tol, atol=tol)
+    assert torch.equal(got_lse.isinf(), want_lse.isinf())
+    assert torch.allclose(got_lse[~got_lse.isinf()], want_lse[~want_lse.isinf()], atol=1e-5)
+
+
+def test_decode_gives_the_same_output_with_the_rotation_in_the_combine_or_apart(monkeypatch):
+    """mla_decode_triton over a tbq4 cache with several splits: the combine that rotates and the plain combine
+    followed by `rotate_rows` agree, and both match the torch reference."""
+    from specmla.ops import mla_decode_triton as D
+    from specmla.ops.kv_cache import row_spec, write_kv_cache
+    from specmla.ops.mla_decode import mla_decode_torch
+
+    torch.manual_seed(4)
+    page, lens = 16, [70, 130]
+    num_pages = 2 * 9 + 2  # table rows of 9 pages (130 keys need 9)
+    latent = torch.randn(num_pages * page, 576, device=DEVICE)
+    cache = torch.empty(num_pages, page, row_spec("tbq4", 512, 64, torch.float32)[0], dtype=torch.uint8, device=DEVICE)
+    write_kv_cache(cache, latent[:, :512], latent[:, 512:], torch.arange(num_pages * page, device=DEVICE), "tbq4")
+    table = torch.randperm(num_pages, device=DEVICE, dtype=torch.int32)[:18].view(2, 9)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 1, 4, 576, device=DEVICE)
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(D, "TBQ4_COMBINE_ROTATE", fused)
+        outs.append(D.mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4",
+                                        num_splits=3))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    assert torch.allclose(outs[0].double(), ref, atol=1e-4)

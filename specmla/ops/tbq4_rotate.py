@@ -94,3 +94,75 @@ def rotate_rows(x: torch.Tensor, width: int, out: torch.Tensor | None = None) ->
     if o2.data_ptr() != res.data_ptr():
         res.copy_(o2.view(res.shape))
     return res
+
+
+@triton.jit
+def _combine_rotate_kernel(
+    MID_O, MID_LSE, OUT, LSE, SIGNS,
+    stride_mob, stride_mos, stride_moh, stride_mosp,
+    stride_mlb, stride_mls, stride_mlh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls,
+    S, H, NUM_SPLITS,
+    BLOCK_SPLITS: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """`mla_decode_triton`'s combine for a tbq4 cache with the output's rotation folded in. Program (request·token,
+    ROWS heads, 128 columns): the splits' partials (log2-sum-exp weights) merged into a [ROWS, 128] tile in the
+    rotated domain, rotated back as acc_hi·signs + acc_lo·signs (acc_hi: acc rounded to bf16, exact in tf32; the
+    residual's tf32 rounding is 2⁻²⁰ of acc) and stored; the first column block stores the natural-log lse."""
+    pid = tl.program_id(0)
+    b = pid // S
+    s = pid % S
+    h = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    h_ok = h < H
+    cols = tl.program_id(2) * 128 + tl.arange(0, 128)
+    lse_rows = MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh
+    sp = tl.arange(0, BLOCK_SPLITS)
+    lse = tl.load(lse_rows[:, None] + sp[None, :], mask=h_ok[:, None] & (sp[None, :] < NUM_SPLITS),
+                  other=float("-inf"))
+    m = tl.max(lse, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
+    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+    o_rows = MID_O + b * stride_mob + s * stride_mos + h[:, None] * stride_moh + cols[None, :]
+    acc = tl.zeros([ROWS, 128], dtype=tl.float32)
+    for i in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_rows + i, mask=h_ok, other=float("-inf")) - m_safe) * inv_total
+        acc += tl.load(o_rows + i * stride_mosp, mask=h_ok[:, None], other=0.0) * w[:, None]
+    k = tl.arange(0, 128)
+    signs = tl.load(SIGNS + k[:, None] * 128 + k[None, :])
+    hi = acc.to(tl.bfloat16).to(tl.float32)
+    y = tl.dot(hi, signs, input_precision=PRECISION) + tl.dot(acc - hi, signs, input_precision=PRECISION)
+    y = y * 0.08838834764831845  # 1/√128
+    tl.store(OUT + b * stride_ob + s * stride_os + h[:, None] * stride_oh + cols[None, :],
+             y.to(OUT.dtype.element_ty), mask=h_ok[:, None])
+    if tl.program_id(2) == 0:
+        lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
+                           float("-inf"))
+        tl.store(LSE + b * stride_lb + s * stride_ls + h, lse_out, mask=h_ok)
+
+
+def combine_rotate(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge split partials mid_o [B, S, H, splits, Dc] (fp32, rotated domain; log2-sum-exp mid_lse [B, S, H,
+    splits]) into out [B, S, H, Dc] rotated back, and lse [B, S, H] (natural log)."""
+    B, S, H, ns, dc = mid_o.shape
+    if dc % BLOCK or mid_o.stride(-1) != 1 or mid_lse.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("combine_rotate needs Dc a multiple of 128 and unit-stride last dims")
+    precision = "ieee" if out.dtype == torch.float32 else "tf32"
+    _combine_rotate_kernel[(B * S, triton.cdiv(H, ROWS), dc // BLOCK)](
+        mid_o, mid_lse, out, lse, hadamard_signs(out.device),
+        *mid_o.stride()[:4], *mid_lse.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
+        S, H, ns, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)), ROWS=ROWS, PRECISION=precision, num_warps=4)
+
+
+def combine_rotate_torch(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Reference for `combine_rotate`: the log2-sum-exp merge in fp32, then `rotate_rows_torch`."""
+    m = mid_lse.amax(-1, keepdim=True)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    w = torch.exp2(mid_lse - m_safe)
+    total = w.sum(-1, keepdim=True)
+    merged = (mid_o * (w / torch.where(total > 0, total, torch.ones_like(total)))[..., None]).sum(-2)
+    rotate_rows_torch(merged, merged.shape[-1], out=out)
+    total, m_safe = total[..., 0], m_safe[..., 0]
+    lse.copy_(torch.where(total > 0, (m_safe + torch.log2(torch.where(total > 0, total, torch.ones_like(total))))
+                          / 1.4426950408889634, torch.full_like(total, float("-inf"))))
