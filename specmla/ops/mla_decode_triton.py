@@ -614,7 +614,8 @@ def mla_decode_triton(
         return _finish(out, lse, return_lse, tbq)
     # tbq4: the combine rotates the output back as it merges (one kernel fewer), when its programs (16 heads ×
     # 128 columns each) fill half the SMs: B=32 saves 2.9 µs, while B=4's 16 programs took 9 µs longer
-    if tbq and TBQ4_COMBINE_ROTATE and B * S * triton.cdiv(H, 16) * (dc // 128) >= _sm_count(q.device) // 2:
+    if (tbq and TBQ4_COMBINE_ROTATE and out.stride(-1) == 1
+            and B * S * triton.cdiv(H, 16) * (dc // 128) >= _sm_count(q.device) // 2):
         combine_rotate(mid_o, mid_lse, out, lse)
         return (out, lse) if return_lse else out
     # one program per row, unless rows are too few for the SMs: B=1 merges 4 MB of partials, which
