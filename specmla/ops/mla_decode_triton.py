@@ -25,7 +25,7 @@ import triton.language as tl
 from specmla.ops import (mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant,
                          mla_decode_gluon_tbq4reg, tbq4)
 from specmla.ops.kv_cache import rope_offset
-from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step
+from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step, split_merge_weights
 from specmla.ops.tbq4_rotate import combine_rotate, rotate_rows
 
 LOG2E = 1.4426950408889634
@@ -372,10 +372,7 @@ def _mla_decode_combine_kernel(
     lse_base = MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh
     offs_sp = tl.arange(0, BLOCK_SPLITS)
     lse = tl.load(lse_base + offs_sp, mask=offs_sp < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse - m_safe), 0)
-    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+    m_safe, inv_total, lse2 = split_merge_weights(lse, 0)
     base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
     offs_d = d0 + tl.arange(0, BLOCK_D)
     d_ok = offs_d < DC
@@ -389,9 +386,7 @@ def _mla_decode_combine_kernel(
         acc += tl.sum(o * w[:, None], 0)
     tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, acc.to(OUT.dtype.element_ty), mask=d_ok)
     if d0 == 0:
-        lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
-                           float("-inf"))
-        tl.store(LSE + b * stride_lb + s * stride_ls + h, lse_out)
+        tl.store(LSE + b * stride_lb + s * stride_ls + h, lse2 / 1.4426950408889634)  # natural log
 
 
 def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:

@@ -26,3 +26,16 @@ def online_softmax_finish(acc, m_i, l_i):
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     return out, lse2
+
+
+@triton.jit
+def split_merge_weights(lse2, AXIS: tl.constexpr):
+    """Splits' partial log2-sum-exps along AXIS → (m_safe, 1 / total, the merged rows' log2-sum-exp): split i's
+    partial output weighs exp2(lse2_i − m_safe) / total. Rows whose splits all saw no keys get weight 0 and
+    lse2 −inf. Shared by the decode combines (`mla_decode_triton`, `tbq4_rotate.combine_rotate`)."""
+    m = tl.max(lse2, AXIS)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(lse2 - tl.expand_dims(m_safe, AXIS)), AXIS)
+    has = total > 0
+    merged = tl.where(has, m_safe + tl.log2(tl.where(has, total, 1.0)), float("-inf"))
+    return m_safe, 1.0 / tl.where(has, total, 1.0), merged

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from specmla.ops import tbq4
+from specmla.ops.online_softmax import split_merge_weights
 
 BLOCK = tbq4.BLOCK
 ROWS = 16  # rows per program: the smallest tile the tensor cores take
@@ -120,10 +121,7 @@ def _combine_rotate_kernel(
     sp = tl.arange(0, BLOCK_SPLITS)
     lse = tl.load(lse_rows[:, None] + sp[None, :], mask=h_ok[:, None] & (sp[None, :] < NUM_SPLITS),
                   other=float("-inf"))
-    m = tl.max(lse, 1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse - m_safe[:, None]), 1)
-    inv_total = 1.0 / tl.where(total > 0, total, 1.0)
+    m_safe, inv_total, lse2 = split_merge_weights(lse, 1)
     o_rows = MID_O + b * stride_mob + s * stride_mos + h[:, None] * stride_moh + cols[None, :]
     acc = tl.zeros([ROWS, 128], dtype=tl.float32)
     for i in range(NUM_SPLITS):
@@ -137,9 +135,7 @@ def _combine_rotate_kernel(
     tl.store(OUT + b * stride_ob + s * stride_os + h[:, None] * stride_oh + cols[None, :],
              y.to(OUT.dtype.element_ty), mask=h_ok[:, None])
     if tl.program_id(2) == 0:
-        lse_out = tl.where(total > 0, (m_safe + tl.log2(tl.where(total > 0, total, 1.0))) / 1.4426950408889634,
-                           float("-inf"))
-        tl.store(LSE + b * stride_lb + s * stride_ls + h, lse_out, mask=h_ok)
+        tl.store(LSE + b * stride_lb + s * stride_ls + h, lse2 / 1.4426950408889634, mask=h_ok)  # natural log
 
 
 def combine_rotate(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
