@@ -212,6 +212,19 @@ if G.HAVE_GLUON:
             mbarrier.arrive(bars.index(RAW_FREE + rs))
 
     @gluon.jit
+    def pick4(c: gl.constexpr, x0, x1, x2, x3):
+        """x_c for a compile-time c: the kernels hold per-chunk tiles in four variables."""
+        if c == 0:
+            x = x0
+        elif c == 1:
+            x = x1
+        elif c == 2:
+            x = x2
+        else:
+            x = x3
+        return x
+
+    @gluon.jit
     def _store_q_chunk(x, inv, sq, hi_smem, lo_smem, qs_smem, LO: gl.constexpr):
         """One 128-column chunk x [rows, 128] of q as e4m3 terms of y = x·inv (inv = 1/sq per row): hi, and with LO
         its residual lo; sq into qs_smem."""
@@ -251,15 +264,7 @@ if G.HAVE_GLUON:
             sq = row_max / 448.0
             inv = 448.0 / row_max
             for c in gl.static_range(FIRST, FIRST + COUNT):
-                if c == 0:
-                    xc = x0
-                elif c == 1:
-                    xc = x1
-                elif c == 2:
-                    xc = x2
-                else:
-                    xc = x3
-                _store_q_chunk(xc, inv, sq, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
+                _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
         else:
             for c in gl.static_range(FIRST, FIRST + COUNT):
                 x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)

@@ -352,15 +352,7 @@ if G.HAVE_GLUON:
             o2 = o2 * a_self + G._reinterpret(raw_codes.index(2), gl.float32, [128, BLOCK_M], PLAIN2).load(ACC) * a_other
             o3 = o3 * a_self + G._reinterpret(raw_codes.index(3), gl.float32, [128, BLOCK_M], PLAIN2).load(ACC) * a_other
             for c in gl.static_range(4):
-                if c == 0:
-                    oc = o0
-                elif c == 1:
-                    oc = o1
-                elif c == 2:
-                    oc = o2
-                else:
-                    oc = o3
-                Q8._store_out(oc, m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh,
+                Q8._store_out(M.pick4(c, o0, o1, o2, o3), m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh,
                               stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh,
                               stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128, c == 0, DIRECT, 3, ACC)
 
