@@ -5,7 +5,10 @@ in the same run, with their timing probes (`PROBE`, wrong results).
 - `ops.mla_decode_gluon_fp8reg` ("reg", Vᵀ in registers): no P·V (1), P·V on zeros with no Vᵀ loads (2), no softmax
   reductions (3), no Q·Kᵀ (4), the producer alone (5), no key blocks: the fixed costs (6); no copies, the consumers
   alone (`NO_COPY`; "reg1_alone_*" with the others too, P in one term); "_q_one_term": q in one e4m3 term
-  (`Q_SPLIT = False`); "_lag1": the producer refills the stage of the block before the one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term": Pᵀ in one e4m3 term (`P_SPLIT = False`); "_splits_half" / "_double": half / twice the split count.
+  (`Q_SPLIT = False`); "_lag1": the producer refills the stage of the block before the one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term" / "_p_two_terms": Pᵀ in one / two e4m3 terms (`P16 = False`); "reg16_*": P·V in fp16 (`P16`, the
+  default), "_all_loaded_first": the four Vᵀ fragments loaded before any is converted (`PV16_INTERLEAVED = False`),
+  "_q_apart": q's two terms as two matmuls (`Q_CAT = False`), "_no_loader": the producer refills the stages (no
+  loader warp, `LOADER = False`); "_splits_half" / "_double": half / twice the split count.
 
 - `ops.mla_decode_gluon_tbq4reg` ("tbq4_reg") against the unpacking kernel ("tbq4_unpack"), with its probes (`PROBE`
   bits): no decode (1), no copies (2), the consumers alone (3), the producer alone (4), the copies alone (13), no
@@ -36,21 +39,21 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("mma_producer_alone", "fp8", (M, R), (dict(USE=True, PROBE=2), dict(USE=False))),
             ("fp8_reg", "fp8", R, dict(USE=True)), ("reg_lag1", "fp8", R, dict(USE=True, REFILL_LAG=1)),
             ("reg_scale_box_16", "fp8", R, dict(USE=True, SCALE_WORDS=16)),
-            ("reg_p_one_term", "fp8", R, dict(USE=True, P_SPLIT=False)),
+            ("reg_p_one_term", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False)),
             ("reg_regs_232_40", "fp8", R, dict(USE=True, REGS=(232, 40))),
             ("reg_splits_half", "fp8", R, dict(USE=True, num_splits=0.5)), ("reg_splits_double", "fp8", R,
                                                                              dict(USE=True, num_splits=2.0)),
             ("reg_no_pv", "fp8", R, dict(USE=True, PROBE=1)), ("reg_no_vt_loads", "fp8", R, dict(USE=True, PROBE=2)),
             ("reg_no_softmax", "fp8", R, dict(USE=True, PROBE=3)), ("reg_no_qk", "fp8", R, dict(USE=True, PROBE=4)),
             ("reg_producer_alone", "fp8", R, dict(USE=True, PROBE=5)),
-            ("reg_consumers_alone", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False)),
-            ("reg_consumers_alone_p_split", "fp8", R, dict(USE=True, NO_COPY=True)),
-            ("reg1_q_one_term", "fp8", R, dict(USE=True, P_SPLIT=False, Q_SPLIT=False)),
-            ("reg1_alone_q_one_term", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, Q_SPLIT=False)),
-            ("reg1_alone_no_pv", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, PROBE=1)),
-            ("reg1_alone_no_vt_loads", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, PROBE=2)),
-            ("reg1_alone_no_softmax", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, PROBE=3)),
-            ("reg1_alone_no_qk", "fp8", R, dict(USE=True, NO_COPY=True, P_SPLIT=False, PROBE=4)), ("reg_no_blocks", "fp8", R, dict(USE=True, PROBE=6)),
+            ("reg_consumers_alone", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False)),
+            ("reg_consumers_alone_p_split", "fp8", R, dict(USE=True, NO_COPY=True, P16=False)),
+            ("reg1_q_one_term", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, Q_SPLIT=False)),
+            ("reg1_alone_q_one_term", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, Q_SPLIT=False)),
+            ("reg1_alone_no_pv", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=1)),
+            ("reg1_alone_no_vt_loads", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=2)),
+            ("reg1_alone_no_softmax", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=3)),
+            ("reg1_alone_no_qk", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=4)), ("reg_no_blocks", "fp8", R, dict(USE=True, PROBE=6)),
             ("tbq4_unpack", "tbq4", T, dict(USE=False)), ("tbq4_reg", "tbq4", T, dict(USE=True)),
             ("tbq4_no_decode", "tbq4", T, dict(USE=True, PROBE=1)), ("tbq4_no_copy", "tbq4", T, dict(USE=True, PROBE=2)),
             ("tbq4_consumers_alone", "tbq4", T, dict(USE=True, PROBE=3)),
@@ -58,18 +61,30 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("tbq4_copies_alone", "tbq4", T, dict(USE=True, PROBE=13)),
             ("tbq4_no_scales", "tbq4", T, dict(USE=True, PROBE=8)),
             ("tbq4_regs_208_80", "tbq4", T, dict(USE=True, REGS=(208, 80))),
-            ("reg1_splits_1x", "fp8", R, dict(USE=True, P_SPLIT=False, num_splits=1.0)),
-            ("reg1_no_blocks", "fp8", R, dict(USE=True, P_SPLIT=False, PROBE=6)),
-            ("reg1_no_blocks_splits_1x", "fp8", R, dict(USE=True, P_SPLIT=False, PROBE=6, num_splits=1.0)),
-            ("reg1_producer_alone", "fp8", R, dict(USE=True, P_SPLIT=False, PROBE=5)),
-            ("reg1_producer_alone_splits_1x", "fp8", R, dict(USE=True, P_SPLIT=False, PROBE=5, num_splits=1.0)),
-            ("reg1_lag1", "fp8", R, dict(USE=True, P_SPLIT=False, REFILL_LAG=1)),
+            ("reg1_splits_1x", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, num_splits=1.0)),
+            ("reg1_no_blocks", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=6)),
+            ("reg1_no_blocks_splits_1x", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=6, num_splits=1.0)),
+            ("reg1_producer_alone", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=5)),
+            ("reg1_producer_alone_splits_1x", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=5, num_splits=1.0)),
+            ("reg1_lag1", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, REFILL_LAG=1)),
             ("tbq4_cb32", "tbq4", T, dict(USE=True, CODE_BOX=32)), ("tbq4_cb64", "tbq4", T, dict(USE=True, CODE_BOX=64)),
             ("tbq4_copies_alone_cb32", "tbq4", T, dict(USE=True, PROBE=13, CODE_BOX=32)),
             ("tbq4_copies_alone_cb64", "tbq4", T, dict(USE=True, PROBE=13, CODE_BOX=64)),
             ("tbq4_splits_1x", "tbq4", T, dict(USE=True, num_splits=1.0)),
             ("tbq4_cb64_splits_1x", "tbq4", T, dict(USE=True, CODE_BOX=64, num_splits=1.0)),
-            ("tbq4_separate_rotate", "tbq4", D, dict(TBQ4_COMBINE_ROTATE=False)))
+            ("tbq4_separate_rotate", "tbq4", D, dict(TBQ4_COMBINE_ROTATE=False)),
+            ("reg_p16", "fp8", R, dict(USE=True, P16=True)),
+            ("reg_p_two_terms", "fp8", R, dict(USE=True, P16=False, P_SPLIT=True)),
+            ("reg16_all_loaded_first", "fp8", R, dict(USE=True, P16=True, PV16_INTERLEAVED=False)),
+            ("reg16_consumers_alone", "fp8", R, dict(USE=True, P16=True, NO_COPY=True)),
+            ("reg16_producer_alone", "fp8", R, dict(USE=True, P16=True, PROBE=5)),
+            ("reg16_q_one_term", "fp8", R, dict(USE=True, P16=True, Q_SPLIT=False)),
+            ("reg16_q_apart", "fp8", R, dict(USE=True, P16=True, Q_CAT=False)),
+            ("reg16_lag1", "fp8", R, dict(USE=True, P16=True, REFILL_LAG=1)),
+            ("reg16_regs_232_40", "fp8", R, dict(USE=True, P16=True, REGS=(232, 40))),
+            ("reg16_no_loader", "fp8", R, dict(USE=True, P16=True, LOADER=False, REGS=(224, 56))),
+            ("reg16_no_loader_producer_alone", "fp8", R, dict(USE=True, P16=True, LOADER=False, REGS=(224, 56),
+                                                              PROBE=5)))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 

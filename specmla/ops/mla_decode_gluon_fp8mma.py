@@ -240,11 +240,12 @@ if G.HAVE_GLUON:
     def _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
                 FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
                 ROW_SCALE: gl.constexpr = False, LO: gl.constexpr = True, FIRST: gl.constexpr = 0,
-                COUNT: gl.constexpr = 4, ROPE: gl.constexpr = True):
+                COUNT: gl.constexpr = 4, ROPE: gl.constexpr = True, PAIRED: gl.constexpr = False):
         """q's latent part as two e4m3 terms per 128-column chunk, q ≈ (hi + lo)·sq (sq: the row's chunk
         maximum / 448; ROW_SCALE: the row's maximum / 448, the same for every chunk; LO False: hi alone, q_lo
         untouched), and (ROPE) its rope part in bf16; padded rows are zeros. Only chunks FIRST .. FIRST+COUNT-1
-        are written: two warpgroups can share the work (with ROW_SCALE each still reads the whole row)."""
+        are written: two warpgroups can share the work (with ROW_SCALE each still reads the whole row). PAIRED:
+        chunk c's hi and lo tiles are q_hi's tiles 2c and 2c + 1 (one [2·rows, 128] operand; q_lo unused)."""
         QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
@@ -264,7 +265,11 @@ if G.HAVE_GLUON:
             sq = row_max / 448.0
             inv = 448.0 / row_max
             for c in gl.static_range(FIRST, FIRST + COUNT):
-                _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
+                if PAIRED:
+                    _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q_hi.index(2 * c), q_hi.index(2 * c + 1),
+                                   qs.index(c), LO)
+                else:
+                    _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
         else:
             for c in gl.static_range(FIRST, FIRST + COUNT):
                 x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)

@@ -17,13 +17,21 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
   each block's scales per chunk (P·scale/f in e4m3's range, as in `mla_decode_gluon_fp8mma`) and zeroes the codes
   of rows past the end. It refills the stage of the block two behind the one it hands over: refilling the
   previous block's stage waited on the other consumer every block (375 against 255 µs).
-- Q·Kᵀ is as in `mla_decode_gluon_fp8mma`: e4m3 wgmmas on the raw codes with q split in hi + lo (here one scale
-  per row, which saves the consumers 12 registers).
-- Pᵀ·scale/f is split in hi + lo e4m3 terms too (`P_SPLIT`): the output error is then the unpacking kernel's
-  (0.2 %), at the price of spills. With one term the kernel takes 1.63× less time than bf16 at B=32 T=32k, H=16
-  (H100), but at 2.5 % error, and through its arithmetic (`mla_decode_e4m3`) the embedded model's attention cosine
-  falls to 0.99898, under issue 7's 0.999 bar; with two, 1.23× (the unpacking kernel: 1.10×). docs/benchmarks.md,
-  issue 7, twelfth and fifteenth sessions.
+- Q·Kᵀ: e4m3 wgmmas on the raw codes with q split in hi + lo (one scale per row, which saves the consumers 12
+  registers). The two terms are one 32-row operand (`Q_CAT`: chunk c's hi and lo tiles side by side), so each
+  chunk's codes feed one m64n32k32 wgmma instead of two m64n16k32 ones (the shared-memory A operand was their cost);
+  each thread holds both halves of the accumulator and adds them (`_fold_terms`).
+- P·V in fp16 (`P16`): each Vᵀ fragment is converted from e4m3 to fp16 in registers (exact; `_f16_fragment` only
+  relabels keys, so the conversion is one cvt per pair and no data moves between threads) and Pᵀ·scale/f is stored
+  in fp16 (11 bits). That is the exact path's quality at the cost of P in one e4m3 term: the same number of wgmmas as
+  two e4m3 terms, without splitting P. Measured together with `Q_CAT` (H100, B=32 T=32k, H=16): 254.8 µs, 1.62×
+  bf16 (P in two e4m3 terms and q in two matmuls: 341.7 µs, 1.24×); the embedded model's attention cosine through
+  its arithmetic (`mla_decode_e4m3`) 0.99954, as the exact fp8 path. docs/benchmarks.md, issue 7, sixteenth session.
+- The older P formats stay as options: P in two e4m3 terms (`P16 = False`, `P_SPLIT`), or one (cosine 0.99898, under
+  issue 7's 0.999 bar).
+- `LOADER` (off; compiled for sm_90, not yet run on a GPU): a one-warp partition issues the copies as soon as a stage
+  is handed back, instead of the producer refilling after it hands over the next block; the kernel is now bound by
+  its copies (the producer alone: 246 µs of the 255).
 
 16 query rows (H = 16, S = 1); other calls go to the other kernels. Same contract, grid, split rule and partials as
 `mla_decode_triton`. Gluon does not run in the Triton interpreter: GPU tests check it against the fp64 reference,
@@ -49,16 +57,27 @@ if G.HAVE_GLUON:
 BLOCK_N = 64
 BLOCK_M = 16  # query rows: the register budget (Oᵀ 64 + Vᵀ fragments 64 registers per thread) fits 16
 NUM_RAW = 4  # raw stages (41 KB each): two consumers hold one each, two stay in flight
-REGS = (224, 56)  # (consumer, producer) registers per thread
+REGS = (224, 56)  # (consumer, producer) registers per thread (with LOADER: (224, 40) and the loader's 24 fill 64K)
 USE = True  # mla_decode_triton sends the fp8 calls this kernel takes here (else the other Gluon kernels)
 SCALE_WORDS = 4  # the scales' TMA box width in 32-bit words (4: the scales alone; wider boxes read into the rope)
-P_SPLIT = True  # Pᵀ·scale/f as two e4m3 terms (hi + lo, two P·V matmuls): output error about 0.2 % (the unpacking
-# kernel's) instead of 2.5 %, at 339 instead of 257 µs (B=32 T=32k: the extra terms make the consumers spill)
-REFILL_LAG = 2  # the producer refills the stage of block j - REFILL_LAG after handing over block j
+P16 = True  # P·V in fp16: Vᵀ's e4m3 codes converted in registers (exact), Pᵀ·scale/f in fp16 (one term, 11 bits)
+PV16_INTERLEAVED = True  # (P16) per chunk: load, convert and issue, the stage handed back after the last load; else
+# all four chunks loaded and the stage handed back first, then each converted before its matmul (spills: 298 µs
+# against 255 at B=32 T=32k)
+P_SPLIT = True  # (P16 False) Pᵀ·scale/f as two e4m3 terms (hi + lo, two P·V matmuls): output error about 0.2 % (the
+# unpacking kernel's) instead of 2.5 %, at 267 instead of 252 µs (B=32 T=32k, with Q_CAT)
+LOADER = False  # a one-warp partition issues the copies as stages free up (else the producer refills them)
+LOADER_REGS = 24
+REFILL_LAG = 2  # (LOADER False) the producer refills the stage of block j - REFILL_LAG after handing over block j
 PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ,
 # 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs)
 NO_COPY = False  # timing probe (wrong results): no TMA copies, the consumers alone on whatever the ring holds
 Q_SPLIT = True  # q as two e4m3 terms (hi + lo) in Q·Kᵀ; False: one term (half the score matmuls)
+Q_CAT = True  # (Q_SPLIT) both terms as one 32-row operand: each chunk's codes read by one matmul instead of two
+
+# `_f16_fragment`'s relabelling of the e4m3 fragment's key bits, as a permutation of the dims (m, k5 … k0): the new
+# k3 is k1, k2 is k3, k1 is k2
+F16_KEY_ORDER = (0, 1, 2, 5, 3, 4, 6)
 
 _SOURCE_KEY = G.source_key(__file__) ^ M._SOURCE_KEY
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
@@ -67,7 +86,10 @@ if G.HAVE_GLUON:
     # Sᵀ / Oᵀ accumulators: rows of the tile along M (keys for Q·Kᵀ, latent columns for P·V), query rows along N
     ACC = _c(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32]))
     ACC16 = _c(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]))
+    ACC2 = _c(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_M, 32]))
     VT_FRAG = _c(gl.DotOperandLayout(operand_index=0, parent=ACC.value, k_width=4))
+    VT16_FRAG = _c(gl.DotOperandLayout(operand_index=0, parent=ACC16.value, k_width=2))
+    F16_KEY_PERM = _c(F16_KEY_ORDER)
     # A chunk's codes [64 keys, 128 columns] as loaded: registers hold columns d0 d1 (one 32-bit word) and keys
     # e0 e3 e4 e5; lanes keys e1 e2 and columns d2 d3 d4; warps columns d5 d6. Permuted as below, that is the
     # wgmma's A fragment [128 rows m, 64 keys k] (registers k0 k1 m3 k4 k5 m6, lanes k2 k3 m0 m1 m2, warps m4 m5):
@@ -108,6 +130,50 @@ if G.HAVE_GLUON:
         return a0, a1, a2, a3
 
     @gluon.jit
+    def _f16_fragment(a8):
+        """A Vᵀ fragment of e4m3 codes (`_vt_fragment`) → the fp16 wgmma's register operand, values exact. The
+        fp16 fragment holds 2 keys per register where the e4m3 one holds 4, and its lanes cover keys k1 k2 where
+        the e4m3 one's cover k2 k3: relabelling the keys (k1 → k3, k2 → k1, k3 → k2) makes the layouts equal up to
+        the order of whole registers, and composed with `_vt_fragment`'s order it gives the keys in stage order."""
+        t = gl.reshape(a8.to(gl.float16), [128, 2, 2, 2, 2, 2, 2])  # (m, k5 … k0)
+        t = gl.reshape(gl.permute(t, F16_KEY_PERM.value), [128, 64])
+        return gl.convert_layout(t, VT16_FRAG)
+
+    @gluon.jit
+    def _pv16_chunk(raw_codes, rs, p16, i, c: gl.constexpr, o):
+        """Issue chunk c's Oᵀ += Vᵀ·Pᵀ in fp16: its Vᵀ fragment loaded from stage rs and converted."""
+        a = _f16_fragment(_vt_fragment(raw_codes.index(rs * 4 + c), V_LOAD, VT_FRAG))
+        return warpgroup_mma(a, p16.index(i + c).permute((1, 0)), o, is_async=True)
+
+    @gluon.jit
+    def _pv16_interleaved(raw_codes, rs, p16, ROLE: gl.constexpr, o0, o1, o2, o3, free_bar, PROBE: gl.constexpr):
+        """P·V in fp16 chunk by chunk, at most two converted fragments (32 registers each) alive: each chunk's
+        matmul runs while the next chunk is loaded and converted; the stage is handed back after the last load."""
+        o0 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 0, o0)
+        o1 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 1, o1)
+        o0 = warpgroup_mma_wait(num_outstanding=1, deps=(o0,))
+        o2 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 2, o2)
+        o1 = warpgroup_mma_wait(num_outstanding=1, deps=(o1,))
+        o3 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 3, o3)
+        _cta_barrier()  # every warp has read the stage
+        mbarrier.arrive(free_bar)
+        o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o2, o3))
+        return o0, o1, o2, o3
+
+    @gluon.jit
+    def _pv16_staged(a0, a1, a2, a3, p16, ROLE: gl.constexpr, o0, o1, o2, o3):
+        """P·V in fp16 on Vᵀ fragments already loaded (the stage handed back): each converted just before its
+        matmul, at most two converted fragments alive."""
+        o0 = warpgroup_mma(_f16_fragment(a0), p16.index(ROLE * 4 + 0).permute((1, 0)), o0, is_async=True)
+        o1 = warpgroup_mma(_f16_fragment(a1), p16.index(ROLE * 4 + 1).permute((1, 0)), o1, is_async=True)
+        o0 = warpgroup_mma_wait(num_outstanding=1, deps=(o0,))
+        o2 = warpgroup_mma(_f16_fragment(a2), p16.index(ROLE * 4 + 2).permute((1, 0)), o2, is_async=True)
+        o1 = warpgroup_mma_wait(num_outstanding=1, deps=(o1,))
+        o3 = warpgroup_mma(_f16_fragment(a3), p16.index(ROLE * 4 + 3).permute((1, 0)), o3, is_async=True)
+        o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o2, o3))
+        return o0, o1, o2, o3
+
+    @gluon.jit
     def _store_p(p8, i, y, SPLIT: gl.constexpr):
         """Pᵀ·scale/f (y, [64 keys, rows], ≤ 448) into p8 tile i in e4m3, and with SPLIT its residual into tile
         i + 4: hi keeps y's top 3 mantissa bits (exact in e4m3 down to its subnormals, 2⁻⁶ of 448's scale), so
@@ -122,6 +188,12 @@ if G.HAVE_GLUON:
             _store_pt(p8.index(i), y.to(gl.float8e4nv))
 
     @gluon.jit
+    def _store_p16(p16, i, y):
+        """Pᵀ·scale/f (y, [64 keys, rows], ≤ 448) into fp16 tile i [rows, 64 keys], keys in stage order (the
+        order `_f16_fragment` gives Vᵀ)."""
+        p16.index(i).permute((1, 0)).store(y.to(gl.float16))
+
+    @gluon.jit
     def _store_pt(p8_chunk, p):
         """Pᵀ·scale/f [64 keys, rows] (e4m3) → p8_chunk [rows, 64 tile keys] in the fragment's key order."""
         BM: gl.constexpr = p.shape[1]
@@ -132,10 +204,11 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
-                  LAG: gl.constexpr, SW: gl.constexpr, NO_COPY: gl.constexpr):
+                  LAG: gl.constexpr, SW: gl.constexpr, NO_COPY: gl.constexpr, REFILL: gl.constexpr = True):
         """Keep NR blocks in flight; per block wait for its bytes, write the per-key scales normalised per chunk
         (and the chunk factors f) for its raw stage, zero the codes of rows past the end and hand it over; then
-        refill the stage of the block LAG behind once its consumer has read it."""
+        (REFILL) refill the stage of the block LAG behind once its consumer has read it (else `_loader` issues the
+        copies)."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
         RAW_FREE: gl.constexpr = NR
@@ -145,9 +218,10 @@ if G.HAVE_GLUON:
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         for i in gl.static_range(NR):
             if not NO_COPY:
-                if i < n_blocks:
-                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N,
-                                   raw_codes, raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
+                if REFILL:
+                    if i < n_blocks:
+                        M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N,
+                                       raw_codes, raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
         ZL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
@@ -166,14 +240,31 @@ if G.HAVE_GLUON:
                 fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(bars.index(KV_READY + rs))
-            if j >= LAG:  # refill the stage block j-LAG used, once its consumer has read it
-                nxt = j - LAG + NR
-                if nxt < n_blocks:
-                    prev = (j - LAG) % NR
-                    mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
-                    if not NO_COPY:
-                        M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
-                                       raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW)
+            if REFILL:
+                if j >= LAG:  # refill the stage block j-LAG used, once its consumer has read it
+                    nxt = j - LAG + NR
+                    if nxt < n_blocks:
+                        prev = (j - LAG) % NR
+                        mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
+                        if not NO_COPY:
+                            M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb,
+                                           start + nxt * BLOCK_N, raw_codes, raw_rope, raw_scales, bars, prev,
+                                           PAGE_SIZE, BLOCK_N, SW)
+
+    @gluon.jit
+    def _loader(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, SW: gl.constexpr):
+        """One warp that only issues the copies: block j into stage j % NR as soon as the consumer of block j - NR
+        has handed that stage back, so every free stage is in flight (the producer's refills waited for the next
+        block's bytes first)."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
+        RAW_FREE: gl.constexpr = NR
+        for j in range(n_blocks):
+            rs = j % NR
+            if j >= NR:
+                mbarrier.wait(bars.index(RAW_FREE + rs), ((j - NR) // NR) & 1)
+            M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + j * BLOCK_N, raw_codes,
+                           raw_rope, raw_scales, bars, rs, PAGE_SIZE, BLOCK_N, SW)
 
     @gluon.jit
     def _store_scales(s4, valid, sc, fs, rs, BLOCK_M: gl.constexpr, SCL: gl.constexpr, FL: gl.constexpr):
@@ -190,29 +281,43 @@ if G.HAVE_GLUON:
             fs.index(rs * 4 + c).store(gl.full([BLOCK_M], 0.0, gl.float32, layout=FL) + f_c)
 
     @gluon.jit
-    def _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, c: gl.constexpr, s_zero, Q_SPLIT: gl.constexpr):
+    def _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, c: gl.constexpr, s_zero, Q_SPLIT: gl.constexpr,
+                            Q_CAT: gl.constexpr = False):
         """Issue chunk c's partial Sᵀ on stage rs's codes: the hi and (Q_SPLIT) lo terms of q into one
-        accumulator."""
-        s = warpgroup_mma(raw_codes.index(rs * 4 + c), q_hi.index(c).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        if Q_SPLIT:
+        accumulator; Q_CAT: both terms as one [2·rows] operand (q_hi's tiles 2c, 2c + 1), so the codes are read
+        once, into an accumulator of 2·rows columns (`_fold_terms`)."""
+        BM: gl.constexpr = q_hi.shape[1]
+        QROWS: gl.constexpr = 2 * BM if Q_CAT else BM
+        Q8L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        q_op = G._reinterpret(q_hi, gl.float8e4nv, [q_hi.shape[0] * BM // QROWS, QROWS, 128], Q8L).index(c)
+        s = warpgroup_mma(raw_codes.index(rs * 4 + c), q_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if Q_SPLIT and not Q_CAT:
             s = warpgroup_mma(raw_codes.index(rs * 4 + c), q_lo.index(c).permute((1, 0)), s, is_async=True)
         return s
 
     @gluon.jit
-    def _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16, Q_SPLIT: gl.constexpr):
+    def _fold_terms(s2, BM: gl.constexpr):
+        """An Sᵀ accumulator [keys, 2·rows] of q's hi (first rows) and lo terms (`Q_CAT`) → their sum [keys, rows]
+        (each thread holds both halves: no data moves); [keys, rows] stays as it is."""
+        t = gl.reshape(s2, [s2.shape[0], s2.shape[1] // BM, BM])
+        return gl.convert_layout(gl.sum(t, axis=1), ACC)
+
+    @gluon.jit
+    def _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16, Q_SPLIT: gl.constexpr,
+                      Q_CAT: gl.constexpr = False):
         """Issue stage rs's partial Sᵀ per 128-column chunk and its rope part's."""
-        s0 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 0, s_zero, Q_SPLIT)
-        s1 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 1, s_zero, Q_SPLIT)
-        s2 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 2, s_zero, Q_SPLIT)
-        s3 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 3, s_zero, Q_SPLIT)
+        s0 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 0, s_zero, Q_SPLIT, Q_CAT)
+        s1 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 1, s_zero, Q_SPLIT, Q_CAT)
+        s2 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 2, s_zero, Q_SPLIT, Q_CAT)
+        s3 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 3, s_zero, Q_SPLIT, Q_CAT)
         sr = warpgroup_mma(raw_rope.index(rs), q_r.permute((1, 0)), s_zero16, use_acc=False, is_async=True)
         return s0, s1, s2, s3, sr
 
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
-                  DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr):
+                  DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr,
+                  P16: gl.constexpr, PV16_INTERLEAVED: gl.constexpr, Q_CAT: gl.constexpr = False):
         """Consumer ROLE takes blocks ROLE, ROLE + 2, …: Sᵀ on the raw codes (hi and lo terms per chunk, the rope
         part in bf16), its own online softmax, Pᵀ·scale/f per chunk into shared memory, then the Vᵀ fragments
         from the raw codes (the stage is freed once they are in registers) and Oᵀ += Vᵀ·Pᵀ per chunk. At the end
@@ -230,10 +335,12 @@ if G.HAVE_GLUON:
         WROTE1: gl.constexpr = 3 * NR + 2
         ROW: gl.constexpr = gl.SliceLayout(0, ACC)
         KEY: gl.constexpr = gl.SliceLayout(1, ACC)
+        OL: gl.constexpr = ACC16 if P16 else ACC  # the Oᵀ accumulators' layout (the same registers)
+        OROW: gl.constexpr = gl.SliceLayout(0, OL)
         # q's prologue split between the consumers: each quantises two chunks (the row scale needs the whole
         # row, so each reads all of it), consumer 0 the rope part too; Q_READY counts both arrivals
         M._load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512,
-                  64, True, Q_SPLIT, 2 * ROLE, 2, ROLE == 0)
+                  64, True, Q_SPLIT, 2 * ROLE, 2, ROLE == 0, Q_CAT)
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(bars.index(Q_READY))
@@ -253,7 +360,8 @@ if G.HAVE_GLUON:
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
         s_zero16 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC16)
         l_keys = s_zero
-        o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=ACC)
+        s_zero_q = gl.zeros([BLOCK_N, 2 * BLOCK_M if Q_CAT else BLOCK_M], gl.float32, layout=ACC2 if Q_CAT else ACC)
+        o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=OL)
         o1 = o0
         o2 = o0
         o3 = o0
@@ -267,10 +375,10 @@ if G.HAVE_GLUON:
                 mbarrier.arrive(bars.index(RAW_FREE + rs))
             else:
                 if PROBE != 4:
-                    s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16,
-                                                        Q_SPLIT)
+                    s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero_q, s_zero16,
+                                                        Q_SPLIT, Q_CAT)
                 else:
-                    s0, s1, s2, s3, sr = s_zero, s_zero, s_zero, s_zero, s_zero16
+                    s0, s1, s2, s3, sr = s_zero_q, s_zero_q, s_zero_q, s_zero_q, s_zero16
                 sc0 = gl.expand_dims(sc.index(rs * 4 + 0).load(KEY), 1)
                 sc1 = gl.expand_dims(sc.index(rs * 4 + 1).load(KEY), 1)
                 sc2 = gl.expand_dims(sc.index(rs * 4 + 2).load(KEY), 1)
@@ -281,6 +389,10 @@ if G.HAVE_GLUON:
                 f3 = gl.max(fs.index(rs * 4 + 3).load(ROW), axis=0)
                 if PROBE != 4:
                     s0, s1, s2, s3, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, sr))
+                s0 = _fold_terms(s0, BLOCK_M)
+                s1 = _fold_terms(s1, BLOCK_M)
+                s2 = _fold_terms(s2, BLOCK_M)
+                s3 = _fold_terms(s3, BLOCK_M)
                 s = ((s0 * (sc0 * f0) + s1 * (sc1 * f1) + s2 * (sc2 * f2) + s3 * (sc3 * f3)) * gl.expand_dims(q0, 0)
                      + gl.convert_layout(sr, ACC))
                 if PROBE != 3:
@@ -289,41 +401,53 @@ if G.HAVE_GLUON:
                     p = gl.minimum(gl.abs(s), 1.0)
                     alpha = q0 / q0
                     l_keys = l_keys + p
-                _store_p(p8, ROLE * 8 + 0, p * sc0, P_SPLIT)
-                _store_p(p8, ROLE * 8 + 1, p * sc1, P_SPLIT)
-                _store_p(p8, ROLE * 8 + 2, p * sc2, P_SPLIT)
-                _store_p(p8, ROLE * 8 + 3, p * sc3, P_SPLIT)
+                if P16:
+                    _store_p16(p8, ROLE * 4 + 0, p * sc0)
+                    _store_p16(p8, ROLE * 4 + 1, p * sc1)
+                    _store_p16(p8, ROLE * 4 + 2, p * sc2)
+                    _store_p16(p8, ROLE * 4 + 3, p * sc3)
+                else:
+                    _store_p(p8, ROLE * 8 + 0, p * sc0, P_SPLIT)
+                    _store_p(p8, ROLE * 8 + 1, p * sc1, P_SPLIT)
+                    _store_p(p8, ROLE * 8 + 2, p * sc2, P_SPLIT)
+                    _store_p(p8, ROLE * 8 + 3, p * sc3, P_SPLIT)
                 fence_async_shared()
                 _cta_barrier()  # every warp's Pᵀ is stored
-                o0 = o0 * gl.expand_dims(alpha * (f0p / f0), 0)
-                o1 = o1 * gl.expand_dims(alpha * (f1p / f1), 0)
-                o2 = o2 * gl.expand_dims(alpha * (f2p / f2), 0)
-                o3 = o3 * gl.expand_dims(alpha * (f3p / f3), 0)
+                o0 = o0 * gl.expand_dims(gl.convert_layout(alpha * (f0p / f0), OROW), 0)
+                o1 = o1 * gl.expand_dims(gl.convert_layout(alpha * (f1p / f1), OROW), 0)
+                o2 = o2 * gl.expand_dims(gl.convert_layout(alpha * (f2p / f2), OROW), 0)
+                o3 = o3 * gl.expand_dims(gl.convert_layout(alpha * (f3p / f3), OROW), 0)
                 f0p = f0
                 f1p = f1
                 f2p = f2
                 f3p = f3
-                # Vᵀ fragments loaded late: fewer registers live through the softmax (loaded while the score
-                # matmuls run, they spill: 329 against 255 µs at B=32 T=32k)
-                a0, a1, a2, a3 = _vt_fragments(raw_codes, rs, BLOCK_N, PROBE)
-                _cta_barrier()  # every warp has read the stage
-                mbarrier.arrive(bars.index(RAW_FREE + rs))
-                if PROBE != 1:
-                    o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 0).permute((1, 0)), o0, is_async=True)
-                    o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 1).permute((1, 0)), o1, is_async=True)
-                    o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 2).permute((1, 0)), o2, is_async=True)
-                    o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 3).permute((1, 0)), o3, is_async=True)
-                    if P_SPLIT:  # the lo terms, on the same fragments
-                        o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 4).permute((1, 0)), o0, is_async=True)
-                        o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 5).permute((1, 0)), o1, is_async=True)
-                        o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 6).permute((1, 0)), o2, is_async=True)
-                        o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 7).permute((1, 0)), o3, is_async=True)
-                    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+                if P16 and PV16_INTERLEAVED:  # per chunk: load, convert, issue; the stage freed after the last load
+                    o0, o1, o2, o3 = _pv16_interleaved(raw_codes, rs, p8, ROLE, o0, o1, o2, o3, bars.index(RAW_FREE + rs),
+                                                       PROBE)
+                else:
+                    # Vᵀ fragments loaded late: fewer registers live through the softmax (loaded while the score
+                    # matmuls run, they spill: 329 against 255 µs at B=32 T=32k)
+                    a0, a1, a2, a3 = _vt_fragments(raw_codes, rs, BLOCK_N, PROBE)
+                    _cta_barrier()  # every warp has read the stage
+                    mbarrier.arrive(bars.index(RAW_FREE + rs))
+                    if PROBE != 1 and P16:
+                        o0, o1, o2, o3 = _pv16_staged(a0, a1, a2, a3, p8, ROLE, o0, o1, o2, o3)
+                    if PROBE != 1 and not P16:
+                        o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 0).permute((1, 0)), o0, is_async=True)
+                        o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 1).permute((1, 0)), o1, is_async=True)
+                        o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 2).permute((1, 0)), o2, is_async=True)
+                        o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 3).permute((1, 0)), o3, is_async=True)
+                        if P_SPLIT:  # the lo terms, on the same fragments
+                            o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 4).permute((1, 0)), o0, is_async=True)
+                            o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 5).permute((1, 0)), o1, is_async=True)
+                            o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 6).permute((1, 0)), o2, is_async=True)
+                            o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 7).permute((1, 0)), o3, is_async=True)
+                        o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
         l_i = gl.sum(l_keys, axis=0)
-        o0 = o0 * f0p
-        o1 = o1 * f1p
-        o2 = o2 * f2p
-        o3 = o3 * f3p
+        o0 = gl.convert_layout(o0, ACC) * f0p
+        o1 = gl.convert_layout(o1, ACC) * f1p
+        o2 = gl.convert_layout(o2, ACC) * f2p
+        o3 = gl.convert_layout(o3, ACC) * f3p
         # merge: consumer 1's state goes through stage 0's code tiles once both consumers are done with the ring
         PLAIN2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         if ROLE == 1:
@@ -371,7 +495,8 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, NR: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr, LAG: gl.constexpr,
-        SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, NO_COPY: gl.constexpr,
+        SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, P16: gl.constexpr, PV16_INTERLEAVED: gl.constexpr,
+        Q_CAT: gl.constexpr, NO_COPY: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
         SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
@@ -383,8 +508,9 @@ if G.HAVE_GLUON:
         P8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
         SC: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
         PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        q_hi = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_M, 128], Q8L)
-        q_lo = gl.allocate_shared_memory(gl.float8e4nv, [4, BLOCK_M, 128], Q8L)
+        # q's e4m3 terms: hi and lo apart, or (Q_CAT) chunk c's hi and lo as tiles 2c, 2c + 1 of one buffer
+        q_hi = gl.allocate_shared_memory(gl.float8e4nv, [8 if Q_CAT else 4, BLOCK_M, 128], Q8L)
+        q_lo = gl.allocate_shared_memory(gl.float8e4nv, [1 if Q_CAT else 4, BLOCK_M, 128], Q8L)
         q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 64], QR)
         qs = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], PLAIN)
         raw_codes = gl.allocate_shared_memory(gl.float8e4nv, [NR * 4, BLOCK_N, 128], Q8L)
@@ -392,7 +518,10 @@ if G.HAVE_GLUON:
         raw_scales = gl.allocate_shared_memory(gl.float32, [NR, BLOCK_N, SW], SC)
         sc = gl.allocate_shared_memory(gl.float32, [NR * 4, BLOCK_N], PLAIN)  # [stage · 4 + chunk, key]
         fs = gl.allocate_shared_memory(gl.float32, [NR * 4, BLOCK_M], PLAIN)  # each chunk's f, per row
-        p8 = gl.allocate_shared_memory(gl.float8e4nv, [16, BLOCK_M, BLOCK_N], P8)  # [consumer · 8 + term · 4 + chunk]
+        P16L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        # Pᵀ tiles: e4m3 [consumer · 8 + term · 4 + chunk], or (P16) fp16 [consumer · 4 + chunk]
+        p8 = gl.allocate_shared_memory(gl.float16 if P16 else gl.float8e4nv, [8 if P16 else 16, BLOCK_M, BLOCK_N],
+                                       P16L if P16 else P8)
         n_bars: gl.constexpr = 3 * NR + 3
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n_bars):
@@ -403,13 +532,23 @@ if G.HAVE_GLUON:
         args = (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
                 stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
                 stride_ls, scale_log2, S, H, g, seq_len)
-        gl.warp_specialize([
-            (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                         Q_SPLIT)),
-            (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                         Q_SPLIT)),
-            (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY)),
-        ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
+        if LOADER and not NO_COPY:
+            gl.warp_specialize([
+                (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
+                             Q_SPLIT, P16, PV16_INTERLEAVED, Q_CAT)),
+                (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
+                             Q_SPLIT, P16, PV16_INTERLEAVED, Q_CAT)),
+                (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY, False)),
+                (_loader, (shared, PAGE_SIZE, BLOCK_N, NR, SW)),
+            ], [4, 4, 1], [CONSUMER_REGS, PRODUCER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
+                             Q_SPLIT, P16, PV16_INTERLEAVED, Q_CAT)),
+                (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
+                             Q_SPLIT, P16, PV16_INTERLEAVED, Q_CAT)),
+                (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY)),
+            ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
@@ -425,6 +564,7 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                            scale_words=SCALE_WORDS)
     _mla_decode_fp8reg_kernel[grid](*args, **consts, NR=NUM_RAW, CONSUMER_REGS=REGS[0], PRODUCER_REGS=REGS[1],
                                     PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS, P_SPLIT=P_SPLIT,
-                                    Q_SPLIT=Q_SPLIT, NO_COPY=NO_COPY,
+                                    Q_SPLIT=Q_SPLIT, P16=P16, PV16_INTERLEAVED=PV16_INTERLEAVED, Q_CAT=Q_CAT,
+                                    LOADER=LOADER, LOADER_REGS=LOADER_REGS, NO_COPY=NO_COPY,
                                     SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)
