@@ -9,8 +9,8 @@
 3. Greedy agreement: a batch of 32 code prompts generated with each cache format vs bf16.
 
 The "-kernel" formats are the same fp8 / tbq4 caches read with the Hopper e4m3 kernels' arithmetic
-(`ops.mla_decode_e4m3`, a torch emulation of their rounding of q and P): "fp8-kernel" with P in one e4m3
-term, "fp8-kernel-psplit" with P in two (the fp8 kernel's default), "tbq4-kernel" as the tbq4 kernel runs.
+(`ops.mla_decode_e4m3`, a torch emulation of their rounding of q and P): "fp8-kernel" as the fp8 kernel runs (P·V in fp16), "fp8-kernel-e4m3p" with P in one e4m3 term, "tbq4-kernel"
+as the tbq4 kernel runs.
 For perplexity and greedy decoding the model's cache reads are routed there by `kernel_reads` (the engine
 is unchanged).
 
@@ -41,11 +41,11 @@ from specmla.ops.mla_decode import mla_decode
 from specmla.ops.mla_decode_e4m3 import mla_decode_e4m3
 from specmla.ops.rope import apply_rope
 
-FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-kernel-psplit", "tbq4", "tbq4-kernel")
+FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-kernel-e4m3p", "tbq4", "tbq4-kernel")
 # format → (its cache format, mla_decode_e4m3's settings): the e4m3 kernels' arithmetic on the same cache
 KERNEL_FORMATS = {
-    "fp8-kernel": ("fp8", dict(q_split=True, p_split=False)),  # P in one e4m3 term
-    "fp8-kernel-psplit": ("fp8", dict(q_split=True, p_split=True)),  # P in two (mla_decode_gluon_fp8reg.P_SPLIT)
+    "fp8-kernel": ("fp8", dict(q_split=True, p_format="fp16")),  # P·V in fp16 (mla_decode_gluon_fp8reg.P16)
+    "fp8-kernel-e4m3p": ("fp8", dict(q_split=True, p_format="e4m3")),  # P in one e4m3 term
     "tbq4-kernel": ("tbq4", {}),  # q and P in one term each (mla_decode_gluon_tbq4reg)
 }
 

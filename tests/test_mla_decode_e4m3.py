@@ -8,7 +8,7 @@ from mla_cases import rel_err
 
 from specmla.ops.kv_cache import decode_rows, row_spec, write_kv_cache
 from specmla.ops.mla_decode import mla_decode_torch
-from specmla.ops.mla_decode_e4m3 import mla_decode_e4m3, round_e4m3, split_p
+from specmla.ops.mla_decode_e4m3 import P_FORMATS, mla_decode_e4m3, round_e4m3, split_p
 
 SCALE = 576 ** -0.5
 
@@ -59,13 +59,13 @@ CASES = [  # lens, S, H, page
 def test_close_to_the_exact_reference(fmt, lens, S, H, page):
     q, cache, table, seq = _problem(lens, S, H, page, fmt)
     ref = mla_decode_torch(q.double(), cache, table, seq, SCALE, head_dim_v=512, kv_format=fmt)
-    for p_split in (False, True):
-        got = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format=fmt, p_split=p_split)
+    for p_format in P_FORMATS:
+        got = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format=fmt, p_format=p_format)
         assert got.shape == (len(lens), S, H, 512) and got.dtype == q.dtype
         assert torch.isfinite(got).all()
         cos = _cosines(got, ref)
-        if fmt == "fp8":  # P in one e4m3 term: ~2.5 % per row (the kernel's figure), two terms: ~0.2 %
-            assert rel_err(got, ref) < (0.04 if not p_split else 0.005)
+        if fmt == "fp8":  # P in one e4m3 term: ~2.5 % per row (the kernel's figure), two terms or fp16: ~0.2 %
+            assert rel_err(got, ref) < (0.04 if p_format == "e4m3" else 0.005)
             assert cos.min().item() > 0.999
         else:  # tbq4: the e4m3 centroids (≤ 2 %), q and P in one term each: 2-4 %
             assert rel_err(got, ref) < 0.05
@@ -76,28 +76,32 @@ def test_tbq4_defaults_are_the_kernels():
     q, cache, table, seq = _problem([70, 9], 1, 16, 64, "tbq4")
     a = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="tbq4")
     assert torch.equal(a, mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="tbq4", q_split=False,
-                                          p_split=False))
+                                          p_format="e4m3"))
     q, cache, table, seq = _problem([70, 9], 1, 16, 64, "fp8")
     a = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8")
-    assert torch.equal(a, mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8", q_split=True, p_split=False))
+    assert torch.equal(a, mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8", q_split=True, p_format="fp16"))
+    with pytest.raises(ValueError, match="p_format"):
+        mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8", p_format="bf16")
 
 
-def test_p_split_is_closer_than_one_term():
-    err = {False: [], True: []}
+def test_p_in_two_terms_or_fp16_is_closer_than_one_term():
+    err = {p_format: [] for p_format in P_FORMATS}
     for seed, (lens, S, H, page) in enumerate(CASES * 2):
         q, cache, table, seq = _problem(lens, S, H, page, "fp8", seed=seed)
         ref = mla_decode_torch(q.double(), cache, table, seq, SCALE, head_dim_v=512, kv_format="fp8")
-        for p_split in (False, True):
-            got = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8", p_split=p_split)
-            err[p_split].append(1 - _cosines(got, ref).mean().item())
-    assert sum(err[True]) < sum(err[False]) / 4
+        for p_format in P_FORMATS:
+            got = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8", p_format=p_format)
+            err[p_format].append(1 - _cosines(got, ref).mean().item())
+    assert sum(err["e4m3x2"]) < sum(err["e4m3"]) / 4
+    assert sum(err["fp16"]) < sum(err["e4m3"]) / 4
 
 
-def test_one_block_by_hand():
+@pytest.mark.parametrize("p_format", ["fp16", "e4m3"])
+def test_one_block_by_hand(p_format):
     """One request of 40 keys, one query row: the kernels' rounding written out (q in hi + lo with one row scale,
-    the producer's f = max scale / 448, P·scale/f in one e4m3 term, O·f / l)."""
+    the producer's f = max scale / 448, P·scale/f in fp16 or one e4m3 term, O·f / l)."""
     q, cache, table, seq = _problem([40], 1, 1, 64, "fp8", seed=3)
-    got = mla_decode_e4m3(q.float(), cache, table, seq, SCALE, kv_format="fp8").double()
+    got = mla_decode_e4m3(q.float(), cache, table, seq, SCALE, kv_format="fp8", p_format=p_format).double()
     rows = cache[int(table[0, 0]), :40]
     codes = rows[:, :512].contiguous().view(torch.float8_e4m3fn).double().view(40, 4, 128)
     scale = rows[:, 512:528].contiguous().view(torch.float32).double()  # [40, 4]
@@ -109,7 +113,8 @@ def test_one_block_by_hand():
     s = torch.einsum("cd,kcd->k", q8.view(4, 128), codes * scale[..., None]) * sq + rope @ x[512:]
     p = torch.exp((s - s.max()) * SCALE)
     f = scale.max(0).values / 448
-    y = round_e4m3((p[:, None] * scale / f).float()).double()  # [40, 4]
+    y = (p[:, None] * scale / f).float()  # [40, 4]
+    y = (y.half() if p_format == "fp16" else round_e4m3(y)).double()
     want = torch.einsum("kc,kcd->cd", y, codes) * f[:, None] / p.sum()
     assert rel_err(got[0, 0, 0], want.flatten()) < 1e-5
 
@@ -139,8 +144,8 @@ def test_huge_range_stays_finite(fmt):
     rows = cache[table.long()].flatten(1, 2)
     values = decode_rows(fmt, rows, 512, 64)[..., :512]
     bound = torch.stack([values[b, :n].abs().max() for b, n in enumerate(seq.tolist())])
-    for p_split in (False, True):
-        got = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format=fmt, p_split=p_split)
+    for p_format in P_FORMATS:
+        got = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format=fmt, p_format=p_format)
         assert torch.isfinite(got).all()
         assert (got.float().abs().flatten(1).amax(1) <= 1.1 * bound).all()
 
@@ -157,7 +162,7 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_de
                             reason="needs a Hopper GPU")
 
 
-def _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_split=True):
+def _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_format="fp16"):
     """The Hopper e4m3 kernel of `fmt` on the GPU (its launch counted), back on the CPU."""
     from specmla.ops import mla_decode_gluon_fp8reg as R
     from specmla.ops import mla_decode_gluon_tbq4reg as T
@@ -165,7 +170,8 @@ def _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_split=True):
 
     mod, name = (R, "launch_fp8reg_split") if fmt == "fp8" else (T, "launch_tbq4reg_split")
     monkeypatch.setattr(mod, "USE", True)
-    monkeypatch.setattr(R, "P_SPLIT", p_split)
+    monkeypatch.setattr(R, "P16", p_format == "fp16")
+    monkeypatch.setattr(R, "P_SPLIT", p_format == "e4m3x2")
     launches = []
     launch = getattr(mod, name)
     monkeypatch.setattr(mod, name, lambda *a, **kw: launches.append(1) or launch(*a, **kw))
@@ -177,8 +183,9 @@ def _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_split=True):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("fmt,p_split,row_tol", [("fp8", False, 0.012), ("fp8", True, 0.004), ("tbq4", False, 0.015)])
-def test_the_kernels_follow_the_emulation(fmt, p_split, row_tol, monkeypatch):
+@pytest.mark.parametrize("fmt,p_format,row_tol", [("fp8", "fp16", 0.004), ("fp8", "e4m3", 0.012), ("fp8", "e4m3x2", 0.004),
+                                                  ("tbq4", "e4m3", 0.015)])
+def test_the_kernels_follow_the_emulation(fmt, p_format, row_tol, monkeypatch):
     """The Hopper kernels' error against the exact reference is the emulation's, with and without split launches;
     with one split per row (as emulated) every row is within row_tol of the emulation. Measured (H100, this case):
     per row 0.5-0.7 % (fp8, one P term; 1.4-2.7 % from the exact result), 0.2-0.9 % (tbq4; 3-4 %), 0.2 % (fp8, P in
@@ -186,12 +193,12 @@ def test_the_kernels_follow_the_emulation(fmt, p_split, row_tol, monkeypatch):
     in a K = 64 or 128 dot, against fp32's 5e-8) moves P slightly, and one-term e4m3 rounding of P amplifies that."""
     q, cache, table, seq = _problem([1, 63, 64, 65, 300, 1000, 4097], 1, 16, 64, fmt, seed=11)
     ref = mla_decode_torch(q.double(), cache, table, seq, SCALE, head_dim_v=512, kv_format=fmt)
-    emu = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format=fmt, p_split=p_split)
+    emu = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format=fmt, p_format=p_format)
     e_emu = rel_err(emu, ref)
     for splits in (1, 3):
-        got = _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_split)
+        got = _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_format)
         rows = [rel_err(got[b], emu[b]) for b in range(len(seq))]
-        print(f"{fmt} p_split={p_split} splits={splits}: kernel-exact {rel_err(got, ref):.5f} emulation-exact "
+        print(f"{fmt} p_format={p_format} splits={splits}: kernel-exact {rel_err(got, ref):.5f} emulation-exact "
               f"{e_emu:.5f} kernel-emulation per row {[f'{r:.5f}' for r in rows]}, kernel-exact per row "
               f"{[f'{rel_err(got[b], ref[b]):.5f}' for b in range(len(seq))]}")
         assert torch.isfinite(got).all()

@@ -16,8 +16,10 @@ What is emulated (read from the kernels' sources):
   sc = norm · (448 / m), f = m · (1/k) / 448, the key values e4m3(centroid·k) (`tbq4.e4m3_centroids`).
 - Scores s = (Σ_c (q8·codes_c) · (sc_c · f_c)) · sq + q_pe·k_pe, then the online softmax in base 2 (`_softmax_keys`):
   P = exp2(s·scale·log2e − m) at the running max, row sums kept per key slot and summed at the end.
-- P·V: y_c = min(P · sc_c, 448) in e4m3 (one term; `p_split`: hi = y with 3 mantissa bits by integer rounding, lo =
-  e4m3(y − hi), as `fp8reg._store_p`), O_c = O_c · alpha · f_prev / f_c + y_c·codes_c, and O_c · f_last at the end.
+- P·V: y_c = min(P · sc_c, 448) as the kernel's P format (`p_format`): "fp16" (the fp8 kernel's `P16`: Vᵀ's codes are
+  exact in fp16, y rounded to fp16), "e4m3" (one term, the tbq4 kernel) or "e4m3x2" (hi = y with 3 mantissa bits by
+  integer rounding, lo = e4m3(y − hi), as `fp8reg._store_p`); O_c = O_c · alpha · f_prev / f_c + y_c·codes_c, and
+  O_c · f_last at the end.
 - Two consumers take the even and the odd blocks, each with its own softmax state, and merge at the end.
 Products of e4m3 values are exact in fp32; each matmul is summed in fp64 and rounded to fp32 once, i.e. an ideal
 fp32 accumulator (the tensor cores' own accumulation order and precision are not modelled). Each batch row is
@@ -26,7 +28,9 @@ kernels with one query token per program (FOLD = 1): the scales' "valid" keys en
 
 Against the kernels on an H100 (the GPU test in tests/test_mla_decode_e4m3.py): their error against the exact
 result is the emulation's to within 2 %; per row they are 0.5-0.7 % from it with P in one term (2-3 % from the
-exact result), 0.2-0.9 % for tbq4 (3-4 %), and within the bf16 output's rounding with P in two terms. Not bit-exact
+exact result), 0.2-0.9 % for tbq4 (3-4 %), and within the bf16 output's rounding with P in two terms. (P in
+fp16, the fp8 kernel's default since the sixteenth session: its GPU test against this emulation is still to run.)
+Not bit-exact
 because Hopper's fp8 tensor cores accumulate more coarsely than fp32 (up to ~6e-4 of Σ|terms| in a K = 64 or 128
 dot, measured), which moves P a little, and rounding P to one e4m3 term turns that into whole-step differences.
 Triton's fp32 → e4m3 conversion was checked to be round-to-nearest-even, as here.
@@ -106,10 +110,15 @@ def _block_scales(kv_format: str, scales: torch.Tensor, valid: torch.Tensor):
     return s4 * (E4M3_MAX / m)[..., None, None], f
 
 
-def _p_terms(y: torch.Tensor, p_split: bool) -> torch.Tensor:
-    """Pᵀ·scale/f as the P·V matmul reads it: y clipped to 448, one e4m3 term or hi + lo."""
+P_FORMATS = ("fp16", "e4m3", "e4m3x2")
+
+
+def _p_terms(y: torch.Tensor, p_format: str) -> torch.Tensor:
+    """Pᵀ·scale/f as the P·V matmul reads it: y clipped to 448, in fp16, one e4m3 term or hi + lo."""
     y = y.clamp_max(E4M3_MAX)
-    if not p_split:
+    if p_format == "fp16":
+        return y.half().float()
+    if p_format == "e4m3":
         return round_e4m3(y)
     hi, lo = split_p(y)
     return hi + lo  # exact in fp32: the two terms feed the same accumulator
@@ -125,7 +134,7 @@ class _Consumer:
         self.o = torch.zeros(B, S, H, nc, FP8_BLOCK, device=device)
         self.f = torch.ones(B, S, nc, device=device)
 
-    def step(self, s2, active, codes, sc, f, p_split):
+    def step(self, s2, active, codes, sc, f, p_format):
         """One block: s2 [B, S, H, n] base-2 scores (−inf where hidden), active [B, S] (the block is in this query
         token's range), codes [B, n, nc, 128], sc [B, S, n, nc], f [B, S, nc]."""
         m_new = torch.maximum(self.m, s2.amax(-1))
@@ -133,7 +142,7 @@ class _Consumer:
         alpha = torch.exp2(self.m - m_safe)
         p = torch.exp2(s2 - m_safe[..., None])
         l_keys = self.l_keys * alpha[..., None] + p
-        y = _p_terms(p[..., None] * sc[:, :, None], p_split)  # [B, S, H, n, nc]
+        y = _p_terms(p[..., None] * sc[:, :, None], p_format)  # [B, S, H, n, nc]
         rescale = alpha[..., None] * (self.f / f)[:, :, None]  # [B, S, H, nc]
         o = self.o * rescale[..., None] + _mm(y, codes, "bshkc,bkcd->bshcd")
         a3 = active[..., None]
@@ -158,14 +167,14 @@ def mla_decode_e4m3(
     kv_format: str = "fp8",
     head_dim_v: int | None = None,
     q_split: bool | None = None,
-    p_split: bool = False,
+    p_format: str | None = None,
     block_n: int = 64,
 ) -> torch.Tensor:
     """`mla_decode_torch`'s contract with the e4m3 kernels' rounding: out [B, S, H, Dc] in q's dtype.
 
     kv_format "fp8" (`mla_decode_gluon_fp8reg`) or "tbq4" (`mla_decode_gluon_tbq4reg`). q_split: q as two e4m3
-    terms (default: True for fp8, False for tbq4, the kernels' settings); p_split: P·scale/f as two terms (the
-    fp8 kernel's P_SPLIT; the tbq4 kernel runs one term)."""
+    terms (default: True for fp8, False for tbq4, the kernels' settings); p_format: how P·scale/f enters P·V, one of
+    `P_FORMATS` (default: "fp16" for fp8, the fp8 kernel's `P16`; "e4m3" for tbq4)."""
     if kv_format not in FORMATS:
         raise ValueError(f"mla_decode_e4m3 emulates the e4m3 kernels of the fp8 and tbq4 caches only; "
                          f"got kv_format={kv_format!r}")
@@ -173,6 +182,10 @@ def mla_decode_e4m3(
     _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
     if q_split is None:
         q_split = kv_format == "fp8"
+    if p_format is None:
+        p_format = "fp16" if kv_format == "fp8" else "e4m3"
+    if p_format not in P_FORMATS:
+        raise ValueError(f"p_format must be one of {P_FORMATS}; got {p_format!r}")
     B, S, H, D = q.shape
     dc, dr = head_dim_v, D - head_dim_v
     nc = dc // FP8_BLOCK
@@ -220,7 +233,7 @@ def mla_decode_e4m3(
             s = s + parts[:, :, :, c] * (sc[..., c] * f[..., c : c + 1])[:, :, None]
         s = s * sq[..., None] + _mm(q_pe, rope[:, ks], "bshr,bkr->bshk")
         s2 = torch.where(vis[:, :, None], s * scale_log2, torch.tensor(float("-inf"), device=dev))
-        cons[j % 2].step(s2, active, cj, sc, f, p_split)
+        cons[j % 2].step(s2, active, cj, sc, f, p_format)
 
     (m0, l0, o0), (m1, l1, o1) = cons[0].finish(), cons[1].finish()
     m_new = torch.maximum(m0, m1)
