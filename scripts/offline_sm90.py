@@ -81,7 +81,8 @@ def offline_sm90(capability: int = 90):
 
 def gluon_decode_usage(cases) -> list[dict]:
     """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct[, block_n]) and
-    report its resources (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
+    report its resources; for "fp8reg" / "tbq4reg" an optional 8th item sets module constants while compiling,
+    e.g. {"LOADER": true, "REGS": [224, 40]} (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
     interpreter mode, which the test suite turns on, cannot compile). dtype "fp8" / "tbq4": the kernel for
     quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries; "fp8mma": the fp8 kernel with e4m3 matmuls
     (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`); "tbq4reg":
@@ -97,6 +98,7 @@ def gluon_decode_usage(cases) -> list[dict]:
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         block_n = rest[0] if rest else 64
+        settings = rest[1] if len(rest) > 1 else {}  # module constants of the fp8reg / tbq4reg kernel to set
         mma, reg, treg = dtype_name == "fp8mma", dtype_name == "fp8reg", dtype_name == "tbq4reg"
         dtype_name = "fp8" if mma or reg else "tbq4" if treg else dtype_name
         fp8 = dtype_name in ("fp8", "tbq4")  # a quantised cache: the Gluon kernel for fp8 / tbq4 rows
@@ -112,6 +114,13 @@ def gluon_decode_usage(cases) -> list[dict]:
         cfg = plan(B, S, H, 256, q.device, 64)
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
+        module = None
+        if treg or reg:
+            import importlib
+            module = importlib.import_module("specmla.ops.mla_decode_gluon_" + ("tbq4reg" if treg else "fp8reg"))
+        saved = {name: getattr(module, name) for name in settings}
+        for name, value in settings.items():
+            setattr(module, name, tuple(value) if isinstance(value, list) else value)
         with offline_sm90() as kernels:
             if treg:
                 from specmla.ops import mla_decode_gluon_tbq4reg as T
@@ -130,6 +139,8 @@ def gluon_decode_usage(cases) -> list[dict]:
             else:
                 G.launch_gluon_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, dc=dc, causal=True,
                                      direct=direct, num_splits=1 if direct else 2, block_n=block_n)
+        for name, value in saved.items():
+            setattr(module, name, value)
         rows.append(dict(case=[H, S, dc, dr, dtype_name, direct, *rest], kernels=[resource_usage(k) for k in kernels]))
     return rows
 

@@ -52,6 +52,21 @@ def test_fp8reg_kernel_matches_the_reference(lens, splits, p_format, q_cat, monk
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("lens,splits", [([1, 63, 64, 65, 300, 1000], None), ([4097, 77, 128], 3), ([8192, 5000], 2)])
+def test_fp8reg_loader_warp_gives_the_same_result(lens, splits, monkeypatch):
+    """LOADER (a one-warp partition issues the copies as stages are handed back) changes only when copies start:
+    the result is the default's bit for bit."""
+    q, cache, table, seq = _problem(lens, 1)
+    want, _ = _run(q, cache, table, seq, splits, monkeypatch)
+    monkeypatch.setattr(R, "LOADER", True)
+    monkeypatch.setattr(R, "REGS", (224, 40))
+    got, launches = _run(q, cache, table, seq, splits, monkeypatch)
+    assert launches == [1]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@hopper
 def test_fp8reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 
@@ -178,7 +193,9 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
 
 
 def test_fp8reg_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90."""
-    for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True]]):
+    """CPU: the kernel compiles for sm_90, and so does its LOADER variant."""
+    loader = {"LOADER": True, "REGS": [224, 40]}
+    for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True],
+                                  [16, 1, 512, 64, "fp8reg", False, 64, loader]]):
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

@@ -53,6 +53,8 @@ NUM_DECODED = 3  # decoded stages (40 KB): each consumer holds one, the producer
 NUM_RAW = 3  # raw stages (24.5 KB): two in flight while the producer decodes the third
 REGS = (216, 72)  # (consumer, producer) registers per thread
 CODE_BOX = 64  # 32-bit words per row of a code TMA box: 64, all four chunks (256 bytes; 16, a box per chunk: 3 % slower)
+ROPE_DIRECT = False  # the rope copied by TMA straight into the decoded stage (raw stages of 17 KB: NUM_RAW = 4 fits);
+# compiled for sm_90, not yet measured
 USE = True  # True: mla_decode_triton sends the tbq4 calls this kernel takes here (else `mla_decode_gluon_quant`)
 Q_SPLIT = False  # q as two e4m3 terms in Q·Kᵀ (True) or one
 PROBE = 0  # timing probes (wrong results), bits: 1 the producer decodes nothing, 2 copies nothing, 4 the consumers
@@ -70,18 +72,29 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, n0, raw_codes, raw_norms, raw_rope, tbars, rr,
-                   PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, CB: gl.constexpr):
+                   PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, CB: gl.constexpr, ROPE_DIRECT: gl.constexpr):
         """TMA the key block starting at key n0 (whole 400-byte rows of its page) into raw stage rr: each chunk's
-        codes in [64 keys, CB words] boxes, the norms (and their padding) as [64, 8] fp16, the rope as [64, 64]
-        bf16; the stage's barrier completes when all 25.6 KB have landed."""
+        codes in [64 keys, CB words] boxes, the norms (and their padding) as [64, 8] fp16 and, unless ROPE_DIRECT
+        (`_issue_rope`), the rope as [64, 64] bf16; the stage's barrier completes when all bytes have landed
+        (25.6 KB, or 17 KB)."""
         page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
         row = page * PAGE_SIZE + n0 % PAGE_SIZE
         bar = tbars.index(rr)
-        mbarrier.expect(bar, BLOCK_N * ROW_BYTES)
+        mbarrier.expect(bar, BLOCK_N * (272 if ROPE_DIRECT else ROW_BYTES))
         for c in gl.static_range(64 // CB):
             M._tma_load(codes_desc, [row, CB * c], bar, raw_codes.index(rr * (64 // CB) + c))
         M._tma_load(norms_desc, [row, NORMS_AT], bar, raw_norms.index(rr))
-        M._tma_load(rope_desc, [row, ROPE_AT], bar, raw_rope.index(rr))
+        if not ROPE_DIRECT:
+            M._tma_load(rope_desc, [row, ROPE_AT], bar, raw_rope.index(rr))
+
+    @gluon.jit
+    def _issue_rope(rope_desc, BT, b, stride_btb, n0, dst, bar, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """TMA the block's rope [64, 64] bf16 straight into its decoded stage, on the stage's ready barrier (its
+        expect is one of the barrier's two arrivals, the producer's arrive the other)."""
+        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
+        row = page * PAGE_SIZE + n0 % PAGE_SIZE
+        mbarrier.expect(bar, BLOCK_N * 128)
+        M._tma_load(rope_desc, [row, ROPE_AT], bar, dst)
 
     @gluon.jit
     def _chunk_words(raw_codes, rr, c: gl.constexpr, CB: gl.constexpr):
@@ -117,7 +130,8 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _producer(shared, raw, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr, CB: gl.constexpr):
+                  ND: gl.constexpr, NRAW: gl.constexpr, INV_K: gl.constexpr, PROBE: gl.constexpr, CB: gl.constexpr,
+                  ROPE_DIRECT: gl.constexpr):
         """Keep NRAW raw blocks in flight; per block wait for its bytes and for a free decoded stage, write the
         per-key scales (norm / k, normalised once per block), load the block's codes, decode them into e4m3, copy
         the rope tile, hand the stage over and refill the raw stage. (Refilling it before the decode, once the
@@ -136,7 +150,7 @@ if G.HAVE_GLUON:
             if (PROBE & 2) == 0:
                 if i < n_blocks:
                     _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, start + i * BLOCK_N, raw_codes,
-                               raw_norms, raw_rope, tbars, i, PAGE_SIZE, BLOCK_N, CB)
+                               raw_norms, raw_rope, tbars, i, PAGE_SIZE, BLOCK_N, CB, ROPE_DIRECT)
         # the norms [64 keys, 4] in each warp whole (the other warps hold copies): reductions within a warp
         NL: gl.constexpr = gl.BlockedLayout(size_per_thread=[2, 4], threads_per_warp=[32, 1], warps_per_cta=[1, 4],
                                             order=[1, 0])
@@ -148,6 +162,12 @@ if G.HAVE_GLUON:
                 mbarrier.wait(tbars.index(rr), (j // NRAW) & 1)
             if j >= ND:  # the consumer of block j - ND has read its stage
                 mbarrier.wait(bars.index(ND + ds), ((j - ND) // ND) & 1)
+            if ROPE_DIRECT:  # the rope lands in the stage while the codes are decoded
+                if (PROBE & 2) == 0:
+                    _issue_rope(rope_desc, BT, b, stride_btb, start + j * BLOCK_N, dec_rope.index(ds),
+                                bars.index(KV_READY + ds), PAGE_SIZE, BLOCK_N)
+                else:
+                    mbarrier.arrive(bars.index(KV_READY + ds))
             if (PROBE & 8) == 0:  # the norms / k as the fp8 kernel's scales
                 _store_block_scales(raw_norms.index(rr).slice(0, 4, dim=1).load(NL), start + j * BLOCK_N + keys_n < end,
                                     sc, fs, ds, INV_K, BLOCK_M, NL, FL)
@@ -160,14 +180,15 @@ if G.HAVE_GLUON:
                 _decode_chunk(w1, dec_codes.index(ds * 4 + 1), BLOCK_N)
                 _decode_chunk(w2, dec_codes.index(ds * 4 + 2), BLOCK_N)
                 _decode_chunk(w3, dec_codes.index(ds * 4 + 3), BLOCK_N)
-                dec_rope.index(ds).store(raw_rope.index(rr).load(RL))
+                if not ROPE_DIRECT:
+                    dec_rope.index(ds).store(raw_rope.index(rr).load(RL))
             fence_async_shared()
             _cta_barrier()  # every warp has written the stage and read the raw one
             mbarrier.arrive(bars.index(KV_READY + ds))
             if (PROBE & 2) == 0:
                 if j + NRAW < n_blocks:
                     _issue_raw(codes_desc, norms_desc, rope_desc, BT, b, stride_btb, start + (j + NRAW) * BLOCK_N,
-                               raw_codes, raw_norms, raw_rope, tbars, rr, PAGE_SIZE, BLOCK_N, CB)
+                               raw_codes, raw_norms, raw_rope, tbars, rr, PAGE_SIZE, BLOCK_N, CB, ROPE_DIRECT)
 
     @gluon.jit
     def _mla_decode_tbq4reg_kernel(
@@ -184,7 +205,8 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, ND: gl.constexpr, NRAW: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_SPLIT: gl.constexpr, INV_K: gl.constexpr,
-        PROBE: gl.constexpr, CB: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        PROBE: gl.constexpr, CB: gl.constexpr, ROPE_DIRECT: gl.constexpr, SOURCE_KEY: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -208,12 +230,15 @@ if G.HAVE_GLUON:
         W16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         raw_codes = gl.allocate_shared_memory(gl.int32, [NRAW * (64 // CB), BLOCK_N, CB], W32)  # [stage, box][key]
         raw_norms = gl.allocate_shared_memory(gl.float16, [NRAW, BLOCK_N, 8], W16)  # 4 norms, 4 padding
-        raw_rope = gl.allocate_shared_memory(gl.bfloat16, [NRAW, BLOCK_N, 64], QR)
+        # (ROPE_DIRECT: the rope goes straight to the decoded stage; a token allocation, never used)
+        raw_rope = gl.allocate_shared_memory(gl.bfloat16, [1 if ROPE_DIRECT else NRAW, 8 if ROPE_DIRECT else BLOCK_N, 64],
+                                             QR)
         n_bars: gl.constexpr = 3 * ND + 3
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         tbars = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n_bars):
-            mbarrier.init(bars.index(i), count=2 if i == 3 * ND else 1)  # Q_READY: both consumers arrive
+            # Q_READY: both consumers arrive; with ROPE_DIRECT a stage's KV_READY: the rope's copy and the producer
+            mbarrier.init(bars.index(i), count=2 if i == 3 * ND or (ROPE_DIRECT and 2 * ND <= i and i < 3 * ND) else 1)
         for i in gl.static_range(NRAW):
             mbarrier.init(tbars.index(i), count=1)
         fence_async_shared()
@@ -228,7 +253,7 @@ if G.HAVE_GLUON:
                            False, Q_SPLIT, False, False)),
             (R._consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
                            False, Q_SPLIT, False, False)),
-            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE, CB)),
+            (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE, CB, ROPE_DIRECT)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -263,5 +288,6 @@ def launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out
                                            views=_descriptors(kv_cache))
     _mla_decode_tbq4reg_kernel[grid](*args, **consts, ND=NUM_DECODED, NRAW=NUM_RAW, CONSUMER_REGS=REGS[0],
                                      PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, CB=CODE_BOX,
+                                     ROPE_DIRECT=ROPE_DIRECT,
                                      SOURCE_KEY=_SOURCE_KEY,
                                      num_warps=4)
