@@ -146,7 +146,7 @@ if G.HAVE_GLUON:
         return warpgroup_mma(a, p16.index(i + c).permute((1, 0)), o, is_async=True)
 
     @gluon.jit
-    def _pv16_interleaved(raw_codes, rs, p16, ROLE: gl.constexpr, o0, o1, o2, o3, free_bar, PROBE: gl.constexpr):
+    def _pv16_interleaved(raw_codes, rs, p16, ROLE: gl.constexpr, o0, o1, o2, o3, free_bar):
         """P·V in fp16 chunk by chunk, at most two converted fragments (32 registers each) alive: each chunk's
         matmul runs while the next chunk is loaded and converted; the stage is handed back after the last load."""
         o0 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 0, o0)
@@ -421,9 +421,8 @@ if G.HAVE_GLUON:
                 f1p = f1
                 f2p = f2
                 f3p = f3
-                if P16 and PV16_INTERLEAVED:  # per chunk: load, convert, issue; the stage freed after the last load
-                    o0, o1, o2, o3 = _pv16_interleaved(raw_codes, rs, p8, ROLE, o0, o1, o2, o3, bars.index(RAW_FREE + rs),
-                                                       PROBE)
+                if P16 and PV16_INTERLEAVED and PROBE != 1 and PROBE != 2:  # per chunk: load, convert, issue
+                    o0, o1, o2, o3 = _pv16_interleaved(raw_codes, rs, p8, ROLE, o0, o1, o2, o3, bars.index(RAW_FREE + rs))
                 else:
                     # Vᵀ fragments loaded late: fewer registers live through the softmax (loaded while the score
                     # matmuls run, they spill: 329 against 255 µs at B=32 T=32k)
