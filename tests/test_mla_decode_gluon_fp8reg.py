@@ -67,6 +67,19 @@ def test_fp8reg_loader_warp_gives_the_same_result(lens, splits, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
+def test_fp8reg_q_in_one_term_ignores_q_cat(monkeypatch):
+    """With q in one e4m3 term there is no lo term to join: Q_CAT on gives Q_CAT off's result bit for bit (it read
+    unwritten lo tiles before the launch turned it off)."""
+    q, cache, table, seq = _problem([4097, 77, 128], 1)
+    monkeypatch.setattr(R, "Q_SPLIT", False)
+    want, _ = _run(q, cache, table, seq, 3, monkeypatch, q_cat=False)
+    got, launches = _run(q, cache, table, seq, 3, monkeypatch, q_cat=True)
+    assert launches == [1]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@hopper
 def test_fp8reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 

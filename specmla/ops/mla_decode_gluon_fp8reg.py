@@ -563,7 +563,8 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                            scale_words=SCALE_WORDS)
     _mla_decode_fp8reg_kernel[grid](*args, **consts, NR=NUM_RAW, CONSUMER_REGS=REGS[0], PRODUCER_REGS=REGS[1],
                                     PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS, P_SPLIT=P_SPLIT,
-                                    Q_SPLIT=Q_SPLIT, P16=P16, PV16_INTERLEAVED=PV16_INTERLEAVED, Q_CAT=Q_CAT,
+                                    Q_SPLIT=Q_SPLIT, P16=P16, PV16_INTERLEAVED=PV16_INTERLEAVED,
+                                    Q_CAT=Q_CAT and Q_SPLIT,  # one term: nothing to join
                                     LOADER=LOADER, LOADER_REGS=LOADER_REGS, NO_COPY=NO_COPY,
                                     SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)
