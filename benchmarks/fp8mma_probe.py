@@ -6,8 +6,7 @@ in the same run, with their timing probes (`PROBE`, wrong results).
   reductions (3), no Q·Kᵀ (4), the producer alone (5), no key blocks: the fixed costs (6); no copies, the consumers
   alone (`NO_COPY`; "reg1_alone_*" with the others too, P in one term); "_q_one_term": q in one e4m3 term
   (`Q_SPLIT = False`); "_lag1": the producer refills the stage of the block before the one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term" / "_p_two_terms": Pᵀ in one / two e4m3 terms (`P16 = False`); "reg16_*": P·V in fp16 (`P16`, the
-  default), "_all_loaded_first": the four Vᵀ fragments loaded before any is converted (`PV16_INTERLEAVED = False`),
-  "_q_apart": q's two terms as two matmuls (`Q_CAT = False`), "_no_loader": the producer refills the stages (no
+  default), "_q_apart": q's two terms as two matmuls (`Q_CAT = False`), "_no_loader": the producer refills the stages (no
   loader warp, `LOADER = False`), "reg16_loader": the one-warp copy partition (`LOADER`); "tbq4_rope_direct": the
   rope copied straight into the decoded stage (`ROPE_DIRECT`), 4 raw stages of 17 KB ("_raw3": 3); "_splits_half" / "_double": half / twice the split count.
 
@@ -76,7 +75,6 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("tbq4_separate_rotate", "tbq4", D, dict(TBQ4_COMBINE_ROTATE=False)),
             ("reg_p16", "fp8", R, dict(USE=True, P16=True)),
             ("reg_p_two_terms", "fp8", R, dict(USE=True, P16=False, P_SPLIT=True)),
-            ("reg16_all_loaded_first", "fp8", R, dict(USE=True, P16=True, PV16_INTERLEAVED=False)),
             ("reg16_consumers_alone", "fp8", R, dict(USE=True, P16=True, NO_COPY=True)),
             ("reg16_producer_alone", "fp8", R, dict(USE=True, P16=True, PROBE=5)),
             ("reg16_q_one_term", "fp8", R, dict(USE=True, P16=True, Q_SPLIT=False)),

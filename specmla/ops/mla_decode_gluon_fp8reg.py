@@ -61,9 +61,6 @@ REGS = (224, 56)  # (consumer, producer) registers per thread (with LOADER: (224
 USE = True  # mla_decode_triton sends the fp8 calls this kernel takes here (else the other Gluon kernels)
 SCALE_WORDS = 4  # the scales' TMA box width in 32-bit words (4: the scales alone; wider boxes read into the rope)
 P16 = True  # P·V in fp16: Vᵀ's e4m3 codes converted in registers (exact), Pᵀ·scale/f in fp16 (one term, 11 bits)
-PV16_INTERLEAVED = True  # (P16) per chunk: load, convert and issue, the stage handed back after the last load; else
-# all four chunks loaded and the stage handed back first, then each converted before its matmul (spills: 298 µs
-# against 255 at B=32 T=32k)
 P_SPLIT = True  # (P16 False) Pᵀ·scale/f as two e4m3 terms (hi + lo, two P·V matmuls): output error about 0.2 % (the
 # unpacking kernel's) instead of 2.5 %, at 267 instead of 252 µs (B=32 T=32k, with Q_CAT)
 LOADER = False  # a one-warp partition issues the copies as stages free up (else the producer refills them)
@@ -140,36 +137,28 @@ if G.HAVE_GLUON:
         return gl.convert_layout(t, VT16_FRAG)
 
     @gluon.jit
-    def _pv16_chunk(raw_codes, rs, p16, i, c: gl.constexpr, o):
-        """Issue chunk c's Oᵀ += Vᵀ·Pᵀ in fp16: its Vᵀ fragment loaded from stage rs and converted."""
-        a = _f16_fragment(_vt_fragment(raw_codes.index(rs * 4 + c), V_LOAD, VT_FRAG))
-        return warpgroup_mma(a, p16.index(i + c).permute((1, 0)), o, is_async=True)
+    def _pv16_chunk(raw_codes, rs, p16, i, c: gl.constexpr, o, PROBE: gl.constexpr):
+        """Issue chunk c's Oᵀ += Vᵀ·Pᵀ in fp16: its Vᵀ fragment loaded from stage rs and converted (PROBE 2:
+        zeros, no loads)."""
+        if PROBE != 2:
+            a8 = _vt_fragment(raw_codes.index(rs * 4 + c), V_LOAD, VT_FRAG)
+        else:
+            a8 = gl.zeros([128, 64], gl.float8e4nv, layout=VT_FRAG)
+        return warpgroup_mma(_f16_fragment(a8), p16.index(i + c).permute((1, 0)), o, is_async=True)
 
     @gluon.jit
-    def _pv16_interleaved(raw_codes, rs, p16, ROLE: gl.constexpr, o0, o1, o2, o3, free_bar):
+    def _pv16(raw_codes, rs, p16, ROLE: gl.constexpr, o0, o1, o2, o3, free_bar, PROBE: gl.constexpr):
         """P·V in fp16 chunk by chunk, at most two converted fragments (32 registers each) alive: each chunk's
-        matmul runs while the next chunk is loaded and converted; the stage is handed back after the last load."""
-        o0 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 0, o0)
-        o1 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 1, o1)
+        matmul runs while the next chunk is loaded and converted; the stage is handed back after the last load.
+        (Loading all four chunks first, to hand the stage back sooner, spilled: 298 against 255 µs at B=32 T=32k.)"""
+        o0 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 0, o0, PROBE)
+        o1 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 1, o1, PROBE)
         o0 = warpgroup_mma_wait(num_outstanding=1, deps=(o0,))
-        o2 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 2, o2)
+        o2 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 2, o2, PROBE)
         o1 = warpgroup_mma_wait(num_outstanding=1, deps=(o1,))
-        o3 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 3, o3)
+        o3 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 3, o3, PROBE)
         _cta_barrier()  # every warp has read the stage
         mbarrier.arrive(free_bar)
-        o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o2, o3))
-        return o0, o1, o2, o3
-
-    @gluon.jit
-    def _pv16_staged(a0, a1, a2, a3, p16, ROLE: gl.constexpr, o0, o1, o2, o3):
-        """P·V in fp16 on Vᵀ fragments already loaded (the stage handed back): each converted just before its
-        matmul, at most two converted fragments alive."""
-        o0 = warpgroup_mma(_f16_fragment(a0), p16.index(ROLE * 4 + 0).permute((1, 0)), o0, is_async=True)
-        o1 = warpgroup_mma(_f16_fragment(a1), p16.index(ROLE * 4 + 1).permute((1, 0)), o1, is_async=True)
-        o0 = warpgroup_mma_wait(num_outstanding=1, deps=(o0,))
-        o2 = warpgroup_mma(_f16_fragment(a2), p16.index(ROLE * 4 + 2).permute((1, 0)), o2, is_async=True)
-        o1 = warpgroup_mma_wait(num_outstanding=1, deps=(o1,))
-        o3 = warpgroup_mma(_f16_fragment(a3), p16.index(ROLE * 4 + 3).permute((1, 0)), o3, is_async=True)
         o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o2, o3))
         return o0, o1, o2, o3
 
@@ -317,7 +306,7 @@ if G.HAVE_GLUON:
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
                   DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr,
-                  P16: gl.constexpr, PV16_INTERLEAVED: gl.constexpr, Q_CAT: gl.constexpr = False):
+                  P16: gl.constexpr, Q_CAT: gl.constexpr = False):
         """Consumer ROLE takes blocks ROLE, ROLE + 2, …: Sᵀ on the raw codes (hi and lo terms per chunk, the rope
         part in bf16), its own online softmax, Pᵀ·scale/f per chunk into shared memory, then the Vᵀ fragments
         from the raw codes (the stage is freed once they are in registers) and Oᵀ += Vᵀ·Pᵀ per chunk. At the end
@@ -421,17 +410,15 @@ if G.HAVE_GLUON:
                 f1p = f1
                 f2p = f2
                 f3p = f3
-                if P16 and PV16_INTERLEAVED and PROBE != 1 and PROBE != 2:  # per chunk: load, convert, issue
-                    o0, o1, o2, o3 = _pv16_interleaved(raw_codes, rs, p8, ROLE, o0, o1, o2, o3, bars.index(RAW_FREE + rs))
+                if P16 and PROBE != 1:
+                    o0, o1, o2, o3 = _pv16(raw_codes, rs, p8, ROLE, o0, o1, o2, o3, bars.index(RAW_FREE + rs), PROBE)
                 else:
                     # Vᵀ fragments loaded late: fewer registers live through the softmax (loaded while the score
                     # matmuls run, they spill: 329 against 255 µs at B=32 T=32k)
                     a0, a1, a2, a3 = _vt_fragments(raw_codes, rs, BLOCK_N, PROBE)
                     _cta_barrier()  # every warp has read the stage
                     mbarrier.arrive(bars.index(RAW_FREE + rs))
-                    if PROBE != 1 and P16:
-                        o0, o1, o2, o3 = _pv16_staged(a0, a1, a2, a3, p8, ROLE, o0, o1, o2, o3)
-                    if PROBE != 1 and not P16:
+                    if PROBE != 1:  # P in e4m3
                         o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 0).permute((1, 0)), o0, is_async=True)
                         o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 1).permute((1, 0)), o1, is_async=True)
                         o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 2).permute((1, 0)), o2, is_async=True)
@@ -494,8 +481,7 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, NR: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr, LAG: gl.constexpr,
-        SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, P16: gl.constexpr, PV16_INTERLEAVED: gl.constexpr,
-        Q_CAT: gl.constexpr, NO_COPY: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
+        SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, P16: gl.constexpr, Q_CAT: gl.constexpr, NO_COPY: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
         SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
@@ -534,18 +520,18 @@ if G.HAVE_GLUON:
         if LOADER and not NO_COPY:
             gl.warp_specialize([
                 (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                             Q_SPLIT, P16, PV16_INTERLEAVED, Q_CAT)),
+                             Q_SPLIT, P16, Q_CAT)),
                 (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                             Q_SPLIT, P16, PV16_INTERLEAVED, Q_CAT)),
+                             Q_SPLIT, P16, Q_CAT)),
                 (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY, False)),
                 (_loader, (shared, PAGE_SIZE, BLOCK_N, NR, SW)),
             ], [4, 4, 1], [CONSUMER_REGS, PRODUCER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                             Q_SPLIT, P16, PV16_INTERLEAVED, Q_CAT)),
+                             Q_SPLIT, P16, Q_CAT)),
                 (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                             Q_SPLIT, P16, PV16_INTERLEAVED, Q_CAT)),
+                             Q_SPLIT, P16, Q_CAT)),
                 (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY)),
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -563,8 +549,7 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                            scale_words=SCALE_WORDS)
     _mla_decode_fp8reg_kernel[grid](*args, **consts, NR=NUM_RAW, CONSUMER_REGS=REGS[0], PRODUCER_REGS=REGS[1],
                                     PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS, P_SPLIT=P_SPLIT,
-                                    Q_SPLIT=Q_SPLIT, P16=P16, PV16_INTERLEAVED=PV16_INTERLEAVED,
-                                    Q_CAT=Q_CAT and Q_SPLIT,  # one term: nothing to join
+                                    Q_SPLIT=Q_SPLIT, P16=P16, Q_CAT=Q_CAT and Q_SPLIT,  # one term: nothing to join
                                     LOADER=LOADER, LOADER_REGS=LOADER_REGS, NO_COPY=NO_COPY,
                                     SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)

@@ -250,9 +250,9 @@ if G.HAVE_GLUON:
                 stride_ls, scale_log2, S, H, g, seq_len)
         gl.warp_specialize([
             (R._consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
-                           False, Q_SPLIT, False, False)),
+                           False, Q_SPLIT, False)),
             (R._consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
-                           False, Q_SPLIT, False, False)),
+                           False, Q_SPLIT, False)),
             (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE, CB, ROPE_DIRECT)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
