@@ -142,12 +142,17 @@ if G.HAVE_GLUON:
         vt_rows.store(gl.reshape(gl.permute(gl.reshape(cols, [BLOCK_N // 4, 4, 32]), (2, 1, 0)), [128, BLOCK_N // 4]))
 
     @gluon.jit
+    def _block_row(BT, b, stride_btb, n0, PAGE_SIZE: gl.constexpr):
+        """The cache row (page · PAGE_SIZE + offset) of request b's key n0, through its block table."""
+        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
+        return page * PAGE_SIZE + n0 % PAGE_SIZE
+
+    @gluon.jit
     def _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, n0, raw_codes, raw_rope, raw_scales,
                      bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, SW: gl.constexpr = 4):
         """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs: four [64, 128] code
         boxes, the rope's [64, 64] bf16 box and a [64, SW] fp32 box from the scales on (SW > 4 reads into the rope)."""
-        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
-        row = page * PAGE_SIZE + n0 % PAGE_SIZE
+        row = _block_row(BT, b, stride_btb, n0, PAGE_SIZE)
         bar = bars.index(rs)
         mbarrier.expect(bar, BLOCK_N * (640 + 4 * SW))
         for c in gl.static_range(4):
@@ -265,16 +270,14 @@ if G.HAVE_GLUON:
             sq = row_max / 448.0
             inv = 448.0 / row_max
             for c in gl.static_range(FIRST, FIRST + COUNT):
-                if PAIRED:
-                    _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q_hi.index(2 * c), q_hi.index(2 * c + 1),
-                                   qs.index(c), LO)
-                else:
-                    _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
+                _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q_hi.index(2 * c if PAIRED else c),
+                               q_hi.index(2 * c + 1) if PAIRED else q_lo.index(c), qs.index(c), LO)
         else:
             for c in gl.static_range(FIRST, FIRST + COUNT):
                 x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
                 chunk_max = gl.maximum(gl.max(gl.abs(x), axis=1), 1e-30)
-                _store_q_chunk(x, 448.0 / chunk_max, chunk_max / 448.0, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
+                _store_q_chunk(x, 448.0 / chunk_max, chunk_max / 448.0, q_hi.index(2 * c if PAIRED else c),
+                               q_hi.index(2 * c + 1) if PAIRED else q_lo.index(c), qs.index(c), LO)
         if ROPE:
             cols_r = gl.expand_dims(gl.arange(0, DR, layout=gl.SliceLayout(0, QL)), 0)
             q_r.store(gl.load(Q + q_at + DC + cols_r, mask=ok_q, other=0.0).to(gl.bfloat16))

@@ -77,8 +77,7 @@ if G.HAVE_GLUON:
         codes in [64 keys, CB words] boxes, the norms (and their padding) as [64, 8] fp16 and, unless ROPE_DIRECT
         (`_issue_rope`), the rope as [64, 64] bf16; the stage's barrier completes when all bytes have landed
         (25.6 KB, or 17 KB)."""
-        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
-        row = page * PAGE_SIZE + n0 % PAGE_SIZE
+        row = M._block_row(BT, b, stride_btb, n0, PAGE_SIZE)
         bar = tbars.index(rr)
         mbarrier.expect(bar, BLOCK_N * (272 if ROPE_DIRECT else ROW_BYTES))
         for c in gl.static_range(64 // CB):
@@ -91,8 +90,7 @@ if G.HAVE_GLUON:
     def _issue_rope(rope_desc, BT, b, stride_btb, n0, dst, bar, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
         """TMA the block's rope [64, 64] bf16 straight into its decoded stage, on the stage's ready barrier (its
         expect is one of the barrier's two arrivals, the producer's arrive the other)."""
-        page = gl.load(BT + b * stride_btb + n0 // PAGE_SIZE)
-        row = page * PAGE_SIZE + n0 % PAGE_SIZE
+        row = M._block_row(BT, b, stride_btb, n0, PAGE_SIZE)
         mbarrier.expect(bar, BLOCK_N * 128)
         M._tma_load(rope_desc, [row, ROPE_AT], bar, dst)
 
