@@ -94,47 +94,45 @@ def _bits(x: int, n: int) -> list[int]:
     return [(x >> i) & 1 for i in range(n)]
 
 
+def _position(bases_by_level, index):
+    """(register, lane, warp) → the (m, k) element a linear layout gives it (XOR of the set bits' bases)."""
+    m = k = 0
+    for bases, x in zip(bases_by_level, index):
+        for bit, (bm, bk) in zip(_bits(x, len(bases)), bases):
+            if bit:
+                m ^= bm
+                k ^= bk
+    return m, k
+
+
+# the e4m3 Vᵀ fragment [128, 64] (Triton's DotOperand layout, k_width 4, for an m64nNk32 wgmma, 4 warps): the
+# (m, k) bases of its registers, lanes and warps
+E4M3_FRAGMENT = ([(0, 1), (0, 2), (8, 0), (0, 16), (0, 32), (64, 0)], [(0, 4), (0, 8), (1, 0), (2, 0), (4, 0)],
+                 [(16, 0), (32, 0)])
+
+
+def _key_of_k(k):
+    """The stage key of the e4m3 fragment's key index k (Pᵀ's order, `_store_pt`): k0 e0, k1 e3, k2 e1, k3 e2,
+    k4 e4, k5 e5."""
+    e = [0] * 6
+    for kb, eb in zip(range(6), (0, 3, 1, 2, 4, 5)):
+        e[eb] = (k >> kb) & 1
+    return sum(b << i for i, b in enumerate(e))
+
+
 @pytest.mark.skipif(not G.HAVE_GLUON, reason="needs Gluon")
 def test_fp8reg_row_and_key_orders_follow_the_layouts():
     """The load layout, the 4 × 4 byte transpose and the index permutation give every tile element (m, k) the code of
-    key `key_of_k(k)` (Pᵀ's order) and column `column_of_m(m)` (`_latent_column` FMT 3, the output's order), in the
+    key `_key_of_k(k)` (Pᵀ's order) and column `column_of_m(m)` (`_latent_column` FMT 3, the output's order), in the
     thread and byte position where the wgmma fragment expects it: checked thread by thread on the layouts' bases,
     in plain Python."""
     load = R.V_LOAD.value
-    # (register, lane, warp) → (key, column) of the loaded tile, by the layout's bases (XOR of the set bits)
-    def loaded(reg, lane, warp):
-        key = col = 0
-        for bases, x in ((load.reg_bases, reg), (load.lane_bases, lane), (load.warp_bases, warp)):
-            for bit, (bk, bc) in zip(_bits(x, len(bases)), bases):
-                if bit:
-                    key ^= bk
-                    col ^= bc
-        return key, col
+    loaded_at = (load.reg_bases, load.lane_bases, load.warp_bases)  # (register, lane, warp) → (key, column)
 
     # the transpose: register r = (byte b = r0 r1, word w = r2 r3, rest) receives the input at (byte w, word b)
     def after_transpose(reg):
         b, w, rest = reg & 3, (reg >> 2) & 3, reg >> 4
         return (rest << 4) | (b << 2) | w
-
-    # fragment of [128, 64] (Triton's DotOperand layout, k_width 4, for an m64nNk32 wgmma, 4 warps): bases
-    frag_reg = [(0, 1), (0, 2), (8, 0), (0, 16), (0, 32), (64, 0)]
-    frag_lane = [(0, 4), (0, 8), (1, 0), (2, 0), (4, 0)]
-    frag_warp = [(16, 0), (32, 0)]
-
-    def fragment(reg, lane, warp):
-        m = k = 0
-        for bases, x in ((frag_reg, reg), (frag_lane, lane), (frag_warp, warp)):
-            for bit, (bm, bk) in zip(_bits(x, len(bases)), bases):
-                if bit:
-                    m ^= bm
-                    k ^= bk
-        return m, k
-
-    def key_of_k(k):  # Pᵀ's key order (`_store_pt`): k0 e0, k1 e3, k2 e1, k3 e2, k4 e4, k5 e5
-        e = [0] * 6
-        for kb, eb in zip(range(6), (0, 3, 1, 2, 4, 5)):
-            e[eb] = (k >> kb) & 1
-        return sum(b << i for i, b in enumerate(e))
 
     def column_of_m(m):  # `_latent_column` FMT 3 within a chunk
         return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
@@ -148,28 +146,18 @@ def test_fp8reg_row_and_key_orders_follow_the_layouts():
     for warp in range(4):
         for lane in range(32):
             for reg in range(64):
-                frag[fragment(reg, lane, warp)] = (reg, lane, warp)
+                frag[_position(E4M3_FRAGMENT, (reg, lane, warp))] = (reg, lane, warp)
     assert len(frag) == 128 * 64
     for warp in range(4):
         for lane in range(32):
             for reg in range(64):
-                m, k = label(*loaded(reg, lane, warp))
-                key, col = loaded(after_transpose(reg), lane, warp)  # what the register holds after the transpose
-                assert (key, col) == (key_of_k(k), column_of_m(m)), (reg, lane, warp)
+                m, k = label(*_position(loaded_at, (reg, lane, warp)))
+                # what the register holds after the transpose
+                key, col = _position(loaded_at, (after_transpose(reg), lane, warp))
+                assert (key, col) == (_key_of_k(k), column_of_m(m)), (reg, lane, warp)
                 # convert_layout to the fragment moves whole 32-bit registers within the thread, nothing else
                 f_reg, f_lane, f_warp = frag[(m, k)]
                 assert (f_lane, f_warp, f_reg & 3) == (lane, warp, reg & 3), (reg, lane, warp)
-
-
-def _position(bases_by_level, index):
-    """(register, lane, warp) → the (m, k) element a linear layout gives it (XOR of the set bits' bases)."""
-    m = k = 0
-    for bases, x in zip(bases_by_level, index):
-        for bit, (bm, bk) in zip(_bits(x, len(bases)), bases):
-            if bit:
-                m ^= bm
-                k ^= bk
-    return m, k
 
 
 def test_f16_fragment_only_relabels_keys_and_renames_registers():
@@ -177,8 +165,6 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
     bits permuted by `F16_KEY_ORDER` lands on the fp16 fragment (k_width 2, m64nNk16) in the same lanes and warps,
     each converted pair of codes in one 32-bit register; composed with `_vt_fragment`'s key order, the keys come out
     in stage order, so Pᵀ is stored unpermuted (`_store_p16`). Bases from the PTX wgmma fragment layouts."""
-    frag8 = ([(0, 1), (0, 2), (8, 0), (0, 16), (0, 32), (64, 0)], [(0, 4), (0, 8), (1, 0), (2, 0), (4, 0)],
-             [(16, 0), (32, 0)])
     frag16 = ([(0, 1), (8, 0), (0, 8), (0, 16), (0, 32), (64, 0)], [(0, 2), (0, 4), (1, 0), (2, 0), (4, 0)],
               [(16, 0), (32, 0)])
     # the permutation as the kernel applies it: dims (m, k5 … k0) → R.F16_KEY_ORDER; new key index of each old one
@@ -195,14 +181,13 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
     for warp in range(4):
         for lane in range(32):
             for reg in range(64):
-                m, k = _position(frag8, (reg, lane, warp))
+                m, k = _position(E4M3_FRAGMENT, (reg, lane, warp))
                 r16, l16, w16 = where16[(m, int(new_of_old[k]))]
                 assert (l16, w16) == (lane, warp) and (r16 & 1) == (reg & 1), (reg, lane, warp)
                 assert pair_to_register.setdefault((lane, warp, reg >> 1), r16 >> 1) == r16 >> 1
-    # `_vt_fragment`'s key order (k0 e0, k1 e3, k2 e1, k3 e2, k4 e4, k5 e5), then the relabelling: the identity
+    # `_vt_fragment`'s key order, then the relabelling: the identity
     for k in range(64):
-        e_bits = dict(zip((0, 3, 1, 2, 4, 5), _bits(k, 6)))
-        assert sum(e_bits[i] << i for i in range(6)) == int(new_of_old[k])
+        assert _key_of_k(k) == int(new_of_old[k])
 
 
 def test_fp8reg_kernel_compiles_for_sm90():
