@@ -9,8 +9,8 @@
 3. Greedy agreement: a batch of 32 code prompts generated with each cache format vs bf16.
 
 The "-kernel" formats are the same fp8 / tbq4 caches read with the Hopper e4m3 kernels' arithmetic
-(`ops.mla_decode_e4m3`, a torch emulation of their rounding of q and P): "fp8-kernel" as the fp8 kernel runs (P·V in fp16), "fp8-kernel-e4m3p" with P in one e4m3 term, "tbq4-kernel"
-as the tbq4 kernel runs.
+(`ops.mla_decode_e4m3`, a torch emulation of their rounding of q and P): "fp8-kernel" as the fp8 kernel runs
+(P·V in fp16), "fp8-kernel-e4m3p" with P in one e4m3 term, "tbq4-kernel" as the tbq4 kernel runs.
 For perplexity and greedy decoding the model's cache reads are routed there by `kernel_reads` (the engine
 is unchanged).
 

@@ -30,9 +30,9 @@ Against the kernels on an H100 (the GPU test in tests/test_mla_decode_e4m3.py): 
 result is the emulation's to within 2 %; per row they are 0.5-0.7 % from it with P in one term (2-3 % from the
 exact result), 0.2-0.9 % for tbq4 (3-4 %), and within the bf16 output's rounding with P in two terms. (P in
 fp16, the fp8 kernel's default since the sixteenth session: its GPU test against this emulation is still to run.)
-Not bit-exact
-because Hopper's fp8 tensor cores accumulate more coarsely than fp32 (up to ~6e-4 of Σ|terms| in a K = 64 or 128
-dot, measured), which moves P a little, and rounding P to one e4m3 term turns that into whole-step differences.
+Not bit-exact because Hopper's fp8 tensor cores accumulate more coarsely than fp32 (up to ~6e-4 of Σ|terms| in a
+K = 64 or 128 dot, measured), which moves P a little, and rounding P to one e4m3 term turns that into whole-step
+differences.
 Triton's fp32 → e4m3 conversion was checked to be round-to-nearest-even, as here.
 """
 
