@@ -7,8 +7,8 @@ in the same run, with their timing probes (`PROBE`, wrong results).
   alone (`NO_COPY`; "reg1_alone_*" with the others too, P in one term); "_q_one_term": q in one e4m3 term
   (`Q_SPLIT = False`); "_lag1": the producer refills the stage of the block before the one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term" / "_p_two_terms": Pᵀ in one / two e4m3 terms (`P16 = False`); "reg16_*": P·V in fp16 (`P16`, the
   default), "_q_apart": q's two terms as two matmuls (`Q_CAT = False`), "_no_loader": the producer refills the stages (no
-  loader warp, `LOADER = False`), "reg16_loader": the one-warp copy partition (`LOADER`); "tbq4_rope_direct": the
-  rope copied straight into the decoded stage (`ROPE_DIRECT`), 4 raw stages of 17 KB ("_raw3": 3); "_splits_half" / "_double": half / twice the split count.
+  loader warp, `LOADER = False`), "reg16_loader": the one-warp copy partition (`LOADER`); "tbq4_rope_via_raw": the
+  rope through the raw ring (`ROPE_DIRECT = False`), "tbq4_raw4": 4 raw stages of 17 KB (crashed at B=32 T=32k); "_splits_half" / "_double": half / twice the split count.
 
 - `ops.mla_decode_gluon_tbq4reg` ("tbq4_reg") against the unpacking kernel ("tbq4_unpack"), with its probes (`PROBE`
   bits): no decode (1), no copies (2), the consumers alone (3), the producer alone (4), the copies alone (13), no
@@ -83,9 +83,8 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("reg16_regs_232_40", "fp8", R, dict(USE=True, P16=True, REGS=(232, 40))),
             ("reg16_loader", "fp8", R, dict(USE=True, P16=True, LOADER=True, REGS=(224, 40))),
             ("reg16_loader_producer_alone", "fp8", R, dict(USE=True, P16=True, LOADER=True, REGS=(224, 40), PROBE=5)),
-            ("tbq4_rope_direct", "tbq4", T, dict(USE=True, ROPE_DIRECT=True, NUM_RAW=4)),
-            ("tbq4_rope_direct_raw3", "tbq4", T, dict(USE=True, ROPE_DIRECT=True, NUM_RAW=3)),
-            ("tbq4_rope_direct_copies_alone", "tbq4", T, dict(USE=True, ROPE_DIRECT=True, NUM_RAW=4, PROBE=13)),
+            ("tbq4_rope_via_raw", "tbq4", T, dict(USE=True, ROPE_DIRECT=False, NUM_RAW=3)),
+            ("tbq4_raw4", "tbq4", T, dict(USE=True, NUM_RAW=4)),
             ("reg16_no_loader", "fp8", R, dict(USE=True, P16=True, LOADER=False, REGS=(224, 56))),
             ("reg16_no_loader_producer_alone", "fp8", R, dict(USE=True, P16=True, LOADER=False, REGS=(224, 56),
                                                               PROBE=5)))
