@@ -3,7 +3,7 @@
 #   OUT=dir bash benchmarks/gpu_session.sh kernels   # issues 6 (n-gram kernel), 7 (quantised decode), 8 (prefill)
 #   OUT=dir bash benchmarks/gpu_session.sh engine    # issues 4 (engine vs transformers) and 6 (bench spec)
 #   OUT=dir bash benchmarks/gpu_session.sh quant     # issue 7: the e4m3 kernels' GPU tests, the official benchmark,
-#                                                    # and the pending variants (fp8 LOADER, tbq4 ROPE_DIRECT)
+#                                                    # the kernels' probes and the fp8 kernel's timeline
 # Prompt files: python benchmarks/code_edit_prompts.py --out data/bench/code_edit.jsonl
 #               python benchmarks/code_edit_prompts.py --task complete --files data/stdlib/files_heldout.txt \
 #                      --out data/bench/code_complete.jsonl
@@ -41,8 +41,8 @@ case $stage in
       tests/test_mla_decode_gluon_tbq4reg.py tests/test_mla_decode_e4m3.py tests/test_tbq4_rotate.py 2>&1 | tail -8
     timeout 120 python3 benchmarks/bench_mla_decode.py --out "$OUT" --kv bf16,fp8,tbq4 --variants 1 \
       --cases 16x32x32768x1,16x4x81920x1,16x32x32768x4 2>&1 | grep -v -i warn
-    FP8MMA_VARIANTS=bf16,fp8_reg,reg16_loader,reg16_loader_producer_alone,reg16_producer_alone,tbq4_reg,\
-tbq4_rope_direct,tbq4_rope_direct_raw3,tbq4_rope_direct_copies_alone,tbq4_copies_alone \
-      timeout 240 python3 benchmarks/fp8mma_probe.py --out "$OUT" --cases 16x32x32768x1,16x4x81920x1 2>&1 | tail -3
+    FP8MMA_VARIANTS=bf16,fp8_reg,reg16_producer_alone,reg16_consumers_alone,tbq4_reg,tbq4_rope_via_raw,tbq4_copies_alone \
+      timeout 200 python3 benchmarks/fp8mma_probe.py --out "$OUT" --cases 16x32x32768x1,16x4x81920x1 2>&1 | tail -3
+    timeout 60 python3 benchmarks/fp8reg_timeline.py --out "$OUT" 2>&1 | tail -1
     ;;
 esac

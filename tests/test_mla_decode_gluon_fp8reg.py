@@ -191,9 +191,10 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
 
 
 def test_fp8reg_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90, and so does its LOADER variant."""
+    """CPU: the kernel compiles for sm_90, and so do its LOADER variant and its timeline probe (PROBE 7)."""
     loader = {"LOADER": True, "REGS": [224, 40]}
     for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True],
-                                  [16, 1, 512, 64, "fp8reg", False, 64, loader]]):
+                                  [16, 1, 512, 64, "fp8reg", False, 64, loader],
+                                  [16, 1, 512, 64, "fp8reg", False, 64, {"PROBE": 7}]]):  # the timeline probe
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

@@ -67,9 +67,11 @@ LOADER = False  # a one-warp partition issues the copies as stages free up (else
 LOADER_REGS = 24
 REFILL_LAG = 2  # (LOADER False) the producer refills the stage of block j - REFILL_LAG after handing over block j
 PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ,
-# 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs)
+# 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs), 7 the
+# default kernel that also writes each program's timeline (`_stamp`) past STAMPS_AT words of the workspace
 NO_COPY = False  # timing probe (wrong results): no TMA copies, the consumers alone on whatever the ring holds
 Q_SPLIT = True  # q as two e4m3 terms (hi + lo) in Q·Kᵀ; False: one term (half the score matmuls)
+STAMPS_AT = 1 << 21  # (PROBE 7) where the stamps go in the workspace, in int64 words: 16 per program
 Q_CAT = True  # (Q_SPLIT) both terms as one 32-row operand: each chunk's codes read by one matmul instead of two
 
 # `_f16_fragment`'s relabelling of the e4m3 fragment's key bits, as a permutation of the dims (m, k5 … k0): the new
@@ -78,6 +80,7 @@ F16_KEY_ORDER = (0, 1, 2, 5, 3, 4, 6)
 
 _SOURCE_KEY = G.source_key(__file__) ^ M._SOURCE_KEY
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
+STAMPS_AT_C = _c(STAMPS_AT)
 
 if G.HAVE_GLUON:
     # Sᵀ / Oᵀ accumulators: rows of the tile along M (keys for Q·Kᵀ, latent columns for P·V), query rows along N
@@ -303,6 +306,19 @@ if G.HAVE_GLUON:
         return s0, s1, s2, s3, sr
 
     @gluon.jit
+    def _stamp(MID_O, i: gl.constexpr, SMID: gl.constexpr = False):
+        """(PROBE 7) %globaltimer in ns (SMID: the SM's id) into this program's stamp i, past STAMPS_AT int64 words
+        of the workspace: `benchmarks/fp8reg_timeline.py` reads them."""
+        cta = (gl.program_id(0) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(2) + gl.program_id(2)
+        if SMID:
+            t = gl.inline_asm_elementwise("{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; }", "=l,r", [cta],
+                                          dtype=gl.int64, is_pure=False, pack=1)
+        else:
+            t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [cta], dtype=gl.int64, is_pure=False,
+                                          pack=1)
+        gl.store(MID_O.to(gl.pointer_type(gl.int64), bitcast=True) + STAMPS_AT_C + cta * 16 + i, t)
+
+    @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
                   DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr,
@@ -326,6 +342,9 @@ if G.HAVE_GLUON:
         KEY: gl.constexpr = gl.SliceLayout(1, ACC)
         OL: gl.constexpr = ACC16 if P16 else ACC  # the Oᵀ accumulators' layout (the same registers)
         OROW: gl.constexpr = gl.SliceLayout(0, OL)
+        if PROBE == 7:  # stamps: 0/1 consumer 0/1 starts, 12 the SM
+            _stamp(MID_O, ROLE)
+            _stamp(MID_O, 12, True)
         # q's prologue split between the consumers: each quantises two chunks (the row scale needs the whole
         # row, so each reads all of it), consumer 0 the rope part too; Q_READY counts both arrivals
         M._load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512,
@@ -334,6 +353,8 @@ if G.HAVE_GLUON:
         _cta_barrier()
         mbarrier.arrive(bars.index(Q_READY))
         mbarrier.wait(bars.index(Q_READY), 0)
+        if PROBE == 7:  # 2/3: q is ready
+            _stamp(MID_O, 2 + ROLE)
         q0 = qs.index(0).load(ROW)  # one scale per row for every chunk: fewer registers
         cols_r = gl.arange(0, BLOCK_M, layout=ROW)
         if CAUSAL:
@@ -359,6 +380,11 @@ if G.HAVE_GLUON:
             rs = j % NR
             n0 = start + j * BLOCK_N
             mbarrier.wait(bars.index(KV_READY + rs), (j // NR) & 1)
+            if PROBE == 7:  # 4/5: the consumer's first block is handed over; 6: the last block is
+                if j == ROLE:
+                    _stamp(MID_O, 4 + ROLE)
+                if j == n_blocks - 1:
+                    _stamp(MID_O, 6)
             if PROBE == 5:  # the producer alone: hand every stage straight back
                 _cta_barrier()
                 mbarrier.arrive(bars.index(RAW_FREE + rs))
@@ -429,6 +455,8 @@ if G.HAVE_GLUON:
                             o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 6).permute((1, 0)), o2, is_async=True)
                             o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 7).permute((1, 0)), o3, is_async=True)
                         o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+        if PROBE == 7:  # 8/9: the consumer's last block is done
+            _stamp(MID_O, 8 + ROLE)
         l_i = gl.sum(l_keys, axis=0)
         o0 = gl.convert_layout(o0, ACC) * f0p
         o1 = gl.convert_layout(o1, ACC) * f1p
@@ -450,6 +478,8 @@ if G.HAVE_GLUON:
             _cta_barrier()
             mbarrier.arrive(bars.index(DONE0))
             mbarrier.wait(bars.index(WROTE1), 0)
+            if PROBE == 7:  # 10: consumer 1's state is in shared memory
+                _stamp(MID_O, 10)
             m1 = sc.index(0).slice(0, BLOCK_M).load(ROW)
             l1 = sc.index(1).slice(0, BLOCK_M).load(ROW)
             m_new = gl.maximum(m_i, m1)
@@ -465,6 +495,8 @@ if G.HAVE_GLUON:
                 Q8._store_out(M.pick4(c, o0, o1, o2, o3), m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh,
                               stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh,
                               stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128, c == 0, DIRECT, 3, ACC)
+            if PROBE == 7:  # 11: the partial is stored
+                _stamp(MID_O, 11)
 
     @gluon.jit
     def _mla_decode_fp8reg_kernel(
