@@ -29,9 +29,11 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
   its arithmetic (`mla_decode_e4m3`) 0.99954, as the exact fp8 path. docs/benchmarks.md, issue 7, sixteenth session.
 - The older P formats stay as options: P in two e4m3 terms (`P16 = False`, `P_SPLIT`), or one (cosine 0.99898, under
   issue 7's 0.999 bar).
-- `LOADER` (off; compiled for sm_90, not yet run on a GPU): a one-warp partition issues the copies as soon as a stage
-  is handed back, instead of the producer refilling after it hands over the next block; the kernel is now bound by
-  its copies (the producer alone: 246 µs of the 255).
+- `LOADER` (off): a one-warp partition issues the copies as soon as a stage is handed back, instead of the producer
+  refilling after it hands over the next block. Measured: no gain (258.9 µs; its producer alone 248.4).
+- Where the time goes (seventeenth session): the steady state runs at the copy rate; the rest is fixed cost (q, the
+  first block, the drain, the stores: about 17 µs) and the programs' uneven ends, because some SMs read HBM up to
+  20 % more slowly than others, the same ones in every run (`PROBE 7` and `benchmarks/fp8reg_timeline.py`).
 
 16 query rows (H = 16, S = 1); other calls go to the other kernels. Same contract, grid, split rule and partials as
 `mla_decode_triton`. Gluon does not run in the Triton interpreter: GPU tests check it against the fp64 reference,
