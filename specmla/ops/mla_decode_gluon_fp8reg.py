@@ -581,6 +581,11 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
     grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                            cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
                                            scale_words=SCALE_WORDS)
+    if PROBE == 7 and mid_o.is_cuda:  # stamps go past the partials: the workspace must be a view of a larger buffer
+        room = mid_o.untyped_storage().nbytes() - mid_o.storage_offset() * mid_o.element_size()
+        if direct or room < 8 * (STAMPS_AT + 16 * grid[0] * grid[1] * grid[2]):
+            raise ValueError("PROBE 7 needs a split call whose workspace has room for the stamps "
+                             "(benchmarks/fp8reg_timeline.py allocates it)")
     _mla_decode_fp8reg_kernel[grid](*args, **consts, NR=NUM_RAW, CONSUMER_REGS=REGS[0], PRODUCER_REGS=REGS[1],
                                     PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS, P_SPLIT=P_SPLIT,
                                     Q_SPLIT=Q_SPLIT, P16=P16, Q_CAT=Q_CAT and Q_SPLIT,  # one term: nothing to join
