@@ -21,11 +21,11 @@ it reads tbq4 rows at 1.0× bf16's speed, against 2.9× fewer bytes. Here:
   codes' 9.6 %, and the second terms would cost a third of the consumers' time (docs/benchmarks.md, issue 7).
 - Attention runs in the rotated domain: the caller rotates q's latent part and the output (`mla_decode_triton`).
 
-Status (H100, H=16, docs/benchmarks.md issue 7, fifteenth session): 2–4 % from the exact tbq4 attention, every
-row's cosine > 0.999 (GPU tests); the kernel takes 211.5 µs at B=32 T=32k and the whole call (with the rotations
-of `tbq4_rotate`) 215 against bf16's 412 (1.92×); 84 against 139 at B=4 T=80k (1.66×). What bounds it: the copies
-alone reach 75 % of the copy rate (three 25.6 KB stages in flight are too few), the consumers alone take 183 µs,
-and the producer's decode, beside the consumers, adds ~45 µs to them.
+Status (H100, H=16, docs/benchmarks.md issue 7, seventeenth session): 2–4 % from the exact tbq4 attention, every
+row's cosine > 0.999 (GPU tests); the whole call (with the rotations of `tbq4_rotate`) takes 208 µs at B=32 T=32k
+against bf16's 414 (1.98×), 83 against 139 at B=4 T=80k (1.67×). What bounds it: the copies alone took 161–164 µs
+(87 % of the copy rate, 2.55–2.6× bf16; measured with the rope through the raw ring), the consumers alone 183 µs, and the producer's decode beside them adds
+the rest.
 
 16 query rows (H = 16, S = 1), Dc = 512, Dr = 64, pages of a multiple of 64 keys; other calls go to the other
 kernels. Same contract, grid, split rule and partials as `mla_decode_triton`. Gluon does not run in the Triton
