@@ -24,8 +24,8 @@ it reads tbq4 rows at 1.0× bf16's speed, against 2.9× fewer bytes. Here:
 Status (H100, H=16, docs/benchmarks.md issue 7, seventeenth session): 2–4 % from the exact tbq4 attention, every
 row's cosine > 0.999 (GPU tests); the whole call (with the rotations of `tbq4_rotate`) takes 208 µs at B=32 T=32k
 against bf16's 414 (1.98×), 83 against 139 at B=4 T=80k (1.67×). What bounds it: the copies alone took 161–164 µs
-(87 % of the copy rate, 2.55–2.6× bf16; measured with the rope through the raw ring), the consumers alone 183 µs, and the producer's decode beside them adds
-the rest.
+(87 % of the copy rate, 2.55–2.6× bf16; measured with the rope through the raw ring), the consumers alone 183 µs,
+and the producer's decode beside them adds the rest.
 
 16 query rows (H = 16, S = 1), Dc = 512, Dr = 64, pages of a multiple of 64 keys; other calls go to the other
 kernels. Same contract, grid, split rule and partials as `mla_decode_triton`. Gluon does not run in the Triton
@@ -53,7 +53,7 @@ BLOCK_N = 64
 BLOCK_M = 16
 ROW = Q8.ROW_BYTES["tbq4"]  # 400 bytes: 256 of codes, 4 fp16 norms, 8 of padding, 64 bf16 rope values
 NUM_DECODED = 3  # decoded stages (40 KB): each consumer holds one, the producer writes the third
-NUM_RAW = 3  # raw stages (17 KB with ROPE_DIRECT, else 25.6 KB): two in flight while the producer decodes the third
+NUM_RAW = 3  # raw stages (17 KB with ROPE_DIRECT, else 25.6 KB): two in flight while the producer decodes one
 REGS = (216, 72)  # (consumer, producer) registers per thread
 CODE_BOX = 64  # 32-bit words per row of a code TMA box: 64, all four chunks (256 bytes; 16, a box per chunk: 3 % slower)
 ROPE_DIRECT = True  # the rope copied by TMA straight into its decoded stage (else through the raw ring); with it a raw
