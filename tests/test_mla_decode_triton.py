@@ -12,7 +12,8 @@ import torch
 from mla_cases import assert_matches_reference, make_decode_case, reference, rel_err
 
 from specmla.ops.mla_decode import mla_decode, mla_decode_torch
-from specmla.ops.mla_decode_triton import fold_factor, mla_decode_triton, plan
+from specmla.ops.mla_decode_triton import (combine_splits, combine_splits_torch, fold_factor, mla_decode_triton,
+                                          plan)
 
 
 def check(case, causal, dc, out_tol, lse_tol=1e-3):
@@ -75,6 +76,38 @@ def test_fold_rule_and_plan():
     big = plan(128, 1, 16, 4096, torch.device("cpu"))
     assert big["num_splits"] <= p["num_splits"]
 
+
+@pytest.mark.parametrize("B,S,H,ns,dc", [(3, 1, 5, 4, 96), (2, 4, 16, 3, 64), (1, 1, 16, 2, 512)])
+def test_combine_adds_the_helper_partials(B, S, H, ns, dc):
+    """Stage 2 with helper partials (the fp8 kernel's STEAL): a split's helper partial joins its row where its lse is
+    finite and is not read where it is −inf (NaN there stays out), splits that saw no keys weigh nothing, and a row
+    whose splits and helpers are all empty comes out zero with lse −inf."""
+    g = torch.Generator().manual_seed(B * 100 + ns)
+    mid_o = torch.randn(B, S, H, ns, dc, generator=g)
+    mid_lse = torch.randn(B, S, H, ns, generator=g) * 4
+    mid_lse[0, 0, 0, 1] = float("-inf")  # a split past its request's end (its partial is zeros, as the kernels write)
+    mid_o[0, 0, 0, 1] = 0.0
+    help_o = torch.randn(B, S, H, ns, dc, generator=g)
+    help_lse = torch.randn(B, S, H, ns, generator=g) * 4
+    no_helper = torch.rand(B, S, H, ns, generator=g) < 0.6
+    help_lse[no_helper] = float("-inf")
+    help_o[no_helper] = float("nan")  # never written: must not be read
+    help_lse[0, 0, 0, 0], help_o[0, 0, 0, 0] = 3.0, 1.5  # row (0, 0, 0) has a helper
+    mid_lse[-1, -1, -1], mid_o[-1, -1, -1] = float("-inf"), 0.0  # a row with no keys …
+    help_lse[-1, -1, -1] = float("-inf")  # … and no helper
+    got_o, got_lse = torch.empty(B, S, H, dc), torch.empty(B, S, H)
+    want_o, want_lse = torch.empty(B, S, H, dc), torch.empty(B, S, H)
+    combine_splits(mid_o, mid_lse, got_o, got_lse, (help_o, help_lse))
+    combine_splits_torch(mid_o, mid_lse, want_o, want_lse, (help_o, help_lse))
+    assert torch.isfinite(got_o).all()
+    assert rel_err(got_o, want_o) < 1e-5
+    assert torch.allclose(got_lse, want_lse, atol=1e-5)
+    assert torch.equal(got_o[-1, -1, -1], torch.zeros(dc)) and got_lse[-1, -1, -1] == float("-inf")
+    # the helpers changed the rows they are in: without them the result differs there
+    combine_splits(mid_o, mid_lse, want_o, want_lse)
+    assert not torch.allclose(got_o[0, 0, 0], want_o[0, 0, 0])
+    with pytest.raises(ValueError, match="shaped as the workspace"):
+        combine_splits(mid_o, mid_lse, got_o, got_lse, (help_o[..., :1, :], help_lse[..., :1]))
 
 def test_dims_not_multiple_of_16_are_rejected():
     q, kv, table, seq = make_decode_case(1, 1, 2, 16, 40, 24, [5], torch.float32)

@@ -25,7 +25,8 @@ import triton.language as tl
 from specmla.ops import (mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant,
                          mla_decode_gluon_tbq4reg, tbq4)
 from specmla.ops.kv_cache import rope_offset
-from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step, split_merge_weights
+from specmla.ops.online_softmax import (online_softmax_finish, online_softmax_step, split_merge_weights,
+                                        split_merge_weights_two)
 from specmla.ops.tbq4_rotate import combine_rotate, rotate_rows
 
 LOG2E = 1.4426950408889634
@@ -354,16 +355,19 @@ def _mla_decode_split_tbq4_kernel(
 
 @triton.jit
 def _mla_decode_combine_kernel(
-    MID_O, MID_LSE, OUT, LSE,
+    MID_O, MID_LSE, OUT, LSE, HELP_O, HELP_LSE,
     stride_mob, stride_mos, stride_moh, stride_mosp,
     stride_mlb, stride_mls, stride_mlh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_ls,
     S, H, NUM_SPLITS,
     DC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    HELPERS: tl.constexpr = False,
 ):
     """One program per (request·token, head, BLOCK_D columns). Columns are split only when B·S·H
-    alone would leave SMs idle (B=1 decodes split the most); otherwise one program per row."""
+    alone would leave SMs idle (B=1 decodes split the most); otherwise one program per row.
+    HELPERS (`mla_decode_gluon_fp8reg`'s STEAL): each split may also have a helper's partial, HELP_O / HELP_LSE
+    shaped as a contiguous workspace; −inf where none (those partials are not read)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -372,7 +376,12 @@ def _mla_decode_combine_kernel(
     lse_base = MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh
     offs_sp = tl.arange(0, BLOCK_SPLITS)
     lse = tl.load(lse_base + offs_sp, mask=offs_sp < NUM_SPLITS, other=float("-inf"))
-    m_safe, inv_total, lse2 = split_merge_weights(lse, 0)
+    help_row = ((b * S + s) * H + h) * NUM_SPLITS
+    if HELPERS:
+        lse_h = tl.load(HELP_LSE + help_row + offs_sp, mask=offs_sp < NUM_SPLITS, other=float("-inf"))
+        m_safe, inv_total, lse2 = split_merge_weights_two(lse, lse_h)
+    else:
+        m_safe, inv_total, lse2 = split_merge_weights(lse, 0)
     base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
     offs_d = d0 + tl.arange(0, BLOCK_D)
     d_ok = offs_d < DC
@@ -384,6 +393,12 @@ def _mla_decode_combine_kernel(
         w = tl.exp2(tl.load(lse_base + sp, mask=ok, other=float("-inf")) - m_safe) * inv_total
         o = tl.load(base + sp[:, None] * stride_mosp + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(o * w[:, None], 0)
+        if HELPERS:  # the helpers' partials, where there are any
+            lse_h = tl.load(HELP_LSE + help_row + sp, mask=ok, other=float("-inf"))
+            has = lse_h > float("-inf")
+            o = tl.load(HELP_O + (help_row + sp)[:, None] * DC + offs_d[None, :], mask=has[:, None] & d_ok[None, :],
+                        other=0.0)
+            acc += tl.sum(o * (tl.exp2(lse_h - m_safe) * inv_total)[:, None], 0)
     tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, acc.to(OUT.dtype.element_ty), mask=d_ok)
     if d0 == 0:
         tl.store(LSE + b * stride_lb + s * stride_ls + h, lse2 / 1.4426950408889634)  # natural log
@@ -504,6 +519,7 @@ def mla_decode_triton(
         raise ValueError("the Gluon decode kernels take Hopper only: a 16-bit cache with Dc a multiple of 64 up to "
                          "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 rows")
     gluon_cfg = None
+    helpers = None  # (partials, lse) of the programs that helped with other splits' keys (fp8 STEAL)
     if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
         gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N if gluon_quant else gluon_block_n,
                          max_rows, waves=1)
@@ -561,9 +577,9 @@ def mla_decode_triton(
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
     if (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8reg.USE
             and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
-        mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                    softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
-                                                    num_splits=ns)
+        helpers = mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
+                                                              lse, softmax_scale * LOG2E, cfg, causal=causal,
+                                                              direct=direct, num_splits=ns)
     elif (run_gluon and gluon_quant and tbq and mla_decode_gluon_tbq4reg.USE
             and mla_decode_gluon_tbq4reg.tbq4reg_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
         mla_decode_gluon_tbq4reg.launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
@@ -613,13 +629,28 @@ def mla_decode_triton(
             and B * S * triton.cdiv(H, 16) * (dc // 128) >= _sm_count(q.device) // 2):
         combine_rotate(mid_o, mid_lse, out, lse)
         return (out, lse) if return_lse else out
+    combine_splits(mid_o, mid_lse, out, lse, helpers)
+    return _finish(out, lse, return_lse, tbq)
+
+
+def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   helpers: tuple | None = None) -> None:
+    """Stage 2: merge the splits' partials mid_o [B, S, H, splits, Dc] (log2-sum-exps mid_lse [B, S, H, splits])
+    into out [B, S, H, Dc] and its natural-log lse [B, S, H]; `helpers` = (partials, log2-sum-exps) of the same
+    shapes, contiguous, −inf where a split had no helper: the programs that helped with other splits' keys
+    (`mla_decode_gluon_fp8reg`'s STEAL) add theirs."""
+    B, S, H, ns, dc = mid_o.shape
     # one program per row, unless rows are too few for the SMs: B=1 merges 4 MB of partials, which
     # 64 programs of 128 columns read at half the copy rate (5.7 µs measured); 32 columns give 256
     block_d = triton.next_power_of_2(dc)
-    while block_d > 32 and B * S * H * (dc // block_d) < 4 * _sm_count(q.device) and dc % (block_d // 2) == 0:
+    while block_d > 32 and B * S * H * (dc // block_d) < 4 * _sm_count(mid_o.device) and dc % (block_d // 2) == 0:
         block_d //= 2
+    help_o, help_lse = helpers or (mid_o, mid_lse)
+    if helpers is not None and not (help_o.is_contiguous() and help_lse.is_contiguous()
+                                    and help_o.shape == mid_o.shape and help_lse.shape == mid_lse.shape):
+        raise ValueError("the helpers' partials must be contiguous and shaped as the workspace")
     _mla_decode_combine_kernel[(B * S, H, triton.cdiv(dc, block_d))](
-        mid_o, mid_lse, out, lse,
+        mid_o, mid_lse, out, lse, help_o, help_lse,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -627,9 +658,23 @@ def mla_decode_triton(
         S, H, ns,
         DC=dc, BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)),
         SPLIT_CHUNK=max(2, min(triton.next_power_of_2(ns), 4096 // block_d)),  # few, wide steps
-        num_warps=4,
+        HELPERS=helpers is not None, num_warps=4,
     )
-    return _finish(out, lse, return_lse, tbq)
+
+
+def combine_splits_torch(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                         helpers: tuple | None = None) -> None:
+    """Reference for `combine_splits` (same arguments): each row's partials weighed by exp2 of their log2-sum-exps."""
+    parts, lses = mid_o.float(), mid_lse.float()
+    if helpers is not None:
+        help_o, help_lse = helpers
+        has = help_lse > float("-inf")
+        parts = torch.cat([parts, torch.where(has[..., None], help_o.float(), 0.0)], 3)
+        lses = torch.cat([lses, help_lse.float()], 3)
+    merged = torch.logsumexp(lses * math.log(2), dim=3)  # natural log
+    w = torch.exp(lses * math.log(2) - torch.where(torch.isinf(merged), 0.0, merged)[..., None])
+    out.copy_(torch.einsum("bshp,bshpd->bshd", w, parts).to(out.dtype))
+    lse.copy_(merged)
 
 
 def _aligned_elements(view: torch.Tensor, offset_bytes: int, cap: int = 16) -> int:

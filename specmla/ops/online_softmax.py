@@ -35,7 +35,20 @@ def split_merge_weights(lse2, AXIS: tl.constexpr):
     lse2 −inf. Shared by the decode combines (`mla_decode_triton`, `tbq4_rotate.combine_rotate`)."""
     m = tl.max(lse2, AXIS)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp2(lse2 - tl.expand_dims(m_safe, AXIS)), AXIS)
+    return _merge_total(m_safe, tl.sum(tl.exp2(lse2 - tl.expand_dims(m_safe, AXIS)), AXIS))
+
+
+@triton.jit
+def split_merge_weights_two(lse_a, lse_b):
+    """`split_merge_weights` along axis 0 of two sets of partials at once: the splits' and those of the programs
+    that helped with them (`mla_decode_gluon_fp8reg`'s STEAL)."""
+    m = tl.maximum(tl.max(lse_a, 0), tl.max(lse_b, 0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return _merge_total(m_safe, tl.sum(tl.exp2(lse_a - m_safe), 0) + tl.sum(tl.exp2(lse_b - m_safe), 0))
+
+
+@triton.jit
+def _merge_total(m_safe, total):
     has = total > 0
     merged = tl.where(has, m_safe + tl.log2(tl.where(has, total, 1.0)), float("-inf"))
     return m_safe, 1.0 / tl.where(has, total, 1.0), merged
