@@ -8,7 +8,10 @@ in the same run, with their timing probes (`PROBE`, wrong results).
   (`Q_SPLIT = False`); "_lag1": the producer refills the stage of the block before the one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term" / "_p_two_terms": Pᵀ in one / two e4m3 terms (`P16 = False`); "reg16_*": P·V in fp16 (`P16`, the
   default), "_q_apart": q's two terms as two matmuls (`Q_CAT = False`), "_no_loader": the producer refills the stages (no
   loader warp, `LOADER = False`), "reg16_loader": the one-warp copy partition (`LOADER`); "tbq4_rope_via_raw": the
-  rope through the raw ring (`ROPE_DIRECT = False`), "tbq4_raw4": 4 raw stages of 17 KB (crashed at B=32 T=32k); "_splits_half" / "_double": half / twice the split count.
+  rope through the raw ring (`ROPE_DIRECT = False`), "tbq4_raw4": 4 raw stages of 17 KB (crashed at B=32 T=32k);
+  "_splits_half" / "_double": half / twice the split count;
+  "reg16_steal": programs whose share is done help the share with the most blocks left (`STEAL`; "_min2" / "_min8":
+  `STEAL_MIN_BLOCKS`, "_3seg": up to two shares helped, "_claim4": four blocks per atomic).
 
 - `ops.mla_decode_gluon_tbq4reg` ("tbq4_reg") against the unpacking kernel ("tbq4_unpack"), with its probes (`PROBE`
   bits): no decode (1), no copies (2), the consumers alone (3), the producer alone (4), the copies alone (13), no
@@ -87,7 +90,13 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("tbq4_raw4", "tbq4", T, dict(USE=True, NUM_RAW=4)),
             ("reg16_no_loader", "fp8", R, dict(USE=True, P16=True, LOADER=False, REGS=(224, 56))),
             ("reg16_no_loader_producer_alone", "fp8", R, dict(USE=True, P16=True, LOADER=False, REGS=(224, 56),
-                                                              PROBE=5)))
+                                                              PROBE=5)),
+            ("reg16_steal", "fp8", R, dict(USE=True, STEAL=True)),
+            ("reg16_steal_min2", "fp8", R, dict(USE=True, STEAL=True, STEAL_MIN_BLOCKS=2)),
+            ("reg16_steal_min8", "fp8", R, dict(USE=True, STEAL=True, STEAL_MIN_BLOCKS=8)),
+            ("reg16_steal_3seg", "fp8", R, dict(USE=True, STEAL=True, STEAL_SEGMENTS=3)),
+            ("reg16_steal_claim4", "fp8", R, dict(USE=True, STEAL=True, STEAL_CLAIM=4)),
+            ("reg16_steal_producer_alone", "fp8", R, dict(USE=True, STEAL=True, PROBE=5)))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 

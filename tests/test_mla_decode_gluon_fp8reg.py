@@ -65,6 +65,66 @@ def test_fp8reg_loader_warp_gives_the_same_result(lens, splits, monkeypatch):
     assert torch.equal(got, want)
 
 
+def _steal(monkeypatch, min_blocks=1):
+    monkeypatch.setattr(R, "STEAL", True)
+    monkeypatch.setattr(R, "STEAL_MIN_BLOCKS", min_blocks)  # help even with one block left: small problems steal
+    R._HELPER_BUFFERS.clear()
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("lens,splits", [([8192, 64, 1, 300], 2), ([1, 63, 64, 65, 300, 1000], None),
+                                         ([4097, 77, 128], 3), ([5000] * 3 + [40] * 30, None),
+                                         ([2000] * 7 + [100], 4)])  # 32 programs: the counter scan's whole width
+def test_fp8reg_steal_matches_the_reference(lens, splits, monkeypatch):
+    """STEAL: programs whose share is done take blocks of the share with the most left and store their partial in
+    that share's helper slot, which the combine adds. Against the fp64 reference as the static kernel, three calls in
+    a row (the block counters go back to zero after each: the last program resets them), shares that were helped."""
+    from specmla.ops.mla_decode import mla_decode_torch
+
+    q, cache, table, seq = _problem(lens, 1)
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8")
+    _steal(monkeypatch)
+    helped = 0
+    for _ in range(3):
+        got, launches = _run(q, cache, table, seq, splits, monkeypatch)
+        assert launches == [1]
+        torch.cuda.synchronize()
+        ((claims, _, help_lse),) = R._HELPER_BUFFERS.values()
+        assert claims.eq(0).all()  # counters back at zero
+        helped += int((help_lse > float("-inf")).sum())
+        got = got.double()
+        assert torch.isfinite(got).all()
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+        cos = torch.nn.functional.cosine_similarity(got.flatten(2), ref.flatten(2), dim=-1)
+        assert cos.min().item() > 0.999
+    if lens[0] == 8192 or len(lens) > 30:  # long requests among short ones: their shares get help
+        assert helped > 0
+
+
+@pytest.mark.gpu
+@hopper
+def test_fp8reg_steal_replays_in_a_cuda_graph(monkeypatch):
+    """STEAL in a CUDA graph: the counters' reset is part of each replay, so replays agree with the eager call."""
+    from specmla.ops.mla_decode_triton import mla_decode_triton
+
+    q, cache, table, seq = _problem([3000, 64, 900, 5], 1)
+    _steal(monkeypatch)
+    monkeypatch.setattr(R, "USE", True)
+    want = mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8", gluon=True)
+    out = torch.empty_like(want)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8", gluon=True, out=out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        # which program takes which block varies, so the sums' order does: equal up to rounding
+        assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 1e-3
+
+
 @pytest.mark.gpu
 @hopper
 def test_fp8reg_q_in_one_term_ignores_q_cat(monkeypatch):
@@ -191,10 +251,11 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
 
 
 def test_fp8reg_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90, and so do its LOADER variant and its timeline probe (PROBE 7)."""
+    """CPU: the kernel compiles for sm_90, and so do its LOADER and STEAL variants and its timeline probe (PROBE 7)."""
     loader = {"LOADER": True, "REGS": [224, 40]}
     for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True],
                                   [16, 1, 512, 64, "fp8reg", False, 64, loader],
+                                  [16, 1, 512, 64, "fp8reg", False, 64, {"STEAL": True}],
                                   [16, 1, 512, 64, "fp8reg", False, 64, {"PROBE": 7}]]):  # the timeline probe
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

@@ -90,14 +90,20 @@ if HAVE_GLUON:
     def _program_keys(SEQ, S, NUM_SPLITS, FOLD: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         """This program's request b, its query-token group g, the request's length and its share
         [start, end) of the keys in whole BLOCK_N blocks: the Triton kernel's rule (`_program_rows`)."""
-        pid_bg = gl.program_id(0)
+        return _range_keys(SEQ, S, NUM_SPLITS, gl.program_id(0), gl.program_id(2), FOLD, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def _range_keys(SEQ, S, NUM_SPLITS, pid_bg, split, FOLD: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr):
+        """`_program_keys` of the program (pid_bg, ·, split), scalars or tensors of them: the kernels that take
+        blocks from other programs' shares (`mla_decode_gluon_fp8reg`'s STEAL) need every program's."""
         n_groups = S // FOLD
         b = pid_bg // n_groups
         g = pid_bg % n_groups
         seq_len = gl.load(SEQ + b)
         n_blocks = gl.cdiv(seq_len, BLOCK_N)
         per_split = gl.cdiv(n_blocks, NUM_SPLITS)
-        start = gl.program_id(2) * per_split * BLOCK_N
+        start = split * per_split * BLOCK_N
         end = gl.minimum(start + per_split * BLOCK_N, seq_len)
         if CAUSAL:
             end = gl.minimum(end, seq_len - S + g * FOLD + FOLD)

@@ -34,6 +34,13 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
 - Where the time goes (seventeenth session): the steady state runs at the copy rate; the rest is fixed cost (q, the
   first block, the drain, the stores: about 17 µs) and the programs' uneven ends, because some SMs read HBM up to
   20 % more slowly than others, the same ones in every run (`PROBE 7` and `benchmarks/fp8reg_timeline.py`).
+- `STEAL` (off): split calls even the ends out. A one-warp loader takes each block from its share's counter
+  (atomics, two blocks at a time, the next claim in flight); a program whose share is done helps the share with the
+  most blocks left (one helper per share) and stores into that share's helper slot, which the combine adds
+  (`combine_splits`). Correct (GPU tests against the reference, in CUDA graphs), but its consumers run 50 % slower:
+  their loop, which ends on a key read from shared memory, computes the stages' addresses in regular registers
+  and spills (298.6 against 193.9 µs at B=32 T=32k on an H200; its producer alone 177.9). docs/benchmarks.md,
+  eighteenth session.
 
 16 query rows (H = 16, S = 1); other calls go to the other kernels. Same contract, grid, split rule and partials as
 `mla_decode_triton`. Gluon does not run in the Triton interpreter: GPU tests check it against the fp64 reference,
@@ -43,6 +50,7 @@ a CPU test compiles it for sm_90.
 from __future__ import annotations
 
 import torch
+import triton
 
 from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8mma as M
@@ -75,6 +83,11 @@ NO_COPY = False  # timing probe (wrong results): no TMA copies, the consumers al
 Q_SPLIT = True  # q as two e4m3 terms (hi + lo) in Q·Kᵀ; False: one term (half the score matmuls)
 STAMPS_AT = 1 << 21  # (PROBE 7) where the stamps go in the workspace, in int64 words: 16 per program
 Q_CAT = True  # (Q_SPLIT) both terms as one 32-row operand: each chunk's codes read by one matmul instead of two
+STEAL = False  # split calls: a program whose share is done helps the share with the most blocks left (its own partial)
+STEAL_SEGMENTS = 2  # (STEAL) the own share, then at most this many minus one shares helped (one helper per share)
+STEAL_MIN_BLOCKS = 4  # (STEAL) help only a share with at least this many blocks left (a restart costs about two)
+STEAL_CLAIM = 2  # (STEAL) blocks taken per atomic: the next claim's latency hides behind this many copies
+STEAL_REGS = (224, 40, 24)  # (STEAL) consumer, producer, loader registers: 16 warps (3 idle) must fit 64K
 
 # `_f16_fragment`'s relabelling of the e4m3 fragment's key bits, as a permutation of the dims (m, k5 … k0): the new
 # k3 is k1, k2 is k3, k1 is k2
@@ -83,6 +96,9 @@ F16_KEY_ORDER = (0, 1, 2, 5, 3, 4, 6)
 _SOURCE_KEY = G.source_key(__file__) ^ M._SOURCE_KEY
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 STAMPS_AT_C = _c(STAMPS_AT)
+# (one warp) lane 0 adds $2 to the int32 at $1 and gets the old value, the other lanes 0 (`_add_once`)
+_ADD_LANE0 = _c("{ .reg .pred p; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.u32 $0, 0; "
+                "@p atom.global.add.u32 $0, [$1], $2; }")
 
 if G.HAVE_GLUON:
     # Sᵀ / Oᵀ accumulators: rows of the tile along M (keys for Q·Kᵀ, latent columns for P·V), query rows along N
@@ -321,6 +337,145 @@ if G.HAVE_GLUON:
         gl.store(MID_O.to(gl.pointer_type(gl.int64), bitcast=True) + STAMPS_AT_C + cta * 16 + i, t)
 
     @gluon.jit
+    def _consume_block(ROLE: gl.constexpr, shared, rs, n0, end, limit, q0, scale_log2, keys, s_zero_q, s_zero16,
+                       state, BLOCK_M: gl.constexpr, NR: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr,
+                       Q_SPLIT: gl.constexpr, P16: gl.constexpr, Q_CAT: gl.constexpr):
+        """One key block (keys n0 …, handed over in raw stage rs) into a consumer's state: Sᵀ on the raw codes, the
+        online softmax, Pᵀ·scale/f into shared memory, Oᵀ += Vᵀ·Pᵀ; the stage is handed back once read."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end_own, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
+        RAW_FREE: gl.constexpr = NR
+        KEY: gl.constexpr = gl.SliceLayout(1, ACC)
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        OL: gl.constexpr = ACC16 if P16 else ACC
+        OROW: gl.constexpr = gl.SliceLayout(0, OL)
+        BLOCK_N: gl.constexpr = raw_rope.shape[1]
+        m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
+        if PROBE == 5:  # the producer alone: hand every stage straight back
+            _cta_barrier()
+            mbarrier.arrive(bars.index(RAW_FREE + rs))
+        else:
+            if PROBE != 4:
+                s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero_q, s_zero16,
+                                                    Q_SPLIT, Q_CAT)
+            else:
+                s0, s1, s2, s3, sr = s_zero_q, s_zero_q, s_zero_q, s_zero_q, s_zero16
+            sc0 = gl.expand_dims(sc.index(rs * 4 + 0).load(KEY), 1)
+            sc1 = gl.expand_dims(sc.index(rs * 4 + 1).load(KEY), 1)
+            sc2 = gl.expand_dims(sc.index(rs * 4 + 2).load(KEY), 1)
+            sc3 = gl.expand_dims(sc.index(rs * 4 + 3).load(KEY), 1)
+            f0 = gl.max(fs.index(rs * 4 + 0).load(ROW), axis=0)
+            f1 = gl.max(fs.index(rs * 4 + 1).load(ROW), axis=0)
+            f2 = gl.max(fs.index(rs * 4 + 2).load(ROW), axis=0)
+            f3 = gl.max(fs.index(rs * 4 + 3).load(ROW), axis=0)
+            if PROBE != 4:
+                s0, s1, s2, s3, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, sr))
+            s0 = _fold_terms(s0, BLOCK_M)
+            s1 = _fold_terms(s1, BLOCK_M)
+            s2 = _fold_terms(s2, BLOCK_M)
+            s3 = _fold_terms(s3, BLOCK_M)
+            s = ((s0 * (sc0 * f0) + s1 * (sc1 * f1) + s2 * (sc2 * f2) + s3 * (sc3 * f3)) * gl.expand_dims(q0, 0)
+                 + gl.convert_layout(sr, ACC))
+            if PROBE != 3:
+                p, alpha, m_i, l_keys = Q8._softmax_keys(s, m_i, l_keys, n0 + keys, end, limit, scale_log2)
+            else:  # no reductions
+                p = gl.minimum(gl.abs(s), 1.0)
+                alpha = q0 / q0
+                l_keys = l_keys + p
+            if P16:
+                _store_p16(p8, ROLE * 4 + 0, p * sc0)
+                _store_p16(p8, ROLE * 4 + 1, p * sc1)
+                _store_p16(p8, ROLE * 4 + 2, p * sc2)
+                _store_p16(p8, ROLE * 4 + 3, p * sc3)
+            else:
+                _store_p(p8, ROLE * 8 + 0, p * sc0, P_SPLIT)
+                _store_p(p8, ROLE * 8 + 1, p * sc1, P_SPLIT)
+                _store_p(p8, ROLE * 8 + 2, p * sc2, P_SPLIT)
+                _store_p(p8, ROLE * 8 + 3, p * sc3, P_SPLIT)
+            fence_async_shared()
+            _cta_barrier()  # every warp's Pᵀ is stored
+            o0 = o0 * gl.expand_dims(gl.convert_layout(alpha * (f0p / f0), OROW), 0)
+            o1 = o1 * gl.expand_dims(gl.convert_layout(alpha * (f1p / f1), OROW), 0)
+            o2 = o2 * gl.expand_dims(gl.convert_layout(alpha * (f2p / f2), OROW), 0)
+            o3 = o3 * gl.expand_dims(gl.convert_layout(alpha * (f3p / f3), OROW), 0)
+            f0p = f0
+            f1p = f1
+            f2p = f2
+            f3p = f3
+            if P16 and PROBE != 1:
+                o0, o1, o2, o3 = _pv16(raw_codes, rs, p8, ROLE, o0, o1, o2, o3, bars.index(RAW_FREE + rs), PROBE)
+            else:
+                # Vᵀ fragments loaded late: fewer registers live through the softmax (loaded while the score
+                # matmuls run, they spill: 329 against 255 µs at B=32 T=32k)
+                a0, a1, a2, a3 = _vt_fragments(raw_codes, rs, BLOCK_N, PROBE)
+                _cta_barrier()  # every warp has read the stage
+                mbarrier.arrive(bars.index(RAW_FREE + rs))
+                if PROBE != 1:  # P in e4m3
+                    o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 0).permute((1, 0)), o0, is_async=True)
+                    o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 1).permute((1, 0)), o1, is_async=True)
+                    o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 2).permute((1, 0)), o2, is_async=True)
+                    o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 3).permute((1, 0)), o3, is_async=True)
+                    if P_SPLIT:  # the lo terms, on the same fragments
+                        o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 4).permute((1, 0)), o0, is_async=True)
+                        o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 5).permute((1, 0)), o1, is_async=True)
+                        o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 6).permute((1, 0)), o2, is_async=True)
+                        o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 7).permute((1, 0)), o3, is_async=True)
+                    o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+        return m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p
+
+    @gluon.jit
+    def _merge_consumers(ROLE: gl.constexpr, raw_codes, sc, bars, state, phase, NR: gl.constexpr,
+                         PROBE: gl.constexpr, MID_O):
+        """Both consumers' states → consumer 0's, merged (Oᵀ per chunk in ACC, the rows' max and sum; consumer 1
+        gets its own back): consumer 1's state goes through stage 0's code tiles once both are done with the ring.
+        `phase`: the barriers' phase (one merge per segment of keys)."""
+        DONE0: gl.constexpr = 3 * NR + 1
+        WROTE1: gl.constexpr = 3 * NR + 2
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
+        BLOCK_M: gl.constexpr = o0.shape[1]
+        l_i = gl.sum(l_keys, axis=0)
+        o0 = gl.convert_layout(o0, ACC) * f0p
+        o1 = gl.convert_layout(o1, ACC) * f1p
+        o2 = gl.convert_layout(o2, ACC) * f2p
+        o3 = gl.convert_layout(o3, ACC) * f3p
+        # merge: consumer 1's state goes through stage 0's code tiles once both consumers are done with the ring
+        PLAIN2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        if ROLE == 1:
+            mbarrier.wait(bars.index(DONE0), phase)
+            G._reinterpret(raw_codes.index(0), gl.float32, [128, BLOCK_M], PLAIN2).store(o0)
+            G._reinterpret(raw_codes.index(1), gl.float32, [128, BLOCK_M], PLAIN2).store(o1)
+            G._reinterpret(raw_codes.index(2), gl.float32, [128, BLOCK_M], PLAIN2).store(o2)
+            G._reinterpret(raw_codes.index(3), gl.float32, [128, BLOCK_M], PLAIN2).store(o3)
+            sc.index(0).slice(0, BLOCK_M).store(m_i)
+            sc.index(1).slice(0, BLOCK_M).store(l_i)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(WROTE1))
+            m_new = m_i
+        else:
+            _cta_barrier()
+            mbarrier.arrive(bars.index(DONE0))
+            mbarrier.wait(bars.index(WROTE1), phase)
+            if PROBE == 7:  # 10: consumer 1's state is in shared memory
+                _stamp(MID_O, 10)
+            m1 = sc.index(0).slice(0, BLOCK_M).load(ROW)
+            l1 = sc.index(1).slice(0, BLOCK_M).load(ROW)
+            m_new = gl.maximum(m_i, m1)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            a_self = gl.expand_dims(gl.exp2(m_i - m_safe), 0)
+            a_other = gl.expand_dims(gl.exp2(m1 - m_safe), 0)
+            l_i = l_i * gl.exp2(m_i - m_safe) + l1 * gl.exp2(m1 - m_safe)
+            o0 = o0 * a_self + G._reinterpret(raw_codes.index(0), gl.float32, [128, BLOCK_M],
+                                                  PLAIN2).load(ACC) * a_other
+            o1 = o1 * a_self + G._reinterpret(raw_codes.index(1), gl.float32, [128, BLOCK_M],
+                                                  PLAIN2).load(ACC) * a_other
+            o2 = o2 * a_self + G._reinterpret(raw_codes.index(2), gl.float32, [128, BLOCK_M],
+                                                  PLAIN2).load(ACC) * a_other
+            o3 = o3 * a_self + G._reinterpret(raw_codes.index(3), gl.float32, [128, BLOCK_M],
+                                                  PLAIN2).load(ACC) * a_other
+        return o0, o1, o2, o3, m_new, l_i
+
+    @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
                   DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr,
@@ -335,15 +490,11 @@ if G.HAVE_GLUON:
         (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
          stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
          scale_log2, S, H, g, seq_len) = args
-        RAW_FREE: gl.constexpr = NR
         KV_READY: gl.constexpr = 2 * NR
         Q_READY: gl.constexpr = 3 * NR
-        DONE0: gl.constexpr = 3 * NR + 1
-        WROTE1: gl.constexpr = 3 * NR + 2
         ROW: gl.constexpr = gl.SliceLayout(0, ACC)
         KEY: gl.constexpr = gl.SliceLayout(1, ACC)
         OL: gl.constexpr = ACC16 if P16 else ACC  # the Oᵀ accumulators' layout (the same registers)
-        OROW: gl.constexpr = gl.SliceLayout(0, OL)
         if PROBE == 7:  # stamps: 0/1 consumer 0/1 starts, 12 the SM
             _stamp(MID_O, ROLE)
             _stamp(MID_O, 12, True)
@@ -387,118 +538,323 @@ if G.HAVE_GLUON:
                     _stamp(MID_O, 4 + ROLE)
                 if j == n_blocks - 1:
                     _stamp(MID_O, 6)
-            if PROBE == 5:  # the producer alone: hand every stage straight back
-                _cta_barrier()
-                mbarrier.arrive(bars.index(RAW_FREE + rs))
-            else:
-                if PROBE != 4:
-                    s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero_q, s_zero16,
-                                                        Q_SPLIT, Q_CAT)
-                else:
-                    s0, s1, s2, s3, sr = s_zero_q, s_zero_q, s_zero_q, s_zero_q, s_zero16
-                sc0 = gl.expand_dims(sc.index(rs * 4 + 0).load(KEY), 1)
-                sc1 = gl.expand_dims(sc.index(rs * 4 + 1).load(KEY), 1)
-                sc2 = gl.expand_dims(sc.index(rs * 4 + 2).load(KEY), 1)
-                sc3 = gl.expand_dims(sc.index(rs * 4 + 3).load(KEY), 1)
-                f0 = gl.max(fs.index(rs * 4 + 0).load(ROW), axis=0)
-                f1 = gl.max(fs.index(rs * 4 + 1).load(ROW), axis=0)
-                f2 = gl.max(fs.index(rs * 4 + 2).load(ROW), axis=0)
-                f3 = gl.max(fs.index(rs * 4 + 3).load(ROW), axis=0)
-                if PROBE != 4:
-                    s0, s1, s2, s3, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, sr))
-                s0 = _fold_terms(s0, BLOCK_M)
-                s1 = _fold_terms(s1, BLOCK_M)
-                s2 = _fold_terms(s2, BLOCK_M)
-                s3 = _fold_terms(s3, BLOCK_M)
-                s = ((s0 * (sc0 * f0) + s1 * (sc1 * f1) + s2 * (sc2 * f2) + s3 * (sc3 * f3)) * gl.expand_dims(q0, 0)
-                     + gl.convert_layout(sr, ACC))
-                if PROBE != 3:
-                    p, alpha, m_i, l_keys = Q8._softmax_keys(s, m_i, l_keys, n0 + keys, end, limit, scale_log2)
-                else:  # no reductions
-                    p = gl.minimum(gl.abs(s), 1.0)
-                    alpha = q0 / q0
-                    l_keys = l_keys + p
-                if P16:
-                    _store_p16(p8, ROLE * 4 + 0, p * sc0)
-                    _store_p16(p8, ROLE * 4 + 1, p * sc1)
-                    _store_p16(p8, ROLE * 4 + 2, p * sc2)
-                    _store_p16(p8, ROLE * 4 + 3, p * sc3)
-                else:
-                    _store_p(p8, ROLE * 8 + 0, p * sc0, P_SPLIT)
-                    _store_p(p8, ROLE * 8 + 1, p * sc1, P_SPLIT)
-                    _store_p(p8, ROLE * 8 + 2, p * sc2, P_SPLIT)
-                    _store_p(p8, ROLE * 8 + 3, p * sc3, P_SPLIT)
-                fence_async_shared()
-                _cta_barrier()  # every warp's Pᵀ is stored
-                o0 = o0 * gl.expand_dims(gl.convert_layout(alpha * (f0p / f0), OROW), 0)
-                o1 = o1 * gl.expand_dims(gl.convert_layout(alpha * (f1p / f1), OROW), 0)
-                o2 = o2 * gl.expand_dims(gl.convert_layout(alpha * (f2p / f2), OROW), 0)
-                o3 = o3 * gl.expand_dims(gl.convert_layout(alpha * (f3p / f3), OROW), 0)
-                f0p = f0
-                f1p = f1
-                f2p = f2
-                f3p = f3
-                if P16 and PROBE != 1:
-                    o0, o1, o2, o3 = _pv16(raw_codes, rs, p8, ROLE, o0, o1, o2, o3, bars.index(RAW_FREE + rs), PROBE)
-                else:
-                    # Vᵀ fragments loaded late: fewer registers live through the softmax (loaded while the score
-                    # matmuls run, they spill: 329 against 255 µs at B=32 T=32k)
-                    a0, a1, a2, a3 = _vt_fragments(raw_codes, rs, BLOCK_N, PROBE)
-                    _cta_barrier()  # every warp has read the stage
-                    mbarrier.arrive(bars.index(RAW_FREE + rs))
-                    if PROBE != 1:  # P in e4m3
-                        o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 0).permute((1, 0)), o0, is_async=True)
-                        o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 1).permute((1, 0)), o1, is_async=True)
-                        o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 2).permute((1, 0)), o2, is_async=True)
-                        o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 3).permute((1, 0)), o3, is_async=True)
-                        if P_SPLIT:  # the lo terms, on the same fragments
-                            o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 4).permute((1, 0)), o0, is_async=True)
-                            o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 5).permute((1, 0)), o1, is_async=True)
-                            o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 6).permute((1, 0)), o2, is_async=True)
-                            o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 7).permute((1, 0)), o3, is_async=True)
-                        o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+            state = _consume_block(ROLE, shared, rs, n0, end, limit, q0, scale_log2, keys, s_zero_q, s_zero16,
+                                   (m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p), BLOCK_M, NR, PROBE, P_SPLIT,
+                                   Q_SPLIT, P16, Q_CAT)
+            m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
         if PROBE == 7:  # 8/9: the consumer's last block is done
             _stamp(MID_O, 8 + ROLE)
-        l_i = gl.sum(l_keys, axis=0)
-        o0 = gl.convert_layout(o0, ACC) * f0p
-        o1 = gl.convert_layout(o1, ACC) * f1p
-        o2 = gl.convert_layout(o2, ACC) * f2p
-        o3 = gl.convert_layout(o3, ACC) * f3p
-        # merge: consumer 1's state goes through stage 0's code tiles once both consumers are done with the ring
-        PLAIN2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        if ROLE == 1:
-            mbarrier.wait(bars.index(DONE0), 0)
-            G._reinterpret(raw_codes.index(0), gl.float32, [128, BLOCK_M], PLAIN2).store(o0)
-            G._reinterpret(raw_codes.index(1), gl.float32, [128, BLOCK_M], PLAIN2).store(o1)
-            G._reinterpret(raw_codes.index(2), gl.float32, [128, BLOCK_M], PLAIN2).store(o2)
-            G._reinterpret(raw_codes.index(3), gl.float32, [128, BLOCK_M], PLAIN2).store(o3)
-            sc.index(0).slice(0, BLOCK_M).store(m_i)
-            sc.index(1).slice(0, BLOCK_M).store(l_i)
-            _cta_barrier()
-            mbarrier.arrive(bars.index(WROTE1))
-        else:
-            _cta_barrier()
-            mbarrier.arrive(bars.index(DONE0))
-            mbarrier.wait(bars.index(WROTE1), 0)
-            if PROBE == 7:  # 10: consumer 1's state is in shared memory
-                _stamp(MID_O, 10)
-            m1 = sc.index(0).slice(0, BLOCK_M).load(ROW)
-            l1 = sc.index(1).slice(0, BLOCK_M).load(ROW)
-            m_new = gl.maximum(m_i, m1)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            a_self = gl.expand_dims(gl.exp2(m_i - m_safe), 0)
-            a_other = gl.expand_dims(gl.exp2(m1 - m_safe), 0)
-            l_i = l_i * gl.exp2(m_i - m_safe) + l1 * gl.exp2(m1 - m_safe)
-            o0 = o0 * a_self + G._reinterpret(raw_codes.index(0), gl.float32, [128, BLOCK_M], PLAIN2).load(ACC) * a_other
-            o1 = o1 * a_self + G._reinterpret(raw_codes.index(1), gl.float32, [128, BLOCK_M], PLAIN2).load(ACC) * a_other
-            o2 = o2 * a_self + G._reinterpret(raw_codes.index(2), gl.float32, [128, BLOCK_M], PLAIN2).load(ACC) * a_other
-            o3 = o3 * a_self + G._reinterpret(raw_codes.index(3), gl.float32, [128, BLOCK_M], PLAIN2).load(ACC) * a_other
+        o0, o1, o2, o3, m_new, l_i = _merge_consumers(ROLE, raw_codes, sc, bars, (m_i, l_keys, o0, o1, o2, o3, f0p, f1p,
+                                                                                  f2p, f3p), 0, NR, PROBE, MID_O)
+        if ROLE == 0:
             for c in gl.static_range(4):
                 Q8._store_out(M.pick4(c, o0, o1, o2, o3), m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh,
                               stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh,
                               stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128, c == 0, DIRECT, 3, ACC)
             if PROBE == 7:  # 11: the partial is stored
                 _stamp(MID_O, 11)
+
+    @gluon.jit
+    def _add_start(ptr, inc):
+        """(One warp) add inc (≥ 0) to the non-negative int32 at ptr with one atomic (lane 0); `_add_result` gives
+        the old value. Apart, so that other work hides the atomic's latency (a microsecond or more while HBM is
+        busy)."""
+        L32: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+        addr = gl.full([32], 0, gl.int64, layout=L32) + ptr.to(gl.int64, bitcast=True)
+        incs = gl.full([32], 0, gl.int32, layout=L32) + inc
+        return gl.inline_asm_elementwise(_ADD_LANE0, "=r,l,r", [addr, incs], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _add_result(started):
+        return gl.max(started, axis=0)  # lane 0's old value, the others' 0
+
+    @gluon.jit
+    def _add_once(ptr, inc):
+        """(One warp) add inc to the int32 at ptr with one atomic and give every lane the old value."""
+        return _add_result(_add_start(ptr, inc))
+
+    @gluon.jit
+    def _pick_victim(CLAIMS, SEQ, S, NUM_SPLITS, NUM_PROGRAMS, FOLD: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, RANGES: gl.constexpr, MIN_LEFT: gl.constexpr):
+        """(One warp) the share to help (-1: none): the one with the most blocks left, at least MIN_LEFT, among
+        those whose owner has started (its helper slot is cleared) and that no one helps yet (each share has one
+        helper slot). Taking a share is an atomic on its helper count: a lost race tries the next best."""
+        LR: gl.constexpr = gl.BlockedLayout(size_per_thread=[RANGES // 32], threads_per_warp=[32], warps_per_cta=[1],
+                                            order=[0])
+        idx = gl.arange(0, RANGES, layout=LR)
+        ok = idx < NUM_PROGRAMS
+        r = gl.minimum(idx, NUM_PROGRAMS - 1)
+        _b, _g, _seq, start, end = G._range_keys(SEQ, S, NUM_SPLITS, r // NUM_SPLITS, r % NUM_SPLITS, FOLD, BLOCK_N,
+                                                 CAUSAL)
+        # other SMs' atomics land in L2: read past L1
+        taken = gl.load(CLAIMS + idx, mask=ok, other=0, cache_modifier=".cg")
+        helped = gl.load(CLAIMS + NUM_PROGRAMS + idx, mask=ok, other=1, cache_modifier=".cg")
+        left = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N) - taken
+        left = gl.where(ok & (taken > 0) & (helped == 0) & (left >= MIN_LEFT), left, 0)
+        victim = -1
+        tries = 0
+        while tries < 4:
+            best = gl.max(left, axis=0)
+            pick = gl.min(gl.where(left == best, idx, RANGES), axis=0)
+            if best > 0:
+                if _add_once(CLAIMS + NUM_PROGRAMS + pick, 1) == 0:
+                    victim = pick
+                    tries = 4
+                left = gl.where(idx == pick, 0, left)
+            else:
+                tries = 4
+            tries += 1
+        _fence_gpu()  # the owner cleared the slot before its first claim: our partial goes after
+        return victim
+
+    @gluon.jit
+    def _all_lanes(pred):
+        """1 where the predicate (a scalar) holds in every lane of the warp, through a vote: ptxas then knows the
+        branch on it is warp-uniform and keeps the loop's shared-memory addresses in uniform registers (a loop
+        exiting on a shuffled max ran the consumers 50 % slower: its descriptors went through R2UR, and spilled)."""
+        return gl.inline_asm_elementwise("{ .reg .pred p, q; setp.ne.s32 p, $1, 0; vote.sync.all.pred q, p, -1; "
+                                         "selp.s32 $0, 1, 0, q; }", "=r,r", [pred.to(gl.int32)], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _fence_gpu():
+        L32: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+        gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r",
+                                  [gl.full([32], 0, gl.int32, layout=L32)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _steal_loader(shared, steal, H, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_H: gl.constexpr, NR: gl.constexpr, SW: gl.constexpr, FOLD: gl.constexpr,
+                      CAUSAL: gl.constexpr,
+                      RANGES: gl.constexpr, NSEG: gl.constexpr, MIN_LEFT: gl.constexpr, CLAIM: gl.constexpr):
+        """(STEAL, one warp) Segment 0 is the program's own share (whose helper slot it clears first), later ones
+        another program's (`_pick_victim`). Per segment: publish it (the share, its end), then fill the ring
+        position by position with blocks taken CLAIM at a time from the share's counter (the owner and its helper
+        take from the same counter, so no block is taken twice; the next claim is in flight while a claim's blocks
+        are issued) as stages are handed back; two end markers (key -1, no copy) close the segment, one per
+        consumer. The next segment starts once the consumers have stored (the merge borrows the ring), from ring
+        position 0 with the ring's barriers reset. The last program to finish puts the counters back to zero."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
+        (CLAIMS, STEAL_O, STEAL_LSE, SEQ, S, NUM_SPLITS, NUM_PROGRAMS, info, segd) = steal
+        RAW_FREE: gl.constexpr = NR
+        SEG_READY: gl.constexpr = 3 * NR + 3
+        SEG_DONE: gl.constexpr = 3 * NR + 4
+        LI: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+        zero = gl.full([BLOCK_M], 0, gl.int32, layout=LI)
+        me = gl.program_id(0) * NUM_SPLITS + gl.program_id(2)
+        for seg in range(NSEG):
+            if seg == 0:
+                r = me
+            else:
+                r = _pick_victim(CLAIMS, SEQ, S, NUM_SPLITS, NUM_PROGRAMS, FOLD, BLOCK_N, CAUSAL, RANGES, MIN_LEFT)
+            rr = gl.maximum(r, 0)
+            b_v, g_v, seq_v, v_start, v_end = G._range_keys(SEQ, S, NUM_SPLITS, rr // NUM_SPLITS, rr % NUM_SPLITS,
+                                                            FOLD, BLOCK_N, CAUSAL)
+            if seg == 0:  # no helper yet: the share's helper slot weighs nothing until one stores there
+                rows = gl.arange(0, BLOCK_M, layout=LI)
+                s_o = g_v * FOLD + rows // BLOCK_H
+                h_o = rows % BLOCK_H
+                gl.store(STEAL_LSE + ((b_v * S + s_o) * H + h_o) * NUM_SPLITS + gl.program_id(2),
+                         gl.full([BLOCK_M], float("-inf"), gl.float32, layout=LI),
+                         mask=(rows < FOLD * BLOCK_H) & (h_o < H))
+                _fence_gpu()
+            v_n = gl.where(r >= 0, gl.cdiv(gl.maximum(v_end - v_start, 0), BLOCK_N), 0)
+            segd.index(0).store(zero + r)
+            pos = 0  # each segment starts the ring afresh (its barriers are reset below): uniform stage indices
+            segd.index(1).store(zero + v_end)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(SEG_READY))
+            # blocks are taken CLAIM at a time, the next CLAIM's atomic in flight while these are issued
+            pending = _add_start(CLAIMS + rr, gl.where(v_n > 0, CLAIM, 0))
+            base = 0
+            have = 0
+            ended = 0
+            while ended < 2:
+                rs = pos % NR
+                if pos >= NR:
+                    mbarrier.wait(bars.index(RAW_FREE + rs), ((pos - NR) // NR) & 1)
+                c = v_n
+                if ended == 0:
+                    if v_n > 0:
+                        if have == 0:
+                            base = _add_result(pending)
+                            have = CLAIM
+                            pending = _add_start(CLAIMS + rr, CLAIM)
+                        c = base + CLAIM - have
+                        have -= 1
+                if c < v_n:
+                    n0 = v_start + c * BLOCK_N
+                    info.index(rs).store(zero + n0)
+                    _cta_barrier()
+                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b_v, stride_btb, n0, raw_codes, raw_rope,
+                                   raw_scales, bars, rs, PAGE_SIZE, BLOCK_N, SW)
+                else:  # an end marker: no copy, the stage's barrier completes on this arrival
+                    info.index(rs).store(zero - 1)
+                    _cta_barrier()
+                    mbarrier.arrive(bars.index(rs))
+                    ended += 1
+                pos += 1
+            mbarrier.wait(bars.index(SEG_DONE), seg & 1)
+            if seg < NSEG - 1:  # everyone is done with the ring's barriers: back to phase 0 for the next segment
+                for i in gl.static_range(3 * NR):
+                    mbarrier.invalidate(bars.index(i))
+                    mbarrier.init(bars.index(i), count=1)
+                fence_async_shared()
+        if _add_once(CLAIMS + 2 * NUM_PROGRAMS, 1) == NUM_PROGRAMS - 1:  # the last program: counters back to zero
+            LR: gl.constexpr = gl.BlockedLayout(size_per_thread=[RANGES // 32], threads_per_warp=[32],
+                                                warps_per_cta=[1], order=[0])
+            idx = gl.arange(0, RANGES, layout=LR)
+            zeros = gl.full([RANGES], 0, gl.int32, layout=LR)
+            gl.store(CLAIMS + idx, zeros, mask=idx < NUM_PROGRAMS)
+            gl.store(CLAIMS + NUM_PROGRAMS + idx, zeros, mask=idx < NUM_PROGRAMS)
+            gl.store(CLAIMS + 2 * NUM_PROGRAMS + idx, zeros, mask=idx < 1)
+
+    @gluon.jit
+    def _steal_producer(shared, steal, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
+                        NSEG: gl.constexpr):
+        """(STEAL) `_producer` on the loader's positions: per position wait for its bytes (or its end marker),
+        write the scales, zero the codes past the segment's end, hand it over; two markers end a segment."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
+        (CLAIMS, STEAL_O, STEAL_LSE, SEQ, S, NUM_SPLITS, NUM_PROGRAMS, info, segd) = steal
+        KV_READY: gl.constexpr = 2 * NR
+        SEG_READY: gl.constexpr = 3 * NR + 3
+        SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
+                                             order=[1, 0])
+        FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+        ZL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
+        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
+        for seg in range(NSEG):
+            mbarrier.wait(bars.index(SEG_READY), seg & 1)
+            v_end = gl.max(segd.index(1).load(FL), axis=0)
+            pos = 0
+            ended = 0
+            while ended < 2:
+                rs = pos % NR
+                mbarrier.wait(bars.index(rs), (pos // NR) & 1)
+                n0 = gl.max(info.index(rs).load(FL), axis=0)
+                if n0 >= 0:
+                    _store_scales(raw_scales.index(rs).slice(0, 4, dim=1).load(SCL), n0 + keys_s < v_end, sc, fs, rs,
+                                  BLOCK_M, SCL, FL)
+                    n_valid = v_end - n0
+                    if n_valid < BLOCK_N:  # rows past the end may hold NaN codes: zero them
+                        for c in gl.static_range(4):
+                            t = raw_codes.index(rs * 4 + c).load(ZL)
+                            raw_codes.index(rs * 4 + c).store(gl.where(gl.expand_dims(keys_z < n_valid, 1), t,
+                                                                       gl.zeros_like(t)))
+                        fence_async_shared()
+                else:
+                    ended += 1
+                _cta_barrier()
+                mbarrier.arrive(bars.index(KV_READY + rs))
+                pos += 1
+
+    @gluon.jit
+    def _steal_consumer(ROLE: gl.constexpr, shared, args, steal, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
+                        PROBE: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, P16: gl.constexpr,
+                        Q_CAT: gl.constexpr, NSEG: gl.constexpr):
+        """(STEAL) `_consumer` per segment: q of the segment's request, blocks until this consumer's end marker,
+        the merge, and consumer 0 stores: segment 0 into the program's own partial, a helped share's into that
+        share's helper slot (STEAL_O / STEAL_LSE, shaped as a contiguous workspace), which the combine adds."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
+        (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
+         stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+         scale_log2, S, H, g, seq_len) = args
+        (CLAIMS, STEAL_O, STEAL_LSE, SEQ, S_, NUM_SPLITS, NUM_PROGRAMS, info, segd) = steal
+        RAW_FREE: gl.constexpr = NR
+        KV_READY: gl.constexpr = 2 * NR
+        Q_READY: gl.constexpr = 3 * NR
+        SEG_READY: gl.constexpr = 3 * NR + 3
+        SEG_DONE: gl.constexpr = 3 * NR + 4
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        KEY: gl.constexpr = gl.SliceLayout(1, ACC)
+        OL: gl.constexpr = ACC16 if P16 else ACC
+        # every warp holds the whole key row (one warp reduction) and the loop exits on a warp vote (`_all_lanes`)
+        WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
+        keys = gl.arange(0, BLOCK_N, layout=KEY)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
+        s_zero16 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC16)
+        s_zero_q = gl.zeros([BLOCK_N, 2 * BLOCK_M if Q_CAT else BLOCK_M], gl.float32, layout=ACC2 if Q_CAT else ACC)
+        for seg in range(NSEG):
+            mbarrier.wait(bars.index(SEG_READY), seg & 1)
+            share = gl.max(segd.index(0).load(ROW), axis=0)
+            v_end = gl.max(segd.index(1).load(ROW), axis=0)
+            pv = gl.maximum(share, 0) // NUM_SPLITS
+            b_v = pv // (S // FOLD)
+            g_v = pv % (S // FOLD)
+            seq_v = gl.load(SEQ + b_v)
+            if share >= 0:
+                M._load_q(Q, q_hi, q_lo, q_r, qs, b_v, g_v, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M,
+                          512, 64, True, Q_SPLIT, 2 * ROLE, 2, ROLE == 0, Q_CAT)
+            fence_async_shared()
+            _cta_barrier()
+            mbarrier.arrive(bars.index(Q_READY))
+            mbarrier.wait(bars.index(Q_READY), seg & 1)
+            q0 = qs.index(0).load(ROW)
+            if CAUSAL:
+                limit = seq_v - S + g_v * FOLD + cols_r // BLOCK_H + 1
+            else:
+                limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_v
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
+            f0p = gl.max(gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW), axis=0)
+            f1p = f0p
+            f2p = f0p
+            f3p = f0p
+            l_keys = s_zero
+            o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=OL)
+            o1 = o0
+            o2 = o0
+            o3 = o0
+            pos = ROLE
+            rs = pos % NR
+            mbarrier.wait(bars.index(KV_READY + rs), 0)
+            n0 = gl.max(info.index(rs).load(WL), axis=0)
+            while _all_lanes(n0 >= 0) > 0:  # until this consumer's end marker
+                state = _consume_block(ROLE, shared, rs, n0, v_end, limit, q0, scale_log2, keys, s_zero_q, s_zero16,
+                                       (m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p), BLOCK_M, NR, PROBE, P_SPLIT,
+                                       Q_SPLIT, P16, Q_CAT)
+                m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
+                pos += 2
+                rs = pos % NR
+                mbarrier.wait(bars.index(KV_READY + rs), (pos // NR) & 1)
+                n0 = gl.max(info.index(rs).load(WL), axis=0)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(RAW_FREE + rs))  # the marker's stage
+            o0, o1, o2, o3, m_new, l_i = _merge_consumers(ROLE, raw_codes, sc, bars, (m_i, l_keys, o0, o1, o2, o3, f0p,
+                                                                                      f1p, f2p, f3p), seg & 1, NR,
+                                                          PROBE, MID_O)
+            if ROLE == 0:
+                # segment 0: the own partial; later: the helped share's helper slot, in a buffer shaped as a
+                # contiguous workspace [B, S, H, splits, 512] (`_store_out` puts it at split program_id(2): shifted)
+                helped = (seg > 0).to(gl.int32)
+                if seg == 0:
+                    mo = MID_O
+                    ml = MID_LSE
+                else:
+                    shift = share % NUM_SPLITS - gl.program_id(2)
+                    mo = STEAL_O + shift * 512
+                    ml = STEAL_LSE + shift
+                s_mob = stride_mob + helped * (S * H * NUM_SPLITS * 512 - stride_mob)
+                s_mos = stride_mos + helped * (H * NUM_SPLITS * 512 - stride_mos)
+                s_moh = stride_moh + helped * (NUM_SPLITS * 512 - stride_moh)
+                s_mosp = stride_mosp + helped * (512 - stride_mosp)
+                s_mlb = stride_mlb + helped * (S * H * NUM_SPLITS - stride_mlb)
+                s_mls = stride_mls + helped * (H * NUM_SPLITS - stride_mls)
+                s_mlh = stride_mlh + helped * (NUM_SPLITS - stride_mlh)
+                if share >= 0:
+                    for c in gl.static_range(4):
+                        Q8._store_out(M.pick4(c, o0, o1, o2, o3), m_new, l_i, b_v, g_v, H, mo, ml, OUT, LSE, s_mob,
+                                      s_mos, s_moh, s_mosp, s_mlb, s_mls, s_mlh, stride_ob, stride_os, stride_oh,
+                                      stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128, c == 0, False,
+                                      3, ACC)
+                _cta_barrier()
+                mbarrier.arrive(bars.index(SEG_DONE))
 
     @gluon.jit
     def _mla_decode_fp8reg_kernel(
@@ -512,10 +868,13 @@ if G.HAVE_GLUON:
         stride_lb, stride_ls,
         scale_log2,
         S, H, NUM_SPLITS,
+        CLAIMS, STEAL_O, STEAL_LSE, NUM_PROGRAMS,
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, NR: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PROBE: gl.constexpr, LAG: gl.constexpr,
-        SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, P16: gl.constexpr, Q_CAT: gl.constexpr, NO_COPY: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
+        SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, P16: gl.constexpr, Q_CAT: gl.constexpr,
+        NO_COPY: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
+        STEAL: gl.constexpr, RANGES: gl.constexpr, NSEG: gl.constexpr, MIN_LEFT: gl.constexpr, CLAIM: gl.constexpr,
         SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
@@ -541,7 +900,10 @@ if G.HAVE_GLUON:
         # Pᵀ tiles: e4m3 [consumer · 8 + term · 4 + chunk], or (P16) fp16 [consumer · 4 + chunk]
         p8 = gl.allocate_shared_memory(gl.float16 if P16 else gl.float8e4nv, [8 if P16 else 16, BLOCK_M, BLOCK_N],
                                        P16L if P16 else P8)
-        n_bars: gl.constexpr = 3 * NR + 3
+        # (STEAL) each ring position's first key (-1: an end marker), and the segment: its share, its end
+        info = gl.allocate_shared_memory(gl.int32, [NR if STEAL else 1, BLOCK_M], PLAIN)
+        segd = gl.allocate_shared_memory(gl.int32, [2 if STEAL else 1, BLOCK_M], PLAIN)
+        n_bars: gl.constexpr = 3 * NR + 5 if STEAL else 3 * NR + 3  # STEAL: SEG_READY, SEG_DONE
         bars = gl.allocate_shared_memory(gl.int64, [n_bars, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n_bars):
             mbarrier.init(bars.index(i), count=2 if i == 3 * NR else 1)  # Q_READY: both consumers arrive
@@ -551,7 +913,18 @@ if G.HAVE_GLUON:
         args = (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
                 stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
                 stride_ls, scale_log2, S, H, g, seq_len)
-        if LOADER and not NO_COPY:
+        if STEAL:
+            steal = (CLAIMS, STEAL_O, STEAL_LSE, SEQ, S, NUM_SPLITS, NUM_PROGRAMS, info, segd)
+            gl.warp_specialize([
+                (_steal_consumer, (0, shared, args, steal, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, PROBE, P_SPLIT,
+                                   Q_SPLIT, P16, Q_CAT, NSEG)),
+                (_steal_consumer, (1, shared, args, steal, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, PROBE, P_SPLIT,
+                                   Q_SPLIT, P16, Q_CAT, NSEG)),
+                (_steal_producer, (shared, steal, BLOCK_N, BLOCK_M, NR, NSEG)),
+                (_steal_loader, (shared, steal, H, PAGE_SIZE, BLOCK_N, BLOCK_M, BLOCK_H, NR, SW, FOLD, CAUSAL,
+                                 RANGES, NSEG, MIN_LEFT, CLAIM)),
+            ], [4, 4, 1], [CONSUMER_REGS, PRODUCER_REGS, LOADER_REGS])
+        elif LOADER and not NO_COPY:
             gl.warp_specialize([
                 (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
                              Q_SPLIT, P16, Q_CAT)),
@@ -586,9 +959,37 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
         if direct or room < 8 * (STAMPS_AT + 16 * grid[0] * grid[1] * grid[2]):
             raise ValueError("PROBE 7 needs a split call whose workspace has room for the stamps "
                              "(benchmarks/fp8reg_timeline.py allocates it)")
-    _mla_decode_fp8reg_kernel[grid](*args, **consts, NR=NUM_RAW, CONSUMER_REGS=REGS[0], PRODUCER_REGS=REGS[1],
-                                    PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS, P_SPLIT=P_SPLIT,
-                                    Q_SPLIT=Q_SPLIT, P16=P16, Q_CAT=Q_CAT and Q_SPLIT,  # one term: nothing to join
-                                    LOADER=LOADER, LOADER_REGS=LOADER_REGS, NO_COPY=NO_COPY,
+    steal = STEAL and not direct and grid[1] == 1 and PROBE != 7
+    regs, loader_regs = (STEAL_REGS[:2], STEAL_REGS[2]) if steal else (REGS, LOADER_REGS)
+    programs = grid[0] * grid[2]
+    if steal:
+        claims, steal_o, steal_lse = helper_buffers(q.device, programs, mid_o.shape[:4])
+        steal_args = (claims, steal_o, steal_lse, programs)
+    else:
+        steal_args = (mid_lse, mid_o, mid_lse, 1)  # unused
+    _mla_decode_fp8reg_kernel[grid](*args, *steal_args, **consts, NR=NUM_RAW, CONSUMER_REGS=regs[0],
+                                    PRODUCER_REGS=regs[1], PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS,
+                                    P_SPLIT=P_SPLIT, Q_SPLIT=Q_SPLIT, P16=P16,
+                                    Q_CAT=Q_CAT and Q_SPLIT,  # one term: nothing to join
+                                    LOADER=LOADER, LOADER_REGS=loader_regs, NO_COPY=NO_COPY,
+                                    STEAL=steal, RANGES=max(32, triton.next_power_of_2(programs)) if steal else 32,
+                                    NSEG=STEAL_SEGMENTS, MIN_LEFT=STEAL_MIN_BLOCKS, CLAIM=STEAL_CLAIM,
                                     SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)
+    return (steal_o, steal_lse) if steal else None
+
+
+_HELPER_BUFFERS: dict = {}
+
+
+def helper_buffers(device: torch.device, programs: int, shape: tuple) -> tuple:
+    """(STEAL) int32 [blocks taken per share, helpers per share, programs done] (zero between calls: the last
+    program resets them), and the shares' helper partials [B, S, H, splits, 512] with their log2-sum-exps [B, S, H,
+    splits] (each owner sets its share's to −inf before the share can be helped). Kept per device and shape, never
+    freed: CUDA graphs hold their addresses."""
+    key = (str(device), programs, tuple(shape))
+    if key not in _HELPER_BUFFERS:
+        _HELPER_BUFFERS[key] = (torch.zeros(2 * programs + 1, dtype=torch.int32, device=device),
+                                torch.empty(*shape, 512, dtype=torch.float32, device=device),
+                                torch.empty(*shape, dtype=torch.float32, device=device))
+    return _HELPER_BUFFERS[key]
