@@ -223,31 +223,17 @@ if G.HAVE_GLUON:
          q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
         RAW_FREE: gl.constexpr = NR
         KV_READY: gl.constexpr = 2 * NR
-        SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
-                                             order=[1, 0])
-        FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
         for i in gl.static_range(NR):
             if not NO_COPY:
                 if REFILL:
                     if i < n_blocks:
                         M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N,
                                        raw_codes, raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
-        ZL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
-        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
         for j in range(n_blocks):
             rs = j % NR
             if not NO_COPY:
                 mbarrier.wait(bars.index(rs), (j // NR) & 1)
-            _store_scales(raw_scales.index(rs).slice(0, 4, dim=1).load(SCL), start + j * BLOCK_N + keys_s < end, sc,
-                          fs, rs, BLOCK_M, SCL, FL)
-            n_valid = end - start - j * BLOCK_N
-            if n_valid < BLOCK_N:  # rows past the end may hold NaN codes, and 0 · NaN = NaN in P·V: zero them
-                for c in gl.static_range(4):
-                    t = raw_codes.index(rs * 4 + c).load(ZL)
-                    raw_codes.index(rs * 4 + c).store(gl.where(gl.expand_dims(keys_z < n_valid, 1), t, gl.zeros_like(t)))
-                fence_async_shared()
+            _prepare_block(raw_codes, raw_scales, sc, fs, rs, start + j * BLOCK_N, end, BLOCK_M)
             _cta_barrier()
             mbarrier.arrive(bars.index(KV_READY + rs))
             if REFILL:
@@ -260,6 +246,28 @@ if G.HAVE_GLUON:
                             M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb,
                                            start + nxt * BLOCK_N, raw_codes, raw_rope, raw_scales, bars, prev,
                                            PAGE_SIZE, BLOCK_N, SW)
+
+    @gluon.jit
+    def _prepare_block(raw_codes, raw_scales, sc, fs, rs, n0, end, BLOCK_M: gl.constexpr):
+        """(Producer) raw stage rs holds the keys n0 …: its per-key scales normalised per chunk into sc / fs
+        (`_store_scales`), and the codes of rows at or past `end` zeroed (they may hold NaN codes, and 0 · NaN = NaN
+        in P·V)."""
+        BLOCK_N: gl.constexpr = raw_scales.shape[1]
+        SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
+                                             order=[1, 0])
+        FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
+        ZL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
+        _store_scales(raw_scales.index(rs).slice(0, 4, dim=1).load(SCL), n0 + keys_s < end, sc, fs, rs, BLOCK_M, SCL,
+                      FL)
+        n_valid = end - n0
+        if n_valid < BLOCK_N:
+            keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
+            for c in gl.static_range(4):
+                t = raw_codes.index(rs * 4 + c).load(ZL)
+                raw_codes.index(rs * 4 + c).store(gl.where(gl.expand_dims(keys_z < n_valid, 1), t, gl.zeros_like(t)))
+            fence_async_shared()
 
     @gluon.jit
     def _loader(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, SW: gl.constexpr):
@@ -424,6 +432,26 @@ if G.HAVE_GLUON:
         return m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p
 
     @gluon.jit
+    def _fresh_state(qs, seq_len, g, S, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_N: gl.constexpr,
+                     P16: gl.constexpr, CAUSAL: gl.constexpr):
+        """Once q (of a request of length seq_len, token group g) is in shared memory: its row scale, each row's
+        causal key limit, and an empty consumer state (m, per-key l, Oᵀ per chunk, the previous block's chunk
+        factors f: scalars, as the producer writes one per row)."""
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        BLOCK_M: gl.constexpr = qs.shape[1]
+        q0 = qs.index(0).load(ROW)  # one scale per row for every chunk: fewer registers
+        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
+        if CAUSAL:
+            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
+        f0p = gl.max(gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW), axis=0)
+        o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=ACC16 if P16 else ACC)
+        return q0, limit, (m_i, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC), o0, o0, o0, o0, f0p, f0p, f0p,
+                           f0p)
+
+    @gluon.jit
     def _merge_consumers(ROLE: gl.constexpr, raw_codes, sc, bars, state, phase, NR: gl.constexpr,
                          PROBE: gl.constexpr, MID_O):
         """Both consumers' states → consumer 0's, merged (Oᵀ per chunk in ACC, the rows' max and sum; consumer 1
@@ -492,9 +520,7 @@ if G.HAVE_GLUON:
          scale_log2, S, H, g, seq_len) = args
         KV_READY: gl.constexpr = 2 * NR
         Q_READY: gl.constexpr = 3 * NR
-        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
         KEY: gl.constexpr = gl.SliceLayout(1, ACC)
-        OL: gl.constexpr = ACC16 if P16 else ACC  # the Oᵀ accumulators' layout (the same registers)
         if PROBE == 7:  # stamps: 0/1 consumer 0/1 starts, 12 the SM
             _stamp(MID_O, ROLE)
             _stamp(MID_O, 12, True)
@@ -508,26 +534,10 @@ if G.HAVE_GLUON:
         mbarrier.wait(bars.index(Q_READY), 0)
         if PROBE == 7:  # 2/3: q is ready
             _stamp(MID_O, 2 + ROLE)
-        q0 = qs.index(0).load(ROW)  # one scale per row for every chunk: fewer registers
-        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
-        if CAUSAL:
-            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
-        # each block's chunk factors f are scalars (the producer writes one per row): the previous block's are kept
-        f0p = gl.max(gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW), axis=0)
-        f1p = f0p
-        f2p = f0p
-        f3p = f0p
-        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
+        q0, limit, state = _fresh_state(qs, seq_len, g, S, BLOCK_H, FOLD, BLOCK_N, P16, CAUSAL)
+        m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
         s_zero16 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC16)
-        l_keys = s_zero
         s_zero_q = gl.zeros([BLOCK_N, 2 * BLOCK_M if Q_CAT else BLOCK_M], gl.float32, layout=ACC2 if Q_CAT else ACC)
-        o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=OL)
-        o1 = o0
-        o2 = o0
-        o3 = o0
         keys = gl.arange(0, BLOCK_N, layout=KEY)
         for j in range(ROLE, n_blocks, 2):
             rs = j % NR
@@ -720,13 +730,7 @@ if G.HAVE_GLUON:
         (CLAIMS, STEAL_O, STEAL_LSE, SEQ, S, NUM_SPLITS, NUM_PROGRAMS, info, segd) = steal
         KV_READY: gl.constexpr = 2 * NR
         SEG_READY: gl.constexpr = 3 * NR + 3
-        SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
-                                             order=[1, 0])
         FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
-        ZL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        keys_z = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ZL))
-        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
         for seg in range(NSEG):
             mbarrier.wait(bars.index(SEG_READY), seg & 1)
             v_end = gl.max(segd.index(1).load(FL), axis=0)
@@ -737,15 +741,7 @@ if G.HAVE_GLUON:
                 mbarrier.wait(bars.index(rs), (pos // NR) & 1)
                 n0 = gl.max(info.index(rs).load(FL), axis=0)
                 if n0 >= 0:
-                    _store_scales(raw_scales.index(rs).slice(0, 4, dim=1).load(SCL), n0 + keys_s < v_end, sc, fs, rs,
-                                  BLOCK_M, SCL, FL)
-                    n_valid = v_end - n0
-                    if n_valid < BLOCK_N:  # rows past the end may hold NaN codes: zero them
-                        for c in gl.static_range(4):
-                            t = raw_codes.index(rs * 4 + c).load(ZL)
-                            raw_codes.index(rs * 4 + c).store(gl.where(gl.expand_dims(keys_z < n_valid, 1), t,
-                                                                       gl.zeros_like(t)))
-                        fence_async_shared()
+                    _prepare_block(raw_codes, raw_scales, sc, fs, rs, n0, v_end, BLOCK_M)
                 else:
                     ended += 1
                 _cta_barrier()
@@ -773,12 +769,9 @@ if G.HAVE_GLUON:
         SEG_DONE: gl.constexpr = 3 * NR + 4
         ROW: gl.constexpr = gl.SliceLayout(0, ACC)
         KEY: gl.constexpr = gl.SliceLayout(1, ACC)
-        OL: gl.constexpr = ACC16 if P16 else ACC
         # every warp holds the whole key row (one warp reduction) and the loop exits on a warp vote (`_all_lanes`)
         WL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[4], order=[0])
-        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
         keys = gl.arange(0, BLOCK_N, layout=KEY)
-        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
         s_zero16 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC16)
         s_zero_q = gl.zeros([BLOCK_N, 2 * BLOCK_M if Q_CAT else BLOCK_M], gl.float32, layout=ACC2 if Q_CAT else ACC)
         for seg in range(NSEG):
@@ -796,21 +789,8 @@ if G.HAVE_GLUON:
             _cta_barrier()
             mbarrier.arrive(bars.index(Q_READY))
             mbarrier.wait(bars.index(Q_READY), seg & 1)
-            q0 = qs.index(0).load(ROW)
-            if CAUSAL:
-                limit = seq_v - S + g_v * FOLD + cols_r // BLOCK_H + 1
-            else:
-                limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_v
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
-            f0p = gl.max(gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW), axis=0)
-            f1p = f0p
-            f2p = f0p
-            f3p = f0p
-            l_keys = s_zero
-            o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=OL)
-            o1 = o0
-            o2 = o0
-            o3 = o0
+            q0, limit, state = _fresh_state(qs, seq_v, g_v, S, BLOCK_H, FOLD, BLOCK_N, P16, CAUSAL)
+            m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
             pos = ROLE
             rs = pos % NR
             mbarrier.wait(bars.index(KV_READY + rs), 0)
