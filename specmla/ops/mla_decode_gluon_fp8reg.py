@@ -37,10 +37,11 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
 - `STEAL` (off): split calls even the ends out. A one-warp loader takes each block from its share's counter
   (atomics, two blocks at a time, the next claim in flight); a program whose share is done helps the share with the
   most blocks left (one helper per share) and stores into that share's helper slot, which the combine adds
-  (`combine_splits`). Correct (GPU tests against the reference, in CUDA graphs), but its consumers run 50 % slower:
-  their loop, which ends on a key read from shared memory, computes the stages' addresses in regular registers
-  and spills (298.6 against 193.9 µs at B=32 T=32k on an H200; its producer alone 177.9). docs/benchmarks.md,
-  eighteenth session.
+  (`combine_splits`). Correct (GPU tests against the reference, in CUDA graphs), but slower: 280.4 against 255.3 µs
+  at B=32 T=32k on an H100, and its producer alone (255.9) is no faster than the static kernel whole. Its producer
+  is the warp-specialised default partition: with consumer 0 there (as in the static kernel), ptxas built that
+  consumer's wgmma descriptors in regular registers and spilled them (144 R2UR per block against 60; 298.6 µs on
+  an H200). docs/benchmarks.md, eighteenth and nineteenth sessions.
 
 16 query rows (H = 16, S = 1); other calls go to the other kernels. Same contract, grid, split rule and partials as
 `mla_decode_triton`. Gluon does not run in the Triton interpreter: GPU tests check it against the fp64 reference,
@@ -87,7 +88,8 @@ STEAL = False  # split calls: a program whose share is done helps the share with
 STEAL_SEGMENTS = 2  # (STEAL) the own share, then at most this many minus one shares helped (one helper per share)
 STEAL_MIN_BLOCKS = 4  # (STEAL) help only a share with at least this many blocks left (a restart costs about two)
 STEAL_CLAIM = 2  # (STEAL) blocks taken per atomic: the next claim's latency hides behind this many copies
-STEAL_REGS = (224, 40, 24)  # (STEAL) consumer, producer, loader registers: 16 warps (3 idle) must fit 64K
+STEAL_REGS = (224, 40, 24)  # (STEAL) consumer, producer (the default partition: what is left), loader registers:
+# 16 warps (3 idle) must fit 64K
 
 # `_f16_fragment`'s relabelling of the e4m3 fragment's key bits, as a permutation of the dims (m, k5 … k0): the new
 # k3 is k1, k2 is k3, k1 is k2
@@ -558,9 +560,10 @@ if G.HAVE_GLUON:
                                                                                   f2p, f3p), 0, NR, PROBE, MID_O)
         if ROLE == 0:
             for c in gl.static_range(4):
-                Q8._store_out(M.pick4(c, o0, o1, o2, o3), m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh,
-                              stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh,
-                              stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128, c == 0, DIRECT, 3, ACC)
+                Q8._store_out(M.pick4(c, o0, o1, o2, o3), m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob,
+                              stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob,
+                              stride_os, stride_oh, stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128,
+                              c == 0, DIRECT, 3, ACC)
             if PROBE == 7:  # 11: the partial is stored
                 _stamp(MID_O, 11)
 
@@ -895,15 +898,17 @@ if G.HAVE_GLUON:
                 stride_ls, scale_log2, S, H, g, seq_len)
         if STEAL:
             steal = (CLAIMS, STEAL_O, STEAL_LSE, SEQ, S, NUM_SPLITS, NUM_PROGRAMS, info, segd)
+            # the producer is the default partition (its registers are what the others leave: 40): a consumer
+            # there kept its wgmma descriptors out of uniform registers (R2UR and spills every block)
             gl.warp_specialize([
+                (_steal_producer, (shared, steal, BLOCK_N, BLOCK_M, NR, NSEG)),
                 (_steal_consumer, (0, shared, args, steal, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, PROBE, P_SPLIT,
                                    Q_SPLIT, P16, Q_CAT, NSEG)),
                 (_steal_consumer, (1, shared, args, steal, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, PROBE, P_SPLIT,
                                    Q_SPLIT, P16, Q_CAT, NSEG)),
-                (_steal_producer, (shared, steal, BLOCK_N, BLOCK_M, NR, NSEG)),
                 (_steal_loader, (shared, steal, H, PAGE_SIZE, BLOCK_N, BLOCK_M, BLOCK_H, NR, SW, FOLD, CAUSAL,
                                  RANGES, NSEG, MIN_LEFT, CLAIM)),
-            ], [4, 4, 1], [CONSUMER_REGS, PRODUCER_REGS, LOADER_REGS])
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         elif LOADER and not NO_COPY:
             gl.warp_specialize([
                 (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
