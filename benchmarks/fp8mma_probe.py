@@ -11,7 +11,9 @@ in the same run, with their timing probes (`PROBE`, wrong results).
   rope through the raw ring (`ROPE_DIRECT = False`), "tbq4_raw4": 4 raw stages of 17 KB (crashed at B=32 T=32k);
   "_splits_half" / "_double": half / twice the split count;
   "reg16_steal": programs whose share is done help the share with the most blocks left (`STEAL`; "_min2" / "_min8":
-  `STEAL_MIN_BLOCKS`, "_3seg": up to two shares helped, "_claim4": four blocks per atomic).
+  `STEAL_MIN_BLOCKS`, "_3seg": up to two shares helped, "_claim4": four blocks per atomic);
+  "reg16_rows608": the same kernel on 608-byte rows, the size of a row whose rope is int8 with 8 fp16 scales
+  (`rows608_descriptors`: what a smaller fp8 format would gain in copies, before the rope's conversion costs).
 
 - `ops.mla_decode_gluon_tbq4reg` ("tbq4_reg") against the unpacking kernel ("tbq4_unpack"), with its probes (`PROBE`
   bits): no decode (1), no copies (2), the consumers alone (3), the producer alone (4), the copies alone (13), no
@@ -35,6 +37,26 @@ from specmla.ops import mla_decode_gluon_fp8reg as R
 from specmla.ops import mla_decode_gluon_tbq4reg as T
 from specmla.ops import mla_decode_triton as D
 from specmla.ops.mla_decode_triton import mla_decode_triton, plan
+
+
+
+def rows608_descriptors(kv_cache: torch.Tensor, scale_words: int = 4) -> tuple:
+    """(Timing probe, wrong results) `M._descriptors` over the same bytes read as 608-byte rows: the four code boxes
+    (bytes 0-511) and the scales (512-527) as now, and the rope box at byte 528 of a 304-element bf16 row, so TMA
+    reads 80 bytes (an int8 rope and its scales' worth) and fills the box's last 48 with zeros."""
+    flat = kv_cache.view(-1)
+    rows = flat.numel() // 608
+
+    def view(dtype, width):
+        return flat.view(dtype).as_strided((rows, width), (width, 1))
+
+    return (M.TensorDescriptor.from_tensor(view(torch.float8_e4m3fn, 608), [M.BLOCK_N, 128],
+                                           M.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)),
+            M.TensorDescriptor.from_tensor(view(torch.bfloat16, 304), [M.BLOCK_N, 64],
+                                           M.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)),
+            M.TensorDescriptor.from_tensor(view(torch.float32, 152), [M.BLOCK_N, scale_words],
+                                           M.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)))
+
 
 VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("fp8_mma", "fp8", (M, R), (dict(USE=True), dict(USE=False))),
@@ -96,7 +118,10 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("reg16_steal_min8", "fp8", R, dict(USE=True, STEAL=True, STEAL_MIN_BLOCKS=8)),
             ("reg16_steal_3seg", "fp8", R, dict(USE=True, STEAL=True, STEAL_SEGMENTS=3)),
             ("reg16_steal_claim4", "fp8", R, dict(USE=True, STEAL=True, STEAL_CLAIM=4)),
-            ("reg16_steal_producer_alone", "fp8", R, dict(USE=True, STEAL=True, PROBE=5)))
+            ("reg16_steal_producer_alone", "fp8", R, dict(USE=True, STEAL=True, PROBE=5)),
+            ("reg16_rows608", "fp8", (R, M), (dict(USE=True), dict(_descriptors=rows608_descriptors))),
+            ("reg16_rows608_producer_alone", "fp8", (R, M), (dict(USE=True, PROBE=5),
+                                                             dict(_descriptors=rows608_descriptors))))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 
