@@ -7,8 +7,8 @@ timing reads HBM, not L2. Our kernel is timed inside a CUDA graph of ≥ 16 back
 the engine's decode graph runs it), divided per call. Prints a table, writes JSON and a PNG plot.
 
 --kv bf16,fp8,tbq4 (repeatable or a comma list; default bf16) runs every case on each cache format:
-fp8 / tbq4 caches are uint8 rows (656 / 400 bytes, ops.kv_cache) quantised from the same random
-bf16 latents, and their bytes count the rows at their real size (Σ seq_len·row_bytes +
+fp8 / fp8_rope_int8 / tbq4 caches are uint8 rows (656 / 608 / 400 bytes, ops.kv_cache) quantised from the same
+random bf16 latents, and their bytes count the rows at their real size (Σ seq_len·row_bytes +
 B·S·H·(576+512)·2). rel_err is against the torch reference on the dequantised cache; with bf16 in
 the run, quantised rows get speedup_vs_bf16 (bf16 time / format time). The naive torch timing is
 bf16 only. --cases HxBxTxS[,...] runs a subset of CASES; --variants N tries only the first N tile
@@ -44,7 +44,7 @@ SCALE = 0.1352
 
 
 def row_bytes(kv: str) -> int:
-    """Bytes of one cached token: 1152 (bf16), 656 (fp8), 400 (tbq4)."""
+    """Bytes of one cached token: 1152 (bf16), 656 (fp8), 608 (fp8_rope_int8), 400 (tbq4)."""
     width, dtype = row_spec(kv, 512, 64, torch.bfloat16)
     return width * dtype.itemsize
 

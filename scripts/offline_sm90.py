@@ -85,8 +85,8 @@ def gluon_decode_usage(cases) -> list[dict]:
     e.g. {"LOADER": true, "REGS": [224, 40]} (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process: Triton's
     interpreter mode, which the test suite turns on, cannot compile). dtype "fp8" / "tbq4": the kernel for
     quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries; "fp8mma": the fp8 kernel with e4m3 matmuls
-    (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`); "tbq4reg":
-    its tbq4 sibling (`ops.mla_decode_gluon_tbq4reg`)."""
+    (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`;
+    "fp8reg_rope_int8": on fp8_rope_int8 rows); "tbq4reg": its tbq4 sibling (`ops.mla_decode_gluon_tbq4reg`)."""
     import torch
 
     from specmla.ops import mla_decode_gluon as G
@@ -99,14 +99,15 @@ def gluon_decode_usage(cases) -> list[dict]:
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         block_n = rest[0] if rest else 64
         settings = rest[1] if len(rest) > 1 else {}  # module constants of the fp8reg / tbq4reg kernel to set
-        mma, reg, treg = dtype_name == "fp8mma", dtype_name == "fp8reg", dtype_name == "tbq4reg"
+        mma, treg = dtype_name == "fp8mma", dtype_name == "tbq4reg"
+        reg, kv_format = dtype_name.startswith("fp8reg"), "fp8_rope_int8" if dtype_name.endswith("rope_int8") else "fp8"
         dtype_name = "fp8" if mma or reg else "tbq4" if treg else dtype_name
         fp8 = dtype_name in ("fp8", "tbq4")  # a quantised cache: the Gluon kernel for fp8 / tbq4 rows
         dtype = torch.bfloat16 if fp8 else getattr(torch, dtype_name)
         B = 2
         q = torch.randn(B, S, H, dc + dr, dtype=dtype)
         if fp8:
-            kv = torch.zeros(8, 64, row_spec(dtype_name, dc, dr, dtype)[0], dtype=torch.uint8)
+            kv = torch.zeros(8, 64, row_spec(kv_format if reg else dtype_name, dc, dr, dtype)[0], dtype=torch.uint8)
         else:
             kv = torch.randn(8, 64, dc + dr, dtype=dtype)
         table = torch.zeros(B, 4, dtype=torch.int32)
@@ -129,7 +130,7 @@ def gluon_decode_usage(cases) -> list[dict]:
             elif reg:
                 from specmla.ops import mla_decode_gluon_fp8reg as R
                 R.launch_fp8reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                      direct=direct, num_splits=1 if direct else 2)
+                                      direct=direct, num_splits=1 if direct else 2, kv_format=kv_format)
             elif mma:
                 M.launch_fp8mma_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                       direct=direct, num_splits=1 if direct else 2)

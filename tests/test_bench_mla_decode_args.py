@@ -30,7 +30,7 @@ def test_args():
 
 
 def test_byte_counts():
-    assert [bm.row_bytes(k) for k in ("bf16", "fp8", "tbq4")] == [1152, 656, 400]
+    assert [bm.row_bytes(k) for k in ("bf16", "fp8", "fp8_rope_int8", "tbq4")] == [1152, 656, 608, 400]
     for B, T, S, H in [(32, 32768, 1, 16), (4, 81920, 4, 16), (3, 7, 2, 128)]:
         qo = B * S * H * (576 + 512) * 2
         assert bm.kv_decode_bytes("bf16", B * T, B, S, H) == decode_bytes(B * T, B, S, H)

@@ -9,7 +9,6 @@ from offline_compile import offline_sm90_rows
 from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8mma as M
 from specmla.ops import mla_decode_gluon_fp8reg as R
-from specmla.ops.mla_decode_gluon_quant import ROW_BYTES
 
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
                                  and G.HAVE_GLUON), reason="needs a Hopper GPU and Gluon")
@@ -193,14 +192,15 @@ def test_q_split_in_two_e4m3_terms():
 
 
 def _problem(lens, S, H=16, seed=0, kv_format="fp8"):
-    from specmla.ops.kv_cache import write_kv_cache
+    from specmla.ops.kv_cache import row_spec, write_kv_cache
 
     torch.manual_seed(seed)
     B = len(lens)
     pages = max(-(-n // 64) for n in lens) + 1
     num_pages = B * pages + 3
     latent = torch.randn(num_pages * 64, 576, device="cuda", dtype=torch.bfloat16)
-    cache = torch.empty(num_pages, 64, ROW_BYTES[kv_format], dtype=torch.uint8, device="cuda")
+    cache = torch.empty(num_pages, 64, row_spec(kv_format, 512, 64, torch.bfloat16)[0], dtype=torch.uint8,
+                        device="cuda")
     write_kv_cache(cache, latent[:, :512], latent[:, 512:], torch.arange(num_pages * 64, device="cuda"), kv_format)
     table = torch.randperm(num_pages, device="cuda", dtype=torch.int32)[: B * pages].view(B, pages)
     for i, n in enumerate(lens):  # rows past a request's end: 0xFF bytes (NaN fp8 codes and scales, NaN tbq4

@@ -12,7 +12,7 @@ from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8reg as R
 
 
-def _run(q, cache, table, seq, splits, monkeypatch, p_format="fp16", q_cat=True):
+def _run(q, cache, table, seq, splits, monkeypatch, p_format="fp16", q_cat=True, kv_format="fp8"):
     from specmla.ops.mla_decode_triton import mla_decode_triton
 
     monkeypatch.setattr(R, "USE", True)
@@ -22,7 +22,7 @@ def _run(q, cache, table, seq, splits, monkeypatch, p_format="fp16", q_cat=True)
     launches = []
     launch = R.launch_fp8reg_split
     monkeypatch.setattr(R, "launch_fp8reg_split", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
-    got = mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8", gluon=True,
+    got = mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format=kv_format, gluon=True,
                             num_splits=splits)
     return got, launches
 
@@ -34,12 +34,15 @@ def _run(q, cache, table, seq, splits, monkeypatch, p_format="fp16", q_cat=True)
     ([4097, 77, 128], 3, "fp16", True), ([130, 2], 1, "fp16", True), ([8192, 5000], 2, "fp16", True),
     ([1, 63, 64, 65, 300, 1000], None, "fp16", False), ([1, 63, 64, 65, 300, 1000], None, "e4m3x2", True),
     ([1, 63, 64, 65, 300, 1000], None, "e4m3", True), ([8192, 5000], 2, "e4m3", False)])
-def test_fp8reg_kernel_matches_the_reference(lens, splits, p_format, q_cat, monkeypatch):
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_rope_int8"])
+def test_fp8reg_kernel_matches_the_reference(lens, splits, p_format, q_cat, kv_format, monkeypatch):
+    """fp8_rope_int8 rows: the same kernel, the rope's int8 values converted to bf16 by the producer (`_convert_rope`)
+    in the stage's rope tile."""
     from specmla.ops.mla_decode import mla_decode_torch
 
-    q, cache, table, seq = _problem(lens, 1)
-    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8")
-    got, launches = _run(q, cache, table, seq, splits, monkeypatch, p_format, q_cat)
+    q, cache, table, seq = _problem(lens, 1, kv_format=kv_format)
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format=kv_format)
+    got, launches = _run(q, cache, table, seq, splits, monkeypatch, p_format, q_cat, kv_format)
     assert launches == [1]  # this kernel ran
     got = got.double()
     assert torch.isfinite(got).all()
@@ -52,15 +55,18 @@ def test_fp8reg_kernel_matches_the_reference(lens, splits, p_format, q_cat, monk
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("lens,splits", [([1, 63, 64, 65, 300, 1000], None), ([4097, 77, 128], 3), ([8192, 5000], 2)])
-def test_fp8reg_loader_warp_gives_the_same_result(lens, splits, monkeypatch):
+@pytest.mark.parametrize("lens,splits,kv_format", [
+    ([1, 63, 64, 65, 300, 1000], None, "fp8"), ([4097, 77, 128], 3, "fp8"), ([8192, 5000], 2, "fp8"),
+    ([4097, 77, 128], 3, "fp8_rope_int8")])
+def test_fp8reg_loader_warp_gives_the_same_result(lens, splits, kv_format, monkeypatch):
     """LOADER (a one-warp partition issues the copies as stages are handed back) changes only when copies start:
     the result is the default's bit for bit."""
-    q, cache, table, seq = _problem(lens, 1)
-    want, _ = _run(q, cache, table, seq, splits, monkeypatch)
+    q, cache, table, seq = _problem(lens, 1, kv_format=kv_format)
+    monkeypatch.setattr(R, "ROPE_INT8_LOADER", False)  # fp8_rope_int8's default is the loader
+    want, _ = _run(q, cache, table, seq, splits, monkeypatch, kv_format=kv_format)
     monkeypatch.setattr(R, "LOADER", True)
-    monkeypatch.setattr(R, "REGS", (224, 40))
-    got, launches = _run(q, cache, table, seq, splits, monkeypatch)
+    monkeypatch.setattr(R, "ROPE_INT8_LOADER", True)
+    got, launches = _run(q, cache, table, seq, splits, monkeypatch, kv_format=kv_format)
     assert launches == [1]
     assert torch.equal(got, want)
 
@@ -251,11 +257,13 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
 
 
 def test_fp8reg_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90, and so do its LOADER and STEAL variants and its timeline probe (PROBE 7)."""
+    """CPU: the kernel compiles for sm_90, and so do its LOADER and STEAL variants, its timeline probe (PROBE 7) and
+    its fp8_rope_int8 form."""
     loader = {"LOADER": True, "REGS": [224, 40]}
     for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True],
                                   [16, 1, 512, 64, "fp8reg", False, 64, loader],
                                   [16, 1, 512, 64, "fp8reg", False, 64, {"STEAL": True}],
-                                  [16, 1, 512, 64, "fp8reg", False, 64, {"PROBE": 7}]]):  # the timeline probe
+                                  [16, 1, 512, 64, "fp8reg", False, 64, {"PROBE": 7}],  # the timeline probe
+                                  [16, 1, 512, 64, "fp8reg_rope_int8", False]]):
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

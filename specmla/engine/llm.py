@@ -16,6 +16,7 @@ from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.loader import load_model
+from specmla.ops.kv_cache import QUANTIZED
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
 
@@ -80,9 +81,10 @@ class LLM:
             has_tok = (self.model_path / "tokenizer.json").exists()
             self.tokenizer = tokenizer or (Tokenizer(self.model_path) if has_tok else None)
         cache_dtype = next(self.model.parameters()).dtype
-        if kv_cache_dtype not in ("auto", "bf16", "fp16", "fp32", "fp8", "tbq4"):
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected auto | bf16 | fp16 | fp32 | fp8 | tbq4")
-        kv_format = kv_cache_dtype if kv_cache_dtype in ("fp8", "tbq4") else "auto"
+        if kv_cache_dtype not in ("auto", "bf16", "fp16", "fp32") + QUANTIZED:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected auto | bf16 | fp16 | fp32 | "
+                             + " | ".join(QUANTIZED))
+        kv_format = kv_cache_dtype if kv_cache_dtype in QUANTIZED else "auto"
         if kv_cache_dtype in _DTYPES:
             cache_dtype = _DTYPES[kv_cache_dtype]
         max_len = self.model.max_positions

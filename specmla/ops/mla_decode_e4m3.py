@@ -41,12 +41,12 @@ from __future__ import annotations
 import torch
 
 from specmla.ops import tbq4
-from specmla.ops.kv_cache import FP8_BLOCK, rope_offset
+from specmla.ops.kv_cache import FP8_BLOCK, FP8_FORMATS, ROPE_GROUP, rope_offset, rope_scales_offset
 from specmla.ops.mla_decode import _check_args
 
 E4M3_MAX = 448.0
 LOG2E = 1.4426950408889634
-FORMATS = ("fp8", "tbq4")
+FORMATS = ("fp8", "fp8_rope_int8", "tbq4")
 
 
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -82,9 +82,15 @@ def _cache_fields(kv_format: str, rows: torch.Tensor, dc: int, dr: int):
     [B, L, nc] fp32 (fp8: the fp32 scales; tbq4: the fp16 norms), rope [B, L, Dr] (bf16 values as fp32))."""
     B, L, _ = rows.shape
     nc = dc // FP8_BLOCK
-    at = rope_offset(kv_format, dc)
-    rope = rows[..., at : at + 2 * dr].contiguous().view(torch.bfloat16).float()
-    if kv_format == "fp8":
+    at = rope_offset(kv_format, dc, dr)
+    if kv_format == "fp8_rope_int8":  # the producer's conversion: int8 × fp16 scale, rounded to bf16
+        sat = rope_scales_offset(dc)
+        scale = rows[..., sat:at].contiguous().view(torch.float16).float()
+        values = rows[..., at : at + dr].contiguous().view(torch.int8).float().view(B, L, -1, ROPE_GROUP)
+        rope = (values * scale[..., None]).view(B, L, dr).bfloat16().float()
+    else:
+        rope = rows[..., at : at + 2 * dr].contiguous().view(torch.bfloat16).float()
+    if kv_format in FP8_FORMATS:
         codes = rows[..., :dc].contiguous().view(torch.float8_e4m3fn).float().view(B, L, nc, FP8_BLOCK)
         scales = rows[..., dc : dc + 4 * nc].contiguous().view(torch.float32)
     else:
@@ -101,7 +107,7 @@ def _cache_fields(kv_format: str, rows: torch.Tensor, dc: int, dr: int):
 def _block_scales(kv_format: str, scales: torch.Tensor, valid: torch.Tensor):
     """One block's producer scales: scales [B, n, nc], valid [B, S, n] → (sc [B, S, n, nc], f [B, S, nc])."""
     s4 = torch.where(valid[..., None], scales[:, None], torch.zeros((), device=scales.device))
-    if kv_format == "fp8":  # one factor per chunk
+    if kv_format in FP8_FORMATS:  # one factor per chunk
         f = s4.amax(2).clamp_min(1e-30) / E4M3_MAX
         return s4 / f[:, :, None], f
     m = s4.amax((2, 3)).clamp_min(1e-30)  # tbq4: one factor per block, for every chunk
@@ -181,9 +187,9 @@ def mla_decode_e4m3(
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
     _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
     if q_split is None:
-        q_split = kv_format == "fp8"
+        q_split = kv_format in FP8_FORMATS
     if p_format is None:
-        p_format = "fp16" if kv_format == "fp8" else "e4m3"
+        p_format = "fp16" if kv_format in FP8_FORMATS else "e4m3"
     if p_format not in P_FORMATS:
         raise ValueError(f"p_format must be one of {P_FORMATS}; got {p_format!r}")
     B, S, H, D = q.shape

@@ -149,16 +149,33 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, n0, raw_codes, raw_rope, raw_scales,
-                     bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, SW: gl.constexpr = 4):
+                     bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, SW: gl.constexpr = 4,
+                     ROPE_I8: gl.constexpr = False):
         """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs: four [64, 128] code
-        boxes, the rope's [64, 64] bf16 box and a [64, SW] fp32 box from the scales on (SW > 4 reads into the rope)."""
+        boxes, the rope's [64, 64] bf16 box and a [64, SW] fp32 box from the scales on (SW > 4 reads into the rope).
+        ROPE_I8 (fp8_rope_int8 rows, SW = 8: the codes' and the rope's scales): the rope's [64, 64] int8 box lands in
+        the second half of the stage's bf16 rope tile (`rope_landing`), where the producer converts it."""
         row = _block_row(BT, b, stride_btb, n0, PAGE_SIZE)
         bar = bars.index(rs)
-        mbarrier.expect(bar, BLOCK_N * (640 + 4 * SW))
+        if ROPE_I8:
+            mbarrier.expect(bar, BLOCK_N * (576 + 4 * SW))
+        else:
+            mbarrier.expect(bar, BLOCK_N * (640 + 4 * SW))
         for c in gl.static_range(4):
             _tma_load(codes_desc, [row, c * 128], bar, raw_codes.index(rs * 4 + c))
-        _tma_load(rope_desc, [row, 264], bar, raw_rope.index(rs))
+        if ROPE_I8:
+            _tma_load(rope_desc, [row, 544], bar, rope_landing(raw_rope, rs))
+        else:
+            _tma_load(rope_desc, [row, 264], bar, raw_rope.index(rs))
         _tma_load(scale_desc, [row, 128], bar, raw_scales.index(rs))
+
+    @gluon.jit
+    def rope_landing(raw_rope, rs):
+        """(fp8_rope_int8) Where stage rs's int8 rope values land: [64 keys, 64] bytes, unswizzled, in the second
+        half of its bf16 rope tile."""
+        BLOCK_N: gl.constexpr = raw_rope.shape[1]
+        R8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        return G._reinterpret(raw_rope.index(rs), gl.int8, [2 * BLOCK_N, 64], R8).slice(BLOCK_N, BLOCK_N, dim=0)
 
     @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,

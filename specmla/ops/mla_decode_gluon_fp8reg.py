@@ -50,6 +50,8 @@ a CPU test compiles it for sm_90.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -68,7 +70,8 @@ if G.HAVE_GLUON:
 BLOCK_N = 64
 BLOCK_M = 16  # query rows: the register budget (Oᵀ 64 + Vᵀ fragments 64 registers per thread) fits 16
 NUM_RAW = 4  # raw stages (41 KB each): two consumers hold one each, two stay in flight
-REGS = (224, 56)  # (consumer, producer) registers per thread (with LOADER: (224, 40) and the loader's 24 fill 64K)
+REGS = (224, 56)  # (consumer, producer) registers per thread (with the loader warp: REGS_WITH_LOADER and its 24 fill
+# 64K)
 USE = True  # mla_decode_triton sends the fp8 calls this kernel takes here (else the other Gluon kernels)
 SCALE_WORDS = 4  # the scales' TMA box width in 32-bit words (4: the scales alone; wider boxes read into the rope)
 P16 = True  # P·V in fp16: Vᵀ's e4m3 codes converted in registers (exact), Pᵀ·scale/f in fp16 (one term, 11 bits)
@@ -76,7 +79,12 @@ P_SPLIT = True  # (P16 False) Pᵀ·scale/f as two e4m3 terms (hi + lo, two P·V
 # unpacking kernel's) instead of 2.5 %, at 267 instead of 252 µs (B=32 T=32k, with Q_CAT)
 LOADER = False  # a one-warp partition issues the copies as stages free up (else the producer refills them)
 LOADER_REGS = 24
+REGS_WITH_LOADER = (224, 40)  # (consumer, producer) registers when the loader warp runs too
+# fp8_rope_int8 rows: the loader warp issues the copies, because the producer's rope conversion delayed its refills
+# (H100, B=32 T=32k: 237.0 µs with the loader, 263.1 without, 249.2 refilling before converting)
+ROPE_INT8_LOADER = True
 REFILL_LAG = 2  # (LOADER False) the producer refills the stage of block j - REFILL_LAG after handing over block j
+REFILL_EARLY = False  # (LOADER False) … before preparing block j (its scales, fp8_rope_int8: the rope's conversion)
 PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ,
 # 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs), 7 the
 # default kernel that also writes each program's timeline (`_stamp`) past STAMPS_AT words of the workspace
@@ -216,44 +224,59 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
-                  LAG: gl.constexpr, SW: gl.constexpr, NO_COPY: gl.constexpr, REFILL: gl.constexpr = True):
+                  LAG: gl.constexpr, SW: gl.constexpr, NO_COPY: gl.constexpr, REFILL: gl.constexpr,
+                  ROPE_I8: gl.constexpr, EARLY: gl.constexpr):
         """Keep NR blocks in flight; per block wait for its bytes, write the per-key scales normalised per chunk
         (and the chunk factors f) for its raw stage, zero the codes of rows past the end and hand it over; then
         (REFILL) refill the stage of the block LAG behind once its consumer has read it (else `_loader` issues the
-        copies)."""
+        copies). EARLY: refill before preparing the block, so that the preparation's time (fp8_rope_int8: the
+        rope's conversion) does not delay the copies."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
-        RAW_FREE: gl.constexpr = NR
         KV_READY: gl.constexpr = 2 * NR
         for i in gl.static_range(NR):
             if not NO_COPY:
                 if REFILL:
                     if i < n_blocks:
                         M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N,
-                                       raw_codes, raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW)
+                                       raw_codes, raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW, ROPE_I8)
         for j in range(n_blocks):
             rs = j % NR
             if not NO_COPY:
                 mbarrier.wait(bars.index(rs), (j // NR) & 1)
-            _prepare_block(raw_codes, raw_scales, sc, fs, rs, start + j * BLOCK_N, end, BLOCK_M)
+            if REFILL and EARLY:
+                _refill(shared, j, PAGE_SIZE, BLOCK_N, NR, LAG, SW, NO_COPY, ROPE_I8)
+            _prepare_block(raw_codes, raw_rope, raw_scales, sc, fs, rs, start + j * BLOCK_N, end, BLOCK_M, ROPE_I8)
             _cta_barrier()
             mbarrier.arrive(bars.index(KV_READY + rs))
-            if REFILL:
-                if j >= LAG:  # refill the stage block j-LAG used, once its consumer has read it
-                    nxt = j - LAG + NR
-                    if nxt < n_blocks:
-                        prev = (j - LAG) % NR
-                        mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
-                        if not NO_COPY:
-                            M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb,
-                                           start + nxt * BLOCK_N, raw_codes, raw_rope, raw_scales, bars, prev,
-                                           PAGE_SIZE, BLOCK_N, SW)
+            if REFILL and not EARLY:
+                _refill(shared, j, PAGE_SIZE, BLOCK_N, NR, LAG, SW, NO_COPY, ROPE_I8)
 
     @gluon.jit
-    def _prepare_block(raw_codes, raw_scales, sc, fs, rs, n0, end, BLOCK_M: gl.constexpr):
+    def _refill(shared, j, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, LAG: gl.constexpr,
+                SW: gl.constexpr, NO_COPY: gl.constexpr, ROPE_I8: gl.constexpr):
+        """(Producer, at block j) refill the stage block j - LAG used with block j - LAG + NR, once its consumer has
+        read it."""
+        (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
+         q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
+        RAW_FREE: gl.constexpr = NR
+        if j >= LAG:
+            nxt = j - LAG + NR
+            if nxt < n_blocks:
+                prev = (j - LAG) % NR
+                mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
+                if not NO_COPY:
+                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
+                                   raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW, ROPE_I8)
+
+    @gluon.jit
+    def _prepare_block(raw_codes, raw_rope, raw_scales, sc, fs, rs, n0, end, BLOCK_M: gl.constexpr,
+                       ROPE_I8: gl.constexpr):
         """(Producer) raw stage rs holds the keys n0 …: its per-key scales normalised per chunk into sc / fs
-        (`_store_scales`), and the codes of rows at or past `end` zeroed (they may hold NaN codes, and 0 · NaN = NaN
-        in P·V)."""
+        (`_store_scales`), (ROPE_I8) its int8 rope converted to bf16 (`_convert_rope`), and the codes of rows at or
+        past `end` zeroed (they may hold NaN codes, and 0 · NaN = NaN in P·V; NaN scores are masked)."""
+        if ROPE_I8:
+            _convert_rope(raw_rope, raw_scales, rs)
         BLOCK_N: gl.constexpr = raw_scales.shape[1]
         SCL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[4, 1],
                                              order=[1, 0])
@@ -272,7 +295,32 @@ if G.HAVE_GLUON:
             fence_async_shared()
 
     @gluon.jit
-    def _loader(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, SW: gl.constexpr):
+    def _convert_rope(raw_rope, raw_scales, rs):
+        """(Producer, fp8_rope_int8) Stage rs's int8 rope values (`M.rope_landing`: the second half of its bf16 tile)
+        × their fp16 scales (scale words 4-7, two per word) → the tile's bf16 values, 32 keys at a time: the first
+        32 keys' bf16 rows lie before the landing area, the last 32 keys' overwrite it, so they are all read first.
+        Each thread converts 8 values (one scale) per pass and stores them as one 16-byte vector."""
+        BLOCK_N: gl.constexpr = raw_rope.shape[1]
+        HALF: gl.constexpr = BLOCK_N // 2
+        L3: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[4, 8, 1],
+                                            warps_per_cta=[4, 1, 1], order=[2, 1, 0])
+        V3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
+        S16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        land = G._reinterpret(M.rope_landing(raw_rope, rs), gl.int8, [BLOCK_N, 8, 8], V3)
+        scales = G._reinterpret(raw_scales.index(rs), gl.float16, [BLOCK_N, 16], S16).slice(8, 8, dim=1)
+        tile = raw_rope.index(rs)
+        for h in gl.static_range(2):
+            v = land.slice(h * HALF, HALF, dim=0).load(L3).to(gl.float32)
+            s = scales.slice(h * HALF, HALF, dim=0).load(gl.SliceLayout(2, L3)).to(gl.float32)
+            y = gl.reshape((v * gl.expand_dims(s, 2)).to(gl.bfloat16), [HALF, 64])
+            if h == 1:
+                _cta_barrier()  # every thread has read the landing area
+            tile.slice(h * HALF, HALF, dim=0).store(y)
+        fence_async_shared()  # the consumers' wgmma reads the tile
+
+    @gluon.jit
+    def _loader(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, SW: gl.constexpr,
+                ROPE_I8: gl.constexpr):
         """One warp that only issues the copies: block j into stage j % NR as soon as the consumer of block j - NR
         has handed that stage back, so every free stage is in flight (the producer's refills waited for the next
         block's bytes first)."""
@@ -284,7 +332,7 @@ if G.HAVE_GLUON:
             if j >= NR:
                 mbarrier.wait(bars.index(RAW_FREE + rs), ((j - NR) // NR) & 1)
             M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + j * BLOCK_N, raw_codes,
-                           raw_rope, raw_scales, bars, rs, PAGE_SIZE, BLOCK_N, SW)
+                           raw_rope, raw_scales, bars, rs, PAGE_SIZE, BLOCK_N, SW, ROPE_I8)
 
     @gluon.jit
     def _store_scales(s4, valid, sc, fs, rs, BLOCK_M: gl.constexpr, SCL: gl.constexpr, FL: gl.constexpr):
@@ -638,8 +686,8 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _steal_loader(shared, steal, H, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_H: gl.constexpr, NR: gl.constexpr, SW: gl.constexpr, FOLD: gl.constexpr,
-                      CAUSAL: gl.constexpr,
-                      RANGES: gl.constexpr, NSEG: gl.constexpr, MIN_LEFT: gl.constexpr, CLAIM: gl.constexpr):
+                      CAUSAL: gl.constexpr, RANGES: gl.constexpr, NSEG: gl.constexpr, MIN_LEFT: gl.constexpr,
+                      CLAIM: gl.constexpr, ROPE_I8: gl.constexpr):
         """(STEAL, one warp) Segment 0 is the program's own share (whose helper slot it clears first), later ones
         another program's (`_pick_victim`). Per segment: publish it (the share, its end), then fill the ring
         position by position with blocks taken CLAIM at a time from the share's counter (the owner and its helper
@@ -701,7 +749,7 @@ if G.HAVE_GLUON:
                     info.index(rs).store(zero + n0)
                     _cta_barrier()
                     M._issue_block(codes_desc, rope_desc, scale_desc, BT, b_v, stride_btb, n0, raw_codes, raw_rope,
-                                   raw_scales, bars, rs, PAGE_SIZE, BLOCK_N, SW)
+                                   raw_scales, bars, rs, PAGE_SIZE, BLOCK_N, SW, ROPE_I8)
                 else:  # an end marker: no copy, the stage's barrier completes on this arrival
                     info.index(rs).store(zero - 1)
                     _cta_barrier()
@@ -725,7 +773,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _steal_producer(shared, steal, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
-                        NSEG: gl.constexpr):
+                        NSEG: gl.constexpr, ROPE_I8: gl.constexpr):
         """(STEAL) `_producer` on the loader's positions: per position wait for its bytes (or its end marker),
         write the scales, zero the codes past the segment's end, hand it over; two markers end a segment."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
@@ -744,7 +792,7 @@ if G.HAVE_GLUON:
                 mbarrier.wait(bars.index(rs), (pos // NR) & 1)
                 n0 = gl.max(info.index(rs).load(FL), axis=0)
                 if n0 >= 0:
-                    _prepare_block(raw_codes, raw_scales, sc, fs, rs, n0, v_end, BLOCK_M)
+                    _prepare_block(raw_codes, raw_rope, raw_scales, sc, fs, rs, n0, v_end, BLOCK_M, ROPE_I8)
                 else:
                     ended += 1
                 _cta_barrier()
@@ -858,7 +906,7 @@ if G.HAVE_GLUON:
         SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, P16: gl.constexpr, Q_CAT: gl.constexpr,
         NO_COPY: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
         STEAL: gl.constexpr, RANGES: gl.constexpr, NSEG: gl.constexpr, MIN_LEFT: gl.constexpr, CLAIM: gl.constexpr,
-        SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        ROPE_I8: gl.constexpr, EARLY: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -901,13 +949,13 @@ if G.HAVE_GLUON:
             # the producer is the default partition (its registers are what the others leave: 40): a consumer
             # there kept its wgmma descriptors out of uniform registers (R2UR and spills every block)
             gl.warp_specialize([
-                (_steal_producer, (shared, steal, BLOCK_N, BLOCK_M, NR, NSEG)),
+                (_steal_producer, (shared, steal, BLOCK_N, BLOCK_M, NR, NSEG, ROPE_I8)),
                 (_steal_consumer, (0, shared, args, steal, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, PROBE, P_SPLIT,
                                    Q_SPLIT, P16, Q_CAT, NSEG)),
                 (_steal_consumer, (1, shared, args, steal, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, PROBE, P_SPLIT,
                                    Q_SPLIT, P16, Q_CAT, NSEG)),
                 (_steal_loader, (shared, steal, H, PAGE_SIZE, BLOCK_N, BLOCK_M, BLOCK_H, NR, SW, FOLD, CAUSAL,
-                                 RANGES, NSEG, MIN_LEFT, CLAIM)),
+                                 RANGES, NSEG, MIN_LEFT, CLAIM, ROPE_I8)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
         elif LOADER and not NO_COPY:
             gl.warp_specialize([
@@ -915,8 +963,8 @@ if G.HAVE_GLUON:
                              Q_SPLIT, P16, Q_CAT)),
                 (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
                              Q_SPLIT, P16, Q_CAT)),
-                (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY, False)),
-                (_loader, (shared, PAGE_SIZE, BLOCK_N, NR, SW)),
+                (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY, False, ROPE_I8, False)),
+                (_loader, (shared, PAGE_SIZE, BLOCK_N, NR, SW, ROPE_I8)),
             ], [4, 4, 1], [CONSUMER_REGS, PRODUCER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
@@ -924,28 +972,59 @@ if G.HAVE_GLUON:
                              Q_SPLIT, P16, Q_CAT)),
                 (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
                              Q_SPLIT, P16, Q_CAT)),
-                (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY)),
+                (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY, True, ROPE_I8, EARLY)),
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
-    """Whether this kernel takes an fp8-cache call: what `mla_decode_gluon_fp8mma` takes, with 16 query rows."""
-    return M.fp8mma_supported(q, kv_cache, dc, block_m) and max(16, block_m) == BLOCK_M
+def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8") -> bool:
+    """Whether this kernel takes an fp8-cache call: what `mla_decode_gluon_fp8mma` takes, with 16 query rows;
+    fp8_rope_int8 rows (608 bytes) under the same conditions."""
+    if max(16, block_m) != BLOCK_M:
+        return False
+    if kv_format == "fp8_rope_int8":
+        return (G.HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+                and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype == torch.bfloat16 and dc == 512
+                and q.shape[-1] == 576 and kv_cache.dtype == torch.uint8 and kv_cache.is_contiguous()
+                and kv_cache.shape[-1] == ROPE_INT8_ROW_BYTES and kv_cache.shape[1] % BLOCK_N == 0
+                and kv_cache.data_ptr() % 16 == 0)
+    return kv_format == "fp8" and M.fp8mma_supported(q, kv_cache, dc, block_m)
+
+
+ROPE_INT8_ROW_BYTES = 608  # fp8_rope_int8 rows of Dc = 512, Dr = 64 (`ops.kv_cache`)
+
+
+def _rope_int8_descriptors(kv_cache: torch.Tensor) -> tuple:
+    """TMA views of fp8_rope_int8 rows: codes [rows, 608] e4m3 in [64, 128] boxes, the rope's int8 values [rows, 608]
+    in unswizzled [64, 64] boxes, the scales [rows, 152] fp32 in [64, 8] boxes (4 codes' + 8 fp16 rope scales)."""
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    flat = kv_cache.view(rows, ROPE_INT8_ROW_BYTES)
+    return (M.TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [BLOCK_N, 128],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)),
+            M.TensorDescriptor.from_tensor(flat.view(torch.int8), [BLOCK_N, 64],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)),
+            M.TensorDescriptor.from_tensor(flat.view(torch.float32), [BLOCK_N, 8],
+                                           gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)))
 
 
 def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
-                        causal: bool, direct: bool, num_splits: int):
-    """Stage 1 of `mla_decode_triton` for an fp8 cache (grid, split rule and outputs as the other kernels)."""
+                        causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8"):
+    """Stage 1 of `mla_decode_triton` for an fp8 or fp8_rope_int8 cache (grid, split rule and outputs as the other
+    kernels)."""
+    rope_i8 = kv_format == "fp8_rope_int8"
+    scale_words = 8 if rope_i8 else SCALE_WORDS
     grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                            cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
-                                           scale_words=SCALE_WORDS)
+                                           scale_words=scale_words,
+                                           views=_rope_int8_descriptors(kv_cache) if rope_i8 else None)
     if PROBE == 7 and mid_o.is_cuda:  # stamps go past the partials: the workspace must be a view of a larger buffer
         room = mid_o.untyped_storage().nbytes() - mid_o.storage_offset() * mid_o.element_size()
         if direct or room < 8 * (STAMPS_AT + 16 * grid[0] * grid[1] * grid[2]):
             raise ValueError("PROBE 7 needs a split call whose workspace has room for the stamps "
                              "(benchmarks/fp8reg_timeline.py allocates it)")
     steal = STEAL and not direct and grid[1] == 1 and PROBE != 7
-    regs, loader_regs = (STEAL_REGS[:2], STEAL_REGS[2]) if steal else (REGS, LOADER_REGS)
+    loader = ROPE_INT8_LOADER if rope_i8 else LOADER
+    regs, loader_regs = ((STEAL_REGS[:2], STEAL_REGS[2]) if steal else
+                         (REGS_WITH_LOADER if loader else REGS, LOADER_REGS))
     programs = grid[0] * grid[2]
     if steal:
         claims, steal_o, steal_lse = helper_buffers(q.device, programs, mid_o.shape[:4])
@@ -953,13 +1032,13 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
     else:
         steal_args = (mid_lse, mid_o, mid_lse, 1)  # unused
     _mla_decode_fp8reg_kernel[grid](*args, *steal_args, **consts, NR=NUM_RAW, CONSUMER_REGS=regs[0],
-                                    PRODUCER_REGS=regs[1], PROBE=PROBE, LAG=REFILL_LAG, SW=SCALE_WORDS,
+                                    PRODUCER_REGS=regs[1], PROBE=PROBE, LAG=REFILL_LAG, SW=scale_words,
                                     P_SPLIT=P_SPLIT, Q_SPLIT=Q_SPLIT, P16=P16,
                                     Q_CAT=Q_CAT and Q_SPLIT,  # one term: nothing to join
-                                    LOADER=LOADER, LOADER_REGS=loader_regs, NO_COPY=NO_COPY,
+                                    LOADER=loader, LOADER_REGS=loader_regs, NO_COPY=NO_COPY,
                                     STEAL=steal, RANGES=max(32, triton.next_power_of_2(programs)) if steal else 32,
                                     NSEG=STEAL_SEGMENTS, MIN_LEFT=STEAL_MIN_BLOCKS, CLAIM=STEAL_CLAIM,
-                                    SOURCE_KEY=_SOURCE_KEY,
+                                    ROPE_I8=rope_i8, EARLY=REFILL_EARLY, SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)
     return (steal_o, steal_lse) if steal else None
 

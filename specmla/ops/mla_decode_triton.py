@@ -24,7 +24,7 @@ import triton.language as tl
 
 from specmla.ops import (mla_decode_gluon, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant,
                          mla_decode_gluon_tbq4reg, tbq4)
-from specmla.ops.kv_cache import rope_offset
+from specmla.ops.kv_cache import FP8_FORMATS, rope_offset, rope_scales_offset
 from specmla.ops.online_softmax import (online_softmax_finish, online_softmax_step, split_merge_weights,
                                         split_merge_weights_two)
 from specmla.ops.tbq4_rotate import combine_rotate, rotate_rows
@@ -183,8 +183,10 @@ def _mla_decode_split_kernel(
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
     PREFETCH: tl.constexpr = False, ROPE_AT: tl.constexpr = 0,
     KV_ALIGN: tl.constexpr = 1, S_ALIGN: tl.constexpr = 1, R_ALIGN: tl.constexpr = 1,
+    ROPE_I8: tl.constexpr = False, RS_AT: tl.constexpr = 0,
 ):
-    """Native (bf16/fp16/fp32) rows, or fp8 rows dequantised in registers (FP8)."""
+    """Native (bf16/fp16/fp32) rows, or fp8 rows dequantised in registers (FP8); ROPE_I8 (fp8_rope_int8): the
+    rope in int8 (KVR the int8 view, ROPE_AT in bytes) with one fp16 scale per 8 values at word RS_AT of KVS."""
     b, s_idx, h_idx, row_ok, start, end, limit = _program_rows(SEQ, S, H, NUM_SPLITS, BLOCK_H, FOLD, BLOCK_M,
                                                               BLOCK_N, CAUSAL)
     # Dc/Dr that are not powers of two are padded to one (DC_PAD/DR_PAD) and masked
@@ -220,8 +222,14 @@ def _mla_decode_split_kernel(
                                               stride_kst, DC, DC_PAD, True, KV_ALIGN, S_ALIGN)
             k_c = _fp8_values(codes, scale, BLOCK_N, DC_PAD, Q.dtype.element_ty)
             r_row = tl.multiple_of(page * stride_krp + tok * stride_krt + ROPE_AT, R_ALIGN)
-            k_r = tl.load(KVR + r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                          other=0.0).to(Q.dtype.element_ty)
+            k_r = tl.load(KVR + r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0)
+            if ROPE_I8:  # each value × its group's fp16 scale (two per 32-bit word of KVS)
+                s_row = page * stride_ksp + tok * stride_kst + RS_AT
+                words = tl.load(KVS + s_row[:, None] + (offs_r // 16)[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                                other=0.0).to(tl.uint32, bitcast=True)
+                half = (words >> ((offs_r // 8) % 2 * 16).to(tl.uint32)[None, :]) & 0xFFFF
+                k_r = k_r.to(tl.float32) * half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            k_r = k_r.to(Q.dtype.element_ty)
         else:
             if DC_PAD == DC:
                 k_c = tl.load(kv_row[:, None] + offs_c[None, :], mask=n_ok[:, None], other=0.0)
@@ -513,6 +521,9 @@ def mla_decode_triton(
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
     gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
+    if kv_format == "fp8_rope_int8":  # only the fp8 e4m3 kernel reads these rows
+        gluon_quant = mla_decode_gluon_fp8reg.USE and mla_decode_gluon_fp8reg.fp8reg_supported(
+            q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     supported = gluon_quant or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
                                                                      cfg["BLOCK_M"])
     if gluon and not supported:
@@ -550,18 +561,22 @@ def mla_decode_triton(
     ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
-    fp8, tbq = kv_format == "fp8", kv_format == "tbq4"
+    fp8, tbq, i8 = kv_format in FP8_FORMATS, kv_format == "tbq4", kv_format == "fp8_rope_int8"
     kv, quant = kv_cache, {}
     if fp8 or tbq:
         if kv_cache.dtype != torch.uint8 or not kv_cache.is_contiguous() or dc % 128:
             raise ValueError(f"the {kv_format} cache must be contiguous uint8 rows with Dc a multiple of 128")
-        # the same bytes viewed as codes (fp8: uint8, tbq4: int32 words), scales (fp32) / norms (fp16), rope (bf16)
-        scales, rope = kv_cache.view(torch.float32 if fp8 else torch.float16), kv_cache.view(torch.bfloat16)
+        # the same bytes viewed as codes (fp8: uint8, tbq4: int32 words), scales (fp32) / norms (fp16), rope (bf16;
+        # fp8_rope_int8: int8, its scales read through the fp32 view)
+        scales = kv_cache.view(torch.float32 if fp8 else torch.float16)
+        rope = kv_cache.view(torch.int8 if i8 else torch.bfloat16)
         kv = kv_cache if fp8 else kv_cache.view(torch.int32)
-        rope_at = rope_offset(kv_format, dc)  # bytes into the row
-        quant = dict(
+        rope_at = rope_offset(kv_format, dc, dr)  # bytes into the row
+        if i8:
+            quant = dict(ROPE_I8=True, RS_AT=rope_scales_offset(dc) // 4)
+        quant.update(
             # prefetching pays for small row tiles; 64-row tiles have no registers to spare for it
-            PREFETCH=block_m < 64 if prefetch is None else prefetch, ROPE_AT=rope_at // 2,
+            PREFETCH=block_m < 64 if prefetch is None else prefetch, ROPE_AT=rope_at if i8 else rope_at // 2,
             # kv_align may only lower the hint: the register layout of the loaded codes follows the
             # vector width, and narrower vectors can store the dequantised tile with fewer bank conflicts
             KV_ALIGN=min(kv_align or (8 if fp8 else 16), _aligned_elements(kv, 0)), S_ALIGN=_aligned_elements(scales, dc),
@@ -576,10 +591,10 @@ def mla_decode_triton(
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
     if (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8reg.USE
-            and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
+            and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)):
         helpers = mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                                               lse, softmax_scale * LOG2E, cfg, causal=causal,
-                                                              direct=direct, num_splits=ns)
+                                                              direct=direct, num_splits=ns, kv_format=kv_format)
     elif (run_gluon and gluon_quant and tbq and mla_decode_gluon_tbq4reg.USE
             and mla_decode_gluon_tbq4reg.tbq4reg_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
         mla_decode_gluon_tbq4reg.launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
