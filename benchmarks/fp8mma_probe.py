@@ -13,7 +13,11 @@ in the same run, with their timing probes (`PROBE`, wrong results).
   "reg16_steal": programs whose share is done help the share with the most blocks left (`STEAL`; "_min2" / "_min8":
   `STEAL_MIN_BLOCKS`, "_3seg": up to two shares helped, "_claim4": four blocks per atomic);
   "reg16_rows608": the same kernel on 608-byte rows, the size of a row whose rope is int8 with 8 fp16 scales
-  (`rows608_descriptors`: what a smaller fp8 format would gain in copies, before the rope's conversion costs).
+  (`rows608_descriptors`: what a smaller fp8 format would gain in copies, before the rope's conversion costs);
+  "rope_int8": the kernel on real fp8_rope_int8 rows (the producer converts the rope, the loader warp issues the
+  copies: `ROPE_INT8_LOADER`), "_producer_alone" its PROBE 5, "_no_loader": the producer refills the stages,
+  "_early": … before preparing a block (`REFILL_EARLY`; "reg16_early" on fp8 rows), "_lag1_early": … refilling the
+  previous block's stage.
 
 - `ops.mla_decode_gluon_tbq4reg` ("tbq4_reg") against the unpacking kernel ("tbq4_unpack"), with its probes (`PROBE`
   bits): no decode (1), no copies (2), the consumers alone (3), the producer alone (4), the copies alone (13), no
@@ -121,7 +125,14 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("reg16_steal_producer_alone", "fp8", R, dict(USE=True, STEAL=True, PROBE=5)),
             ("reg16_rows608", "fp8", (R, M), (dict(USE=True), dict(_descriptors=rows608_descriptors))),
             ("reg16_rows608_producer_alone", "fp8", (R, M), (dict(USE=True, PROBE=5),
-                                                             dict(_descriptors=rows608_descriptors))))
+                                                             dict(_descriptors=rows608_descriptors))),
+            ("rope_int8", "fp8_rope_int8", R, dict(USE=True)),
+            ("rope_int8_producer_alone", "fp8_rope_int8", R, dict(USE=True, PROBE=5)),
+            ("rope_int8_no_loader", "fp8_rope_int8", R, dict(USE=True, ROPE_INT8_LOADER=False)),
+            ("rope_int8_early", "fp8_rope_int8", R, dict(USE=True, ROPE_INT8_LOADER=False, REFILL_EARLY=True)),
+            ("rope_int8_lag1_early", "fp8_rope_int8", R, dict(USE=True, ROPE_INT8_LOADER=False, REFILL_EARLY=True,
+                                                              REFILL_LAG=1)),
+            ("reg16_early", "fp8", R, dict(USE=True, REFILL_EARLY=True)))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 
@@ -137,7 +148,7 @@ def main():
     for case in args.cases.split(","):
         H, B, T, S = (int(x) for x in case.split("x"))
         res = {"case": [H, B, T, S]}
-        for kv in ("bf16", "fp8", "tbq4"):
+        for kv in ("bf16", "fp8", "fp8_rope_int8", "tbq4"):
             if not any(v[1] == kv for v in VARIANTS):
                 continue
             caches, table, seq, qs = make_problem(H, B, T, S, 4, kv)
