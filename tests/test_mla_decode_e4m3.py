@@ -168,7 +168,7 @@ def _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_format="fp16"):
     from specmla.ops import mla_decode_gluon_tbq4reg as T
     from specmla.ops.mla_decode_triton import mla_decode_triton
 
-    mod, name = (R, "launch_fp8reg_split") if fmt == "fp8" else (T, "launch_tbq4reg_split")
+    mod, name = (R, "launch_fp8reg_split") if fmt != "tbq4" else (T, "launch_tbq4reg_split")
     monkeypatch.setattr(mod, "USE", True)
     monkeypatch.setattr(R, "P16", p_format == "fp16")
     monkeypatch.setattr(R, "P_SPLIT", p_format == "e4m3x2")
@@ -184,7 +184,7 @@ def _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_format="fp16"):
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("fmt,p_format,row_tol", [("fp8", "fp16", 0.004), ("fp8", "e4m3", 0.012), ("fp8", "e4m3x2", 0.004),
-                                                  ("tbq4", "e4m3", 0.015)])
+                                                  ("fp8_rope_int8", "fp16", 0.004), ("tbq4", "e4m3", 0.015)])
 def test_the_kernels_follow_the_emulation(fmt, p_format, row_tol, monkeypatch):
     """The Hopper kernels' error against the exact reference is the emulation's, with and without split launches;
     with one split per row (as emulated) every row is within row_tol of the emulation. Measured (H100, this case):

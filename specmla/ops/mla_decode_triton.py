@@ -223,12 +223,15 @@ def _mla_decode_split_kernel(
             k_c = _fp8_values(codes, scale, BLOCK_N, DC_PAD, Q.dtype.element_ty)
             r_row = tl.multiple_of(page * stride_krp + tok * stride_krt + ROPE_AT, R_ALIGN)
             k_r = tl.load(KVR + r_row[:, None] + offs_r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0)
-            if ROPE_I8:  # each value × its group's fp16 scale (two per 32-bit word of KVS)
+            if ROPE_I8:  # each group of 8 values × its fp16 scale (two per 32-bit word of KVS)
+                offs_g = tl.arange(0, DR_PAD // 8)
                 s_row = page * stride_ksp + tok * stride_kst + RS_AT
-                words = tl.load(KVS + s_row[:, None] + (offs_r // 16)[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                                other=0.0).to(tl.uint32, bitcast=True)
-                half = (words >> ((offs_r // 8) % 2 * 16).to(tl.uint32)[None, :]) & 0xFFFF
-                k_r = k_r.to(tl.float32) * half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                words = tl.load(KVS + s_row[:, None] + (offs_g // 2)[None, :],
+                                mask=n_ok[:, None] & (offs_g < DR // 8)[None, :], other=0.0).to(tl.uint32, bitcast=True)
+                half = (words >> (offs_g % 2 * 16).to(tl.uint32)[None, :]) & 0xFFFF
+                scale = half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                k_r = tl.reshape(tl.reshape(k_r.to(tl.float32), [BLOCK_N, DR_PAD // 8, 8]) * scale[:, :, None],
+                                 [BLOCK_N, DR_PAD])
             k_r = k_r.to(Q.dtype.element_ty)
         else:
             if DC_PAD == DC:
