@@ -43,6 +43,12 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
   consumer's wgmma descriptors in regular registers and spilled them (144 R2UR per block against 60; 298.6 µs on
   an H200). docs/benchmarks.md, eighteenth and nineteenth sessions.
 
+- fp8_rope_int8 rows (608 bytes: the rope in int8 with one fp16 scale per 8 values, `ops.kv_cache`): the rope's int8
+  box lands in the second half of the stage's bf16 rope tile and the producer converts it in place (`_convert_rope`),
+  so the consumers are unchanged; the loader warp issues the copies (`ROPE_INT8_LOADER`), because the conversion
+  delayed the producer's refills (263.1 against 237.0 µs at B=32 T=32k on an H100: 1.74× bf16). docs/benchmarks.md,
+  nineteenth session.
+
 16 query rows (H = 16, S = 1); other calls go to the other kernels. Same contract, grid, split rule and partials as
 `mla_decode_triton`. Gluon does not run in the Triton interpreter: GPU tests check it against the fp64 reference,
 a CPU test compiles it for sm_90.
