@@ -65,7 +65,8 @@ def rope_offset(kv_format: str, dc: int, dr: int) -> int:
 
 def rope_int8(k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, Dr] → (int8 values [T, Dr], fp16 scales [T, Dr/8]): per 8 values amax / 127, rounded to fp16 first (so
-    that the values are coded with the scale the reader uses), then round-half-even of value / scale."""
+    that the values are coded with the scale the reader uses; kept within fp16's [2⁻²⁴, 65504], so an all-zero group
+    codes to zeros and values beyond 127 · 65504 saturate), then round-half-even of value / scale."""
     T, dr = k_pe.shape
     groups = k_pe.float().view(T, dr // ROPE_GROUP, ROPE_GROUP)
     scale = (groups.abs().amax(-1, keepdim=True) / 127).clamp(2.0 ** -24, 65504.0).half()
