@@ -127,6 +127,21 @@ def test_attention_output_quality_against_the_unquantised_cache(fmt, scale, min_
     assert cos.min().item() >= min_cos, cos.min()
 
 
+def test_a_pool_of_fixed_bytes_holds_more_quantised_tokens():
+    """Issue 7's memory check on the embedded model (Dc 512, Dr 64): in the same bytes (the CPU budget, 1 GiB) the
+    engine's pool holds 1152 / row bytes times the bf16 tokens: fp8 1.76×, fp8_rope_int8 1.89×, tbq4 2.88×."""
+    from specmla.engine.engine import default_num_pages
+    from specmla.model.default import default_model_path
+    from specmla.model.loader import load_model
+
+    model = load_model(default_model_path(), device="cpu", dtype=torch.bfloat16, progress=False)
+    tokens = {f: 64 * default_num_pages(model, 64, torch.bfloat16, torch.device("cpu"), 1 << 20, 1 << 20, kv_format=f)
+              for f in ("auto", "fp8", "fp8_rope_int8", "tbq4")}
+    assert tokens["auto"] < 64 * (1 << 20) * (1 << 20) // 64  # the budget, not the request count, is the cap
+    for fmt, row in (("fp8", 656), ("fp8_rope_int8", 608), ("tbq4", 400)):
+        assert tokens[fmt] / tokens["auto"] == pytest.approx(1152 / row, rel=2e-3)
+
+
 def test_bad_widths_are_rejected():
     cache = torch.zeros(4, 16, 600, dtype=torch.uint8)
     with pytest.raises(ValueError, match="width"):
