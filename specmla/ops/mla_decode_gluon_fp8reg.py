@@ -42,7 +42,6 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
   is the warp-specialised default partition: with consumer 0 there (as in the static kernel), ptxas built that
   consumer's wgmma descriptors in regular registers and spilled them (144 R2UR per block against 60; 298.6 µs on
   an H200). docs/benchmarks.md, eighteenth and nineteenth sessions.
-
 - fp8_rope_int8 rows (608 bytes: the rope in int8 with one fp16 scale per 8 values, `ops.kv_cache`): the rope's int8
   box lands in the second half of the stage's bf16 rope tile and the producer converts it in place (`_convert_rope`),
   so the consumers are unchanged; the loader warp issues the copies (`ROPE_INT8_LOADER`), because the conversion
