@@ -22,7 +22,7 @@ def feed(tok, ids, chunks=None):
         pieces.append(d.update(ids[:i]))
         if i == len(ids):
             break
-    pieces.append(d.update(ids))  # whatever the chunking left
+    pieces.append(d.update(ids, final=True))  # whatever the chunking left: the stream ends here
     return d, "".join(pieces)
 
 
@@ -58,3 +58,21 @@ def test_no_new_tokens_adds_nothing(tokenizer):
     assert d.update(ids) == "x = 1"
     assert d.update(ids) == "" and d.update(ids[:1]) == ""
     assert d.text == "x = 1"
+
+
+def test_a_held_back_replacement_character_comes_out_at_the_end(tokenizer):
+    """A stream that ends inside a multi-byte character (here: cut after the first byte of '日'), or with a genuine
+    U+FFFD, holds it back while more tokens may follow, and emits it with the final update, as the full decode."""
+    for text in ("ok \ufffd", "ok 日"):
+        ids = tokenizer.encode(text, add_bos=False)
+        if text.endswith("日"):  # keep only the tokens up to the character's first byte, if the tokenizer splits it
+            ids = next((ids[:i] for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd")), ids)
+        d = IncrementalDetokenizer(tokenizer)
+        streamed = "".join(d.update(ids[:i]) for i in range(1, len(ids) + 1))
+        full = tokenizer.decode(ids)
+        if full.endswith("\ufffd"):
+            assert d.text == streamed == full[:-1]  # held back: another token could complete it
+        held = full[len(d.text):]
+        assert held.endswith("\ufffd")
+        assert d.update(ids, final=True) == held
+        assert d.text == full

@@ -245,21 +245,26 @@ class LLMEngine:
 
     def _check_finish(self, s: Sequence, token: int) -> None:
         p = s.params
+        if not p.ignore_eos and token in self.eos_ids:
+            done = "stop"
+        elif len(s.output_ids) >= p.max_tokens or s.total_len >= self.max_model_len:
+            done = "length"
+        else:
+            done = None
         if self.tokenizer is not None:
             if s.detok is None:
                 s.detok = IncrementalDetokenizer(self.tokenizer)
             old_len = len(s.detok.text)
-            if s.detok.update(s.output_ids):  # a partial UTF-8 character waits for its next token
+            # a partial UTF-8 character waits for its next token, unless this is the last one
+            if s.detok.update(s.output_ids, final=done is not None):
                 s.text = s.detok.text
                 for stop in p.stop:  # earlier text held none of them: search only where a new one can end
                     idx = s.text.find(stop, max(0, old_len - len(stop) + 1))
                     if idx != -1:
                         s.text = s.text[:idx]
                         return self._finish(s, "stop")
-        if not p.ignore_eos and token in self.eos_ids:
-            return self._finish(s, "stop")
-        if len(s.output_ids) >= p.max_tokens or s.total_len >= self.max_model_len:
-            return self._finish(s, "length")
+        if done is not None:
+            return self._finish(s, done)
 
     def _finish(self, s: Sequence, reason: str) -> None:
         s.status, s.finish_reason, s.finish_time = Status.FINISHED, reason, time.perf_counter()
