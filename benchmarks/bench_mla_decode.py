@@ -247,7 +247,8 @@ def main():
                   f"{row['ours_GBps']:7.0f} GB/s {row['ours_pct_copy']:5.1f}% copy  {row['ours_TFLOPs']:6.1f} TFLOP/s "
                   f"({100 * row['ours_TFLOPs'] * 1e12 / gemm:.0f}% GEMM)  "
                   f"naive {naive}  err {row['rel_err']:.1e}  default {row['default_s'] * 1e3:.4f} ms "
-                  f"({100 * row['bytes'] / row['default_s'] / copy_bw:.1f}% copy)  planned {row['planned_s'] * 1e3:.4f} ms  "
+                  f"({100 * row['bytes'] / row['default_s'] / copy_bw:.1f}% copy)  "
+                  f"planned {row['planned_s'] * 1e3:.4f} ms  "
                   f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}"
                   + (f"  triton-only {row['triton_only_s'] * 1e3:.4f} ms" if row.get("triton_only_s") else ""),
                   flush=True)

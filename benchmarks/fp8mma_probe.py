@@ -1,15 +1,16 @@
-"""Issue-7 probe: the e4m3-matmul fp8 and tbq4 kernels against bf16 and the unpacking fp8 kernel (`ops.mla_decode_gluon_quant`)
-in the same run, with their timing probes (`PROBE`, wrong results).
+"""Issue-7 probe: the e4m3-matmul fp8 and tbq4 kernels against bf16 and the unpacking fp8 kernel
+(`ops.mla_decode_gluon_quant`) in the same run, with their timing probes (`PROBE`, wrong results).
 - `ops.mla_decode_gluon_fp8mma` ("mma"): the producer writing no Vᵀ (1), the consumers handing every stage back (2),
   Pᵀ stored keys-major (3); "_t4": the transpose of four keys × one word per thread (`TRANSPOSE_16 = False`).
 - `ops.mla_decode_gluon_fp8reg` ("reg", Vᵀ in registers): no P·V (1), P·V on zeros with no Vᵀ loads (2), no softmax
   reductions (3), no Q·Kᵀ (4), the producer alone (5), no key blocks: the fixed costs (6); no copies, the consumers
   alone (`NO_COPY`; "reg1_alone_*" with the others too, P in one term); "_q_one_term": q in one e4m3 term
-  (`Q_SPLIT = False`); "_lag1": the producer refills the stage of the block before the one it hands over; "_scale_box_16": 64-byte scale boxes; "_p_one_term" / "_p_two_terms": Pᵀ in one / two e4m3 terms (`P16 = False`); "reg16_*": P·V in fp16 (`P16`, the
-  default), "_q_apart": q's two terms as two matmuls (`Q_CAT = False`), "_no_loader": the producer refills the stages (no
-  loader warp, `LOADER = False`), "reg16_loader": the one-warp copy partition (`LOADER`); "tbq4_rope_via_raw": the
-  rope through the raw ring (`ROPE_DIRECT = False`), "tbq4_raw4": 4 raw stages of 17 KB (crashed at B=32 T=32k);
-  "_splits_half" / "_double": half / twice the split count;
+  (`Q_SPLIT = False`); "_lag1": the producer refills the stage of the block before the one it hands over;
+  "_scale_box_16": 64-byte scale boxes; "_p_one_term" / "_p_two_terms": Pᵀ in one / two e4m3 terms (`P16 = False`);
+  "reg16_*": P·V in fp16 (`P16`, the default), "_q_apart": q's two terms as two matmuls (`Q_CAT = False`),
+  "_no_loader": the producer refills the stages (no loader warp, `LOADER = False`), "reg16_loader": the one-warp
+  copy partition (`LOADER`); "tbq4_rope_via_raw": the rope through the raw ring (`ROPE_DIRECT = False`),
+  "tbq4_raw4": 4 raw stages of 17 KB (crashed at B=32 T=32k); "_splits_half" / "_double": half / twice the split count;
   "reg16_steal": programs whose share is done help the share with the most blocks left (`STEAL`; "_min2" / "_min8":
   `STEAL_MIN_BLOCKS`, "_3seg": up to two shares helped, "_claim4": four blocks per atomic);
   "reg16_rows608": the same kernel on 608-byte rows, the size of a row whose rope is int8 with 8 fp16 scales
@@ -82,9 +83,11 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("reg1_alone_no_pv", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=1)),
             ("reg1_alone_no_vt_loads", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=2)),
             ("reg1_alone_no_softmax", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=3)),
-            ("reg1_alone_no_qk", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=4)), ("reg_no_blocks", "fp8", R, dict(USE=True, PROBE=6)),
+            ("reg1_alone_no_qk", "fp8", R, dict(USE=True, NO_COPY=True, P16=False, P_SPLIT=False, PROBE=4)),
+            ("reg_no_blocks", "fp8", R, dict(USE=True, PROBE=6)),
             ("tbq4_unpack", "tbq4", T, dict(USE=False)), ("tbq4_reg", "tbq4", T, dict(USE=True)),
-            ("tbq4_no_decode", "tbq4", T, dict(USE=True, PROBE=1)), ("tbq4_no_copy", "tbq4", T, dict(USE=True, PROBE=2)),
+            ("tbq4_no_decode", "tbq4", T, dict(USE=True, PROBE=1)),
+            ("tbq4_no_copy", "tbq4", T, dict(USE=True, PROBE=2)),
             ("tbq4_consumers_alone", "tbq4", T, dict(USE=True, PROBE=3)),
             ("tbq4_producer_alone", "tbq4", T, dict(USE=True, PROBE=4)),
             ("tbq4_copies_alone", "tbq4", T, dict(USE=True, PROBE=13)),
@@ -94,9 +97,11 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("reg1_no_blocks", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=6)),
             ("reg1_no_blocks_splits_1x", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=6, num_splits=1.0)),
             ("reg1_producer_alone", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=5)),
-            ("reg1_producer_alone_splits_1x", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=5, num_splits=1.0)),
+            ("reg1_producer_alone_splits_1x", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, PROBE=5,
+                                                             num_splits=1.0)),
             ("reg1_lag1", "fp8", R, dict(USE=True, P16=False, P_SPLIT=False, REFILL_LAG=1)),
-            ("tbq4_cb32", "tbq4", T, dict(USE=True, CODE_BOX=32)), ("tbq4_cb64", "tbq4", T, dict(USE=True, CODE_BOX=64)),
+            ("tbq4_cb32", "tbq4", T, dict(USE=True, CODE_BOX=32)),
+            ("tbq4_cb64", "tbq4", T, dict(USE=True, CODE_BOX=64)),
             ("tbq4_copies_alone_cb32", "tbq4", T, dict(USE=True, PROBE=13, CODE_BOX=32)),
             ("tbq4_copies_alone_cb64", "tbq4", T, dict(USE=True, PROBE=13, CODE_BOX=64)),
             ("tbq4_splits_1x", "tbq4", T, dict(USE=True, num_splits=1.0)),

@@ -99,7 +99,8 @@ class LLM:
             proposer = NgramProposer(num_speculative_tokens, ngram_min, ngram_max)
         elif speculative in ("mtp", "hybrid"):
             if not len(self.model.mtp):
-                raise ValueError(f"speculative={speculative!r} needs a model with MTP layers (num_nextn_predict_layers)")
+                raise ValueError(f"speculative={speculative!r} needs a model with MTP layers "
+                                 "(num_nextn_predict_layers)")
             proposer = (MtpProposer(num_speculative_tokens) if speculative == "mtp"
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,

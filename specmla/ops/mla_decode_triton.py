@@ -4,7 +4,8 @@ Stage 1: one program per (request, query-token group, head block, KV split). Its
 query tokens × BLOCK_H heads (TokenSpeed's fold: F = the largest divisor of S with F·BLOCK_H ≤ 64,
 the fa3_mtp idea), so one pass over the KV pages serves every draft token of the request; each row
 keeps its own bottom-right causal limit. Scores = q_c·c_kv + q_r·k_pe, online softmax in base 2,
-acc += p·c_kv (fp32 inputs use IEEE fp32 dots, not tf32: the fp32 path is the exact one). It writes the split's normalised output and its log2-sum-exp.
+acc += p·c_kv (fp32 inputs use IEEE fp32 dots, not tf32: the fp32 path is the exact one). It writes the split's
+normalised output and its log2-sum-exp.
 Stage 2: one program per (request, query token, head, 128 output columns) merges the splits.
 
 The number of splits comes from shapes only (B, S, H, SM count, the block table's capacity), never
@@ -531,7 +532,8 @@ def mla_decode_triton(
                                                                      cfg["BLOCK_M"])
     if gluon and not supported:
         raise ValueError("the Gluon decode kernels take Hopper only: a 16-bit cache with Dc a multiple of 64 up to "
-                         "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 rows")
+                         "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 "
+                         "rows (fp8_rope_int8: 16 rows)")
     gluon_cfg = None
     helpers = None  # (partials, lse) of the programs that helped with other splits' keys (fp8 STEAL)
     if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
@@ -582,7 +584,8 @@ def mla_decode_triton(
             PREFETCH=block_m < 64 if prefetch is None else prefetch, ROPE_AT=rope_at if i8 else rope_at // 2,
             # kv_align may only lower the hint: the register layout of the loaded codes follows the
             # vector width, and narrower vectors can store the dequantised tile with fewer bank conflicts
-            KV_ALIGN=min(kv_align or (8 if fp8 else 16), _aligned_elements(kv, 0)), S_ALIGN=_aligned_elements(scales, dc),
+            KV_ALIGN=min(kv_align or (8 if fp8 else 16), _aligned_elements(kv, 0)),
+            S_ALIGN=_aligned_elements(scales, dc),
             R_ALIGN=_aligned_elements(rope, rope_at))
     elif kv_format not in ("auto", "native", "bf16", "fp16", "fp32"):
         raise ValueError(f"unknown kv_format {kv_format!r}")
