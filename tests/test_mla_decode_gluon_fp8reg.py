@@ -146,6 +146,28 @@ def test_fp8reg_q_in_one_term_ignores_q_cat(monkeypatch):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("lens,S,splits", [([700, 90, 3], 2, None), ([4097, 77], 3, 2), ([1, 64, 300], 4, None)])
+def test_fp8reg_takes_rope_int8_calls_one_query_token_per_program(lens, S, splits, monkeypatch):
+    """fp8_rope_int8 with S > 1 query tokens (H = 16): one token's 16 rows per program (no folding), each with its own
+    causal limit, instead of the Triton kernel; against the fp64 reference with NaN bytes past each request's end."""
+    from specmla.ops.mla_decode import mla_decode_torch
+
+    q, cache, table, seq = _problem(lens, S, kv_format="fp8_rope_int8")
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8_rope_int8")
+    got, launches = _run(q, cache, table, seq, splits, monkeypatch, kv_format="fp8_rope_int8")
+    assert launches == [1]
+    got = got.double()
+    assert torch.isfinite(got).all()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-2
+    # a token before the request's first key (length 1, S = 4) sees no key: its row is the reference's zeros
+    empty = ref.flatten(2).norm(dim=-1) == 0
+    assert empty.any() == (min(lens) < S) and (got.flatten(2)[empty].abs() <= 1e-6).all()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(2), ref.flatten(2), dim=-1)
+    assert cos[~empty].min().item() > 0.999
+
+
+@pytest.mark.gpu
+@hopper
 def test_fp8reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 
