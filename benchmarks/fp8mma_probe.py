@@ -18,7 +18,8 @@
   "rope_int8": the kernel on real fp8_rope_int8 rows (the producer converts the rope, the loader warp issues the
   copies: `ROPE_INT8_LOADER`), "_producer_alone" its PROBE 5, "_no_loader": the producer refills the stages,
   "_early": … before preparing a block (`REFILL_EARLY`; "reg16_early" on fp8 rows), "_lag1_early": … refilling the
-  previous block's stage.
+  previous block's stage; "tbq4_rows352": the tbq4 kernel on 352-byte rows (an int8 rope with its scales:
+  `rows352_descriptors`).
 
 - `ops.mla_decode_gluon_tbq4reg` ("tbq4_reg") against the unpacking kernel ("tbq4_unpack"), with its probes (`PROBE`
   bits): no decode (1), no copies (2), the consumers alone (3), the producer alone (4), the copies alone (13), no
@@ -61,6 +62,24 @@ def rows608_descriptors(kv_cache: torch.Tensor, scale_words: int = 4) -> tuple:
                                            M.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)),
             M.TensorDescriptor.from_tensor(view(torch.float32, 152), [M.BLOCK_N, scale_words],
                                            M.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)))
+
+
+def rows352_descriptors(kv_cache: torch.Tensor) -> tuple:
+    """(Timing probe, wrong results) `T._descriptors` over the same bytes read as 352-byte rows, the size of a tbq4
+    row whose rope is int8 with 8 fp16 scales: codes and norms as now, and the rope box at byte 272 of a 176-element
+    bf16 row, so TMA reads 80 bytes and fills the box's last 48 with zeros."""
+    flat = kv_cache.view(-1)
+    rows = flat.numel() // 352
+
+    def view(dtype, width):
+        return flat.view(dtype).as_strided((rows, width), (width, 1))
+
+    return (M.TensorDescriptor.from_tensor(view(torch.int32, 88), [T.BLOCK_N, T.CODE_BOX],
+                                           M.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)),
+            M.TensorDescriptor.from_tensor(view(torch.float16, 176), [T.BLOCK_N, 8],
+                                           M.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)),
+            M.TensorDescriptor.from_tensor(view(torch.bfloat16, 176), [T.BLOCK_N, 64],
+                                           M.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)))
 
 
 VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
@@ -137,7 +156,8 @@ VARIANTS = (("bf16", "bf16", M, {}), ("fp8_unpack", "fp8", R, dict(USE=False)),
             ("rope_int8_early", "fp8_rope_int8", R, dict(USE=True, ROPE_INT8_LOADER=False, REFILL_EARLY=True)),
             ("rope_int8_lag1_early", "fp8_rope_int8", R, dict(USE=True, ROPE_INT8_LOADER=False, REFILL_EARLY=True,
                                                               REFILL_LAG=1)),
-            ("reg16_early", "fp8", R, dict(USE=True, REFILL_EARLY=True)))
+            ("reg16_early", "fp8", R, dict(USE=True, REFILL_EARLY=True)),
+            ("tbq4_rows352", "tbq4", T, dict(USE=True, _descriptors=rows352_descriptors)))
 if os.environ.get("FP8MMA_VARIANTS"):  # a subset by name, e.g. bf16,fp8_reg
     VARIANTS = tuple(v for v in VARIANTS if v[0] in os.environ["FP8MMA_VARIANTS"].split(","))
 
