@@ -102,14 +102,7 @@ def decode_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int, dtype=torc
     lead = rows.shape[:-1]
     rows = rows.reshape(-1, rows.shape[-1])
     T = rows.shape[0]
-    rope_at = rope_offset(kv_format, dc, dr)
-    if kv_format == "fp8_rope_int8":
-        at = rope_scales_offset(dc)
-        scale = rows[:, at:rope_at].contiguous().view(torch.float16).float()
-        values = rows[:, rope_at : rope_at + dr].contiguous().view(torch.int8).float()
-        rope = (values.view(T, -1, ROPE_GROUP) * scale.view(T, -1, 1)).view(T, dr)
-    else:
-        rope = rows[:, rope_at : rope_at + 2 * dr].contiguous().view(torch.bfloat16).float()
+    rope = decode_rope(kv_format, rows, dc, dr)
     if kv_format in FP8_FORMATS:
         codes = rows[:, :dc].contiguous().view(torch.float8_e4m3fn).float().view(T, dc // FP8_BLOCK, FP8_BLOCK)
         scale = rows[:, dc : dc + 4 * (dc // FP8_BLOCK)].contiguous().view(torch.float32).view(T, -1, 1)
@@ -117,6 +110,18 @@ def decode_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int, dtype=torc
     else:
         c_kv = tbq4.dequantize(rows[:, : tbq4.row_bytes(dc)].contiguous(), dc)
     return torch.cat([c_kv, rope], dim=-1).to(dtype).view(*lead, dc + dr)
+
+
+def decode_rope(kv_format: str, rows: torch.Tensor, dc: int, dr: int) -> torch.Tensor:
+    """Quantised rows [..., W] → their rope part [..., Dr] in fp32: the bf16 values, or (fp8_rope_int8) the int8
+    values × their group's fp16 scale."""
+    rope_at = rope_offset(kv_format, dc, dr)
+    if kv_format != "fp8_rope_int8":
+        return rows[..., rope_at : rope_at + 2 * dr].contiguous().view(torch.bfloat16).float()
+    scale = rows[..., rope_scales_offset(dc) : rope_at].contiguous().view(torch.float16).float()
+    values = rows[..., rope_at : rope_at + dr].contiguous().view(torch.int8).float()
+    lead = rows.shape[:-1]
+    return (values.view(*lead, -1, ROPE_GROUP) * scale.view(*lead, -1, 1)).view(*lead, dr)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,

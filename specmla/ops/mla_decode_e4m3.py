@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from specmla.ops import tbq4
-from specmla.ops.kv_cache import FP8_BLOCK, FP8_FORMATS, ROPE_GROUP, rope_offset, rope_scales_offset
+from specmla.ops.kv_cache import FP8_BLOCK, FP8_FORMATS, decode_rope
 from specmla.ops.mla_decode import _check_args
 
 E4M3_MAX = 448.0
@@ -82,14 +82,8 @@ def _cache_fields(kv_format: str, rows: torch.Tensor, dc: int, dr: int):
     [B, L, nc] fp32 (fp8: the fp32 scales; tbq4: the fp16 norms), rope [B, L, Dr] (bf16 values as fp32))."""
     B, L, _ = rows.shape
     nc = dc // FP8_BLOCK
-    at = rope_offset(kv_format, dc, dr)
-    if kv_format == "fp8_rope_int8":  # the producer's conversion: int8 × fp16 scale, rounded to bf16
-        sat = rope_scales_offset(dc)
-        scale = rows[..., sat:at].contiguous().view(torch.float16).float()
-        values = rows[..., at : at + dr].contiguous().view(torch.int8).float().view(B, L, -1, ROPE_GROUP)
-        rope = (values * scale[..., None]).view(B, L, dr).bfloat16().float()
-    else:
-        rope = rows[..., at : at + 2 * dr].contiguous().view(torch.bfloat16).float()
+    # bf16 values as they are; fp8_rope_int8's int8 × fp16 scale rounded to bf16, as the producer converts it
+    rope = decode_rope(kv_format, rows, dc, dr).bfloat16().float()
     if kv_format in FP8_FORMATS:
         codes = rows[..., :dc].contiguous().view(torch.float8_e4m3fn).float().view(B, L, nc, FP8_BLOCK)
         scales = rows[..., dc : dc + 4 * nc].contiguous().view(torch.float32)

@@ -55,14 +55,13 @@ a CPU test compiles it for sm_90.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8mma as M
 from specmla.ops import mla_decode_gluon_quant as Q8
+from specmla.ops.kv_cache import row_spec
 
 if G.HAVE_GLUON:
     from triton.experimental import gluon
@@ -987,15 +986,12 @@ def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: 
     if max(16, block_m) != BLOCK_M:
         return False
     if kv_format == "fp8_rope_int8":
-        return (G.HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-                and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype == torch.bfloat16 and dc == 512
-                and q.shape[-1] == 576 and kv_cache.dtype == torch.uint8 and kv_cache.is_contiguous()
-                and kv_cache.shape[-1] == ROPE_INT8_ROW_BYTES and kv_cache.shape[1] % BLOCK_N == 0
-                and kv_cache.data_ptr() % 16 == 0)
+        return (Q8.hopper_rows_supported(q, kv_cache, dc, ROPE_INT8_ROW_BYTES)
+                and kv_cache.shape[1] % BLOCK_N == 0)  # one TMA box per block
     return kv_format == "fp8" and M.fp8mma_supported(q, kv_cache, dc, block_m)
 
 
-ROPE_INT8_ROW_BYTES = 608  # fp8_rope_int8 rows of Dc = 512, Dr = 64 (`ops.kv_cache`)
+ROPE_INT8_ROW_BYTES = row_spec("fp8_rope_int8", 512, 64, torch.uint8)[0]  # 608 bytes
 
 
 def _rope_int8_descriptors(kv_cache: torch.Tensor) -> tuple:

@@ -492,14 +492,19 @@ if G.HAVE_GLUON:
 def quant_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8") -> bool:
     """Whether this kernel takes a quantised-cache call: Hopper, an fp8 or tbq4 cache, bf16 queries (the rope
     part is bf16), Dc = 512, Dr = 64, row tiles of at most MAX_ROWS, contiguous uint8 rows."""
-    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" or kv_format not in FORMATS:
+    return kv_format in FORMATS and block_m <= MAX_ROWS and hopper_rows_supported(q, kv_cache, dc, ROW_BYTES[kv_format])
+
+
+def hopper_rows_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, row_bytes: int) -> bool:
+    """What every Hopper kernel for quantised rows needs: a Hopper GPU outside the interpreter, bf16 queries,
+    Dc = 512, Dr = 64, contiguous uint8 rows of `row_bytes`, 16-byte aligned (the kernels read 16- or 8-byte vectors
+    or TMA boxes)."""
+    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return (q.dtype == torch.bfloat16 and dc == DC and q.shape[-1] == DC + DR
-            and block_m <= MAX_ROWS and kv_cache.dtype == torch.uint8 and kv_cache.is_contiguous()
-            and kv_cache.shape[-1] == ROW_BYTES[kv_format]
-            and kv_cache.data_ptr() % 16 == 0)  # the kernel reads the rows in 16- (fp8) or 8-byte (tbq4) vectors
+    return (q.dtype == torch.bfloat16 and dc == DC and q.shape[-1] == DC + DR and kv_cache.dtype == torch.uint8
+            and kv_cache.is_contiguous() and kv_cache.shape[-1] == row_bytes and kv_cache.data_ptr() % 16 == 0)
 
 
 def auto_takes(cfg: dict, B: int, S: int) -> bool:

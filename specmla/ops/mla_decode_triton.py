@@ -529,10 +529,11 @@ def mla_decode_triton(
     gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
-    gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     if kv_format == "fp8_rope_int8":  # only the fp8 e4m3 kernel reads these rows
         gluon_quant = mla_decode_gluon_fp8reg.USE and mla_decode_gluon_fp8reg.fp8reg_supported(
             q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
+    else:
+        gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     supported = gluon_quant or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
                                                                      cfg["BLOCK_M"])
     if gluon and not supported:
