@@ -7,7 +7,7 @@ timing reads HBM, not L2. Our kernel is timed inside a CUDA graph of ≥ 16 back
 the engine's decode graph runs it), divided per call. Prints a table, writes JSON and a PNG plot.
 
 --kv bf16,fp8,tbq4 (repeatable or a comma list; default bf16) runs every case on each cache format:
-fp8 / fp8_rope_int8 / tbq4 caches are uint8 rows (656 / 608 / 400 bytes, ops.kv_cache) quantised from the same
+fp8 / fp8_ds_mla / tbq4 caches are uint8 rows (608 / 656 / 400 bytes, ops.kv_cache) quantised from the same
 random bf16 latents, and their bytes count the rows at their real size (Σ seq_len·row_bytes +
 B·S·H·(576+512)·2). rel_err is against the torch reference on the dequantised cache; with bf16 in
 the run, quantised rows get speedup_vs_bf16 (bf16 time / format time). The naive torch timing is
@@ -44,7 +44,7 @@ SCALE = 0.1352
 
 
 def row_bytes(kv: str) -> int:
-    """Bytes of one cached token: 1152 (bf16), 656 (fp8), 608 (fp8_rope_int8), 400 (tbq4)."""
+    """Bytes of one cached token: 1152 (bf16), 608 (fp8), 656 (fp8_ds_mla), 400 (tbq4)."""
     width, dtype = row_spec(kv, 512, 64, torch.bfloat16)
     return width * dtype.itemsize
 
@@ -196,7 +196,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="first variant only, no naive torch")
     ap.add_argument("--kv", action="append", default=None,
-                    help="cache format(s): bf16, fp8, tbq4; repeatable or comma-separated (default bf16)")
+                    help="cache format(s): bf16, fp8, fp8_ds_mla, tbq4; repeatable or comma-separated (default bf16)")
     ap.add_argument("--cases", action="append", default=None,
                     help="HxBxTxS[,HxBxTxS...] to run instead of the default CASES (repeatable)")
     ap.add_argument("--variants", type=int, default=None,

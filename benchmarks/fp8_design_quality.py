@@ -84,7 +84,7 @@ def main() -> None:
             T, dc = latent.shape[0], latent.shape[-1] - 64
             q_last = q[-32:].float()  # the last 32 positions attend over the whole window
             exact = attention(q_last, latent.float(), scale, dc, T - 32)
-            keys = decode_rows("fp8", encode_rows("fp8", latent[:, :dc], latent[:, dc:]), dc, 64)
+            keys = decode_rows("fp8_ds_mla", encode_rows("fp8_ds_mla", latent[:, :dc], latent[:, dc:]), dc, 64)
             for name, v in VARIANTS.items():
                 qv = torch.cat([v["q_lat"](q_last[..., :dc]), q_last[..., dc:].bfloat16().float()], -1)
                 o = attention(qv, keys, scale, dc, T - 32, v["p"])
@@ -96,7 +96,7 @@ def main() -> None:
         latent = torch.randn(T, 576, generator=g)
         q = torch.randn(4, 16, 576, generator=g) * 2.0  # scores' spread about 2 / √576 · 2 · √576 = 4
         exact = attention(q, latent, 576 ** -0.5, 512, T - 4)
-        keys = decode_rows("fp8", encode_rows("fp8", latent[:, :512], latent[:, 512:]), 512, 64)
+        keys = decode_rows("fp8_ds_mla", encode_rows("fp8_ds_mla", latent[:, :512], latent[:, 512:]), 512, 64)
         cos = {name: [] for name in VARIANTS}
         for name, v in VARIANTS.items():
             qv = torch.cat([v["q_lat"](q[..., :512]), q[..., 512:].bfloat16().float()], -1)

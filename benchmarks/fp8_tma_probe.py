@@ -157,7 +157,7 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         B, T = (int(x) for x in case.split("x"))
-        caches, table, _, _ = make_problem(16, B, T, 1, 2, "fp8")
+        caches, table, _, _ = make_problem(16, B, T, 1, 2, "fp8_ds_mla")
         nbytes = B * T * ROW
         # the same pages gathered by torch (read + write counted, as the copy bandwidth counts them)
         order, buf = table.flatten().long(), torch.empty_like(caches[0])

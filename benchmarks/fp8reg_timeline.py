@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--case", default="16x32x32768x1")
     args = ap.parse_args()
     H, B, T, S = (int(x) for x in args.case.split("x"))
-    caches, table, seq, qs = make_problem(H, B, T, S, 1, "fp8")
+    caches, table, seq, qs = make_problem(H, B, T, S, 1, "fp8_ds_mla")
     ns = plan(B, S, H, T, qs[0].device, R.BLOCK_N, waves=1)["num_splits"]
     assert ns > 1, "the stamps go to the split workspace: pick a case with splits"
     programs = B * S * ns  # 16 rows: one head block, no folding
@@ -40,13 +40,13 @@ def main():
     assert B * S * H * ns * 512 <= 2 * R.STAMPS_AT
     mid_o = buf[: B * S * H * ns * 512].view(B, S, H, ns, 512)
     mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device="cuda")
-    want = mla_decode_triton(qs[0], caches[0], table, seq, SCALE, head_dim_v=512, kv_format="fp8")
+    want = mla_decode_triton(qs[0], caches[0], table, seq, SCALE, head_dim_v=512, kv_format="fp8_ds_mla")
     reps, finish_by_sm = [], []
     with settings(dict(PROBE=7), R):
         for _ in range(args.reps):
             buf.zero_()
             for _ in range(2):
-                got = mla_decode_triton(qs[0], caches[0], table, seq, SCALE, head_dim_v=512, kv_format="fp8",
+                got = mla_decode_triton(qs[0], caches[0], table, seq, SCALE, head_dim_v=512, kv_format="fp8_ds_mla",
                                         workspace=(mid_o, mid_lse))
             torch.cuda.synchronize()
             assert torch.equal(got, want), "PROBE 7 must not change the result"

@@ -39,7 +39,7 @@ case $stage in
   quant)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rf tests/test_mla_decode_gluon_fp8reg.py \
       tests/test_mla_decode_gluon_tbq4reg.py tests/test_mla_decode_e4m3.py tests/test_tbq4_rotate.py 2>&1 | tail -8
-    timeout 150 python3 benchmarks/bench_mla_decode.py --out "$OUT" --kv bf16,fp8,fp8_rope_int8,tbq4 --variants 1 \
+    timeout 150 python3 benchmarks/bench_mla_decode.py --out "$OUT" --kv bf16,fp8,fp8_ds_mla,tbq4 --variants 1 \
       --cases 16x32x32768x1,16x4x81920x1,16x32x32768x4 2>&1 | grep -v -i warn
     FP8MMA_VARIANTS=bf16,fp8_reg,reg16_producer_alone,rope_int8,rope_int8_producer_alone,tbq4_reg,tbq4_copies_alone \
       timeout 190 python3 benchmarks/fp8mma_probe.py --out "$OUT" --cases 16x32x32768x1,16x4x81920x1 2>&1 | tail -3

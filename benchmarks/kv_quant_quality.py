@@ -10,9 +10,8 @@
 
 The "-kernel" formats are the same fp8 / tbq4 caches read with the Hopper e4m3 kernels' arithmetic
 (`ops.mla_decode_e4m3`, a torch emulation of their rounding of q and P): "fp8-kernel" as the fp8 kernel runs
-(P·V in fp16), "fp8-kernel-e4m3p" with P in one e4m3 term, "fp8_rope_int8-kernel" as the fp8 kernel runs on
-fp8_rope_int8 rows (the rope's int8 values times their scales rounded to bf16), "tbq4-kernel" as the tbq4 kernel
-runs.
+(P·V in fp16; the rope's int8 values times their scales rounded to bf16), "fp8_ds_mla-kernel" the same on FlashMLA's
+656-byte rows (bf16 rope), "fp8_ds_mla-kernel-e4m3p" with P in one e4m3 term, "tbq4-kernel" as the tbq4 kernel runs.
 For perplexity and greedy decoding the model's cache reads are routed there by `kernel_reads` (the engine
 is unchanged).
 
@@ -43,13 +42,13 @@ from specmla.ops.mla_decode import mla_decode
 from specmla.ops.mla_decode_e4m3 import mla_decode_e4m3
 from specmla.ops.rope import apply_rope
 
-FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-kernel-e4m3p", "fp8_rope_int8", "fp8_rope_int8-kernel", "tbq4",
+FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8_ds_mla", "fp8_ds_mla-kernel", "fp8_ds_mla-kernel-e4m3p", "tbq4",
            "tbq4-kernel")
 # format → (its cache format, mla_decode_e4m3's settings): the e4m3 kernels' arithmetic on the same cache
 KERNEL_FORMATS = {
     "fp8-kernel": ("fp8", dict(q_split=True, p_format="fp16")),  # P·V in fp16 (mla_decode_gluon_fp8reg.P16)
-    "fp8-kernel-e4m3p": ("fp8", dict(q_split=True, p_format="e4m3")),  # P in one e4m3 term
-    "fp8_rope_int8-kernel": ("fp8_rope_int8", dict(q_split=True, p_format="fp16")),  # the fp8 kernel, int8 rope
+    "fp8_ds_mla-kernel": ("fp8_ds_mla", dict(q_split=True, p_format="fp16")),  # the same on 656-byte rows
+    "fp8_ds_mla-kernel-e4m3p": ("fp8_ds_mla", dict(q_split=True, p_format="e4m3")),  # P in one e4m3 term
     "tbq4-kernel": ("tbq4", {}),  # q and P in one term each (mla_decode_gluon_tbq4reg)
 }
 

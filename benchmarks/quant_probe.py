@@ -55,7 +55,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cases", default="16x32x32768x1,16x4x81920x1,16x32x32768x4")
-    ap.add_argument("--kv", default="bf16,fp8,tbq4")
+    ap.add_argument("--kv", default="bf16,fp8_ds_mla,tbq4")
     ap.add_argument("--once", action="store_true", help="one default call per format and case (for ncu)")
     args = ap.parse_args(argv)
     if args.once:

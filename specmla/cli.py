@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-num-seqs", type=int, default=64)
     sv.add_argument("--max-num-batched-tokens", type=int, default=2048)
     sv.add_argument("--kv-cache-dtype", default="auto",
-                    choices=["auto", "bf16", "fp16", "fp32", "fp8", "fp8_rope_int8", "tbq4"])
+                    choices=["auto", "bf16", "fp16", "fp32", "fp8_ds_mla", "fp8", "tbq4"])
     sv.add_argument("--log-level", default="warning")
     sv.set_defaults(func=cmd_serve)
 

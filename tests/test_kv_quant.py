@@ -1,4 +1,4 @@
-"""Quantised latent caches (fp8, fp8_rope_int8, tbq4): layouts, round trips, attention quality, engine runs."""
+"""Quantised latent caches (fp8, fp8_ds_mla, tbq4): layouts, round trips, attention quality, engine runs."""
 
 import math
 
@@ -16,11 +16,11 @@ from specmla.ops.mla_decode import mla_decode
 
 
 def test_row_layouts():
-    assert row_spec("fp8", 512, 64, torch.bfloat16) == (656, torch.uint8)  # FlashMLA's 656-byte row
+    assert row_spec("fp8_ds_mla", 512, 64, torch.bfloat16) == (656, torch.uint8)  # FlashMLA's 656-byte row
     # the same codes and scales, then 8 fp16 rope scales and 64 int8 rope values
-    assert row_spec("fp8_rope_int8", 512, 64, torch.bfloat16) == (512 + 16 + 16 + 64, torch.uint8)
-    assert rope_scales_offset(512) == 528 and rope_offset("fp8_rope_int8", 512, 64) == 544
-    assert row_spec("fp8_rope_int8", 128, 16, torch.bfloat16) == (128 + 4 + 4 + 16, torch.uint8)
+    assert row_spec("fp8", 512, 64, torch.bfloat16) == (512 + 16 + 16 + 64, torch.uint8)
+    assert rope_scales_offset(512) == 528 and rope_offset("fp8", 512, 64) == 544
+    assert row_spec("fp8", 128, 16, torch.bfloat16) == (128 + 4 + 4 + 16, torch.uint8)
     # tbq4: codes and norms (66 bytes per 128 values) padded to 16 bytes, then the bf16 rope, padded to 16
     assert row_spec("tbq4", 512, 64, torch.bfloat16) == (272 + 128, torch.uint8)  # 264 → 272, 400 bytes
     assert row_spec("auto", 512, 64, torch.bfloat16) == (576, torch.bfloat16)
@@ -30,9 +30,9 @@ def test_row_layouts():
     for dc, dr in [(128, 64), (256, 16), (512, 64), (384, 32)]:
         assert tbq4.rope_offset(dc) % 16 == 0 and row_spec("tbq4", dc, dr, torch.bfloat16)[0] % 16 == 0
     with pytest.raises(ValueError):
-        row_spec("fp8", 100, 64, torch.bfloat16)
+        row_spec("fp8_ds_mla", 100, 64, torch.bfloat16)
     with pytest.raises(ValueError, match="Dr divisible by 8"):
-        row_spec("fp8_rope_int8", 512, 60, torch.bfloat16)
+        row_spec("fp8", 512, 60, torch.bfloat16)
     with pytest.raises(ValueError):
         row_spec("int3", 512, 64, torch.bfloat16)
 
@@ -56,13 +56,13 @@ def test_fwht_is_orthonormal_and_self_inverse():
         tbq4.fwht(torch.randn(3, 96))
 
 
-@pytest.mark.parametrize("fmt,tol", [("fp8", 0.04), ("fp8_rope_int8", 0.04), ("tbq4", 0.12)])
+@pytest.mark.parametrize("fmt,tol", [("fp8_ds_mla", 0.04), ("fp8", 0.04), ("tbq4", 0.12)])
 def test_round_trip(fmt, tol):
     g = torch.Generator().manual_seed(1)
     c_kv, k_pe = torch.randn(50, 512, generator=g) * 3, torch.randn(50, 64, generator=g)
     back = decode_rows(fmt, encode_rows(fmt, c_kv, k_pe), 512, 64)
     assert rel_err(back[:, :512], c_kv) < tol
-    if fmt == "fp8_rope_int8":  # each value within half a step (its 8-group's amax / 127 / 2) of the original
+    if fmt == "fp8":  # each value within half a step (its 8-group's amax / 127 / 2) of the original
         step = k_pe.view(50, 8, 8).abs().amax(-1, keepdim=True) / 127
         assert ((back[:, 512:] - k_pe).view(50, 8, 8).abs() <= 0.5 * step * 1.001 + 1e-6).all()
         assert rel_err(back[:, 512:], k_pe) < 0.01
@@ -115,8 +115,8 @@ def decode_case(fmt, seed, B=4, S=2, H=16, T=300, page=16, scale=1.0, dc=512, dr
 # random q, k (peaked: the top key takes ~13 % of the mass over 300 keys) and a flatter one.
 # Measured (min / mean): fp8 0.9988 / 0.9991 and 0.9996 / 0.9996; tbq4 0.985 / 0.988 and
 # 0.9948 / 0.9953 — the issue's 0.999 / 0.995 hold for fp8 and for tbq4 on the flatter case's mean.
-@pytest.mark.parametrize("fmt,scale,min_cos", [("fp8", 0.0721, 0.998), ("fp8", 0.02, 0.9995),
-                                                ("fp8_rope_int8", 0.0721, 0.998), ("fp8_rope_int8", 0.02, 0.9995),
+@pytest.mark.parametrize("fmt,scale,min_cos", [("fp8_ds_mla", 0.0721, 0.998), ("fp8_ds_mla", 0.02, 0.9995),
+                                                ("fp8", 0.0721, 0.998), ("fp8", 0.02, 0.9995),
                                                 ("tbq4", 0.0721, 0.98), ("tbq4", 0.02, 0.994)])
 def test_attention_output_quality_against_the_unquantised_cache(fmt, scale, min_cos):
     q, ref_cache, table, seq = decode_case("auto", seed=3)
@@ -129,23 +129,23 @@ def test_attention_output_quality_against_the_unquantised_cache(fmt, scale, min_
 
 def test_a_pool_of_fixed_bytes_holds_more_quantised_tokens():
     """Issue 7's memory check on the embedded model (Dc 512, Dr 64): in the same bytes (the CPU budget, 1 GiB) the
-    engine's pool holds 1152 / row bytes times the bf16 tokens: fp8 1.76×, fp8_rope_int8 1.89×, tbq4 2.88×."""
+    engine's pool holds 1152 / row bytes times the bf16 tokens: fp8 1.89×, fp8_ds_mla 1.76×, tbq4 2.88×."""
     from specmla.engine.engine import default_num_pages
     from specmla.model.default import default_model_path
     from specmla.model.loader import load_model
 
     model = load_model(default_model_path(), device="cpu", dtype=torch.bfloat16, progress=False)
     tokens = {f: 64 * default_num_pages(model, 64, torch.bfloat16, torch.device("cpu"), 1 << 20, 1 << 20, kv_format=f)
-              for f in ("auto", "fp8", "fp8_rope_int8", "tbq4")}
+              for f in ("auto", "fp8_ds_mla", "fp8", "tbq4")}
     assert tokens["auto"] < 64 * (1 << 20) * (1 << 20) // 64  # the budget, not the request count, is the cap
-    for fmt, row in (("fp8", 656), ("fp8_rope_int8", 608), ("tbq4", 400)):
+    for fmt, row in (("fp8_ds_mla", 656), ("fp8", 608), ("tbq4", 400)):
         assert tokens[fmt] / tokens["auto"] == pytest.approx(1152 / row, rel=2e-3)
 
 
 def test_bad_widths_are_rejected():
     cache = torch.zeros(4, 16, 600, dtype=torch.uint8)
     with pytest.raises(ValueError, match="width"):
-        write_kv_cache(cache, torch.randn(2, 512), torch.randn(2, 64), torch.tensor([0, 1]), "fp8")
+        write_kv_cache(cache, torch.randn(2, 512), torch.randn(2, 64), torch.tensor([0, 1]), "fp8_ds_mla")
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def model_dc128(tmp_path_factory):
     return build_random_model_dir(tmp_path_factory.mktemp("dc128") / "m", dict(TINY_TEST_CONFIG, kv_lora_rank=128))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 def test_engine_runs_on_a_quantised_cache(model_dc128, fmt):
     tiny_model_dir = model_dc128
     prompts = [[(7 * i + j) % 250 + 3 for j in range(5 + 3 * i)] for i in range(8)]
@@ -170,7 +170,7 @@ def test_engine_runs_on_a_quantised_cache(model_dc128, fmt):
     same = sum(a.token_ids == b.token_ids for a, b in zip(outs, ref))
     print(f"{fmt}: {same}/8 greedy outputs equal the fp32-cache ones (random model, near-flat logits)")
     assert all(a.token_ids[0] == b.token_ids[0] for a, b in zip(outs, ref))  # prefill reads no cache
-    assert same >= {"fp8": 6, "fp8_rope_int8": 6, "tbq4": 2}[fmt]
+    assert same >= {"fp8_ds_mla": 6, "fp8": 6, "tbq4": 2}[fmt]
     assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
     poisoned = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, kv_cache_dtype=fmt)
     for c in poisoned.kv_pool.caches:
@@ -178,7 +178,7 @@ def test_engine_runs_on_a_quantised_cache(model_dc128, fmt):
     assert [o.token_ids for o in poisoned.generate(prompts, params)] == [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 @pytest.mark.parametrize("S,H,page", [(1, 16, 16), (3, 4, 64), (2, 1, 5)])
 def test_triton_decode_reads_quantised_rows_directly(fmt, S, H, page):
     """The Triton kernel reading fp8 / tbq4 rows (tbq4: rotated-domain attention) equals the torch
@@ -193,7 +193,7 @@ def test_triton_decode_reads_quantised_rows_directly(fmt, S, H, page):
     assert (got_lse - want_lse).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 @pytest.mark.parametrize("dc,dr,page", [(128, 32, 16), (384, 64, 8), (256, 16, 5)])
 def test_triton_decode_quantised_other_latent_widths(fmt, dc, dr, page):
     """Other latent widths: 1 or 3 blocks of 128 (a block count that is not a power of two is
@@ -215,7 +215,7 @@ def test_triton_decode_quantised_other_latent_widths(fmt, dc, dr, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 @pytest.mark.parametrize("dc,dr,page,S", [(512, 64, 64, 1), (512, 64, 16, 4), (384, 64, 8, 2), (128, 32, 5, 1)])
 def test_gpu_quantised_decode_shapes(fmt, dc, dr, page, S):
     """bf16 on the GPU (tbq4: the PTX table lookup) against the fp32 reference, prefetch on and off."""
@@ -231,14 +231,15 @@ def test_gpu_quantised_decode_shapes(fmt, dc, dr, page, S):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 def test_gpu_quantised_decode_bf16(fmt):
     q, cache, table, seq = decode_case(fmt, seed=9, B=6, S=2, H=16, T=700, page=64)
     q, cache, table, seq = q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda()
     want = mla_decode(q.float().cpu(), cache.cpu(), table.cpu(), seq.cpu(), 0.0721, backend="torch", head_dim_v=512,
                       kv_format=fmt)
-    got = mla_decode(q, cache, table, seq, 0.0721, head_dim_v=512, kv_format=fmt)  # auto: Triton on CUDA
-    assert rel_err(got.float().cpu(), want) < 1e-2
+    got = mla_decode(q, cache, table, seq, 0.0721, head_dim_v=512, kv_format=fmt)  # the default route on CUDA
+    # on Hopper tbq4 goes to its e4m3 kernel (centroids, q and P rounded to e4m3: 2-4 % from the exact attention)
+    assert rel_err(got.float().cpu(), want) < (5e-2 if fmt == "tbq4" else 1e-2)
 
 
 def _poison_tails(cache, table, seq):
@@ -253,7 +254,7 @@ def _poison_tails(cache, table, seq):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "tbq4"])
 @pytest.mark.parametrize("H,S,page,lens,splits,causal", [
     (16, 1, 64, [333, 1, 64, 65, 200], None, True),  # H=16: 16 rows, the routed default
     (16, 2, 16, [700, 129, 5], 3, True),  # two tokens folded: 32 rows
@@ -308,21 +309,21 @@ def test_gpu_fp8_gluon_kernel_with_zero_and_subnormal_codes():
     c_kv[:, ::7] = 0.0
     k_pe = torch.randn(B * T, 64, generator=g)
     pages = B * (-(-T // page))
-    cache = torch.zeros(pages, page, row_spec("fp8", 512, 64, torch.float32)[0], dtype=torch.uint8)
+    cache = torch.zeros(pages, page, row_spec("fp8_ds_mla", 512, 64, torch.float32)[0], dtype=torch.uint8)
     table = torch.randperm(pages, generator=g).view(B, -1).to(torch.int32)
     slots = torch.cat([(table[b].long()[:, None] * page + torch.arange(page)).flatten()[:T] for b in range(B)])
-    write_kv_cache(cache, c_kv, k_pe, slots, "fp8")
+    write_kv_cache(cache, c_kv, k_pe, slots, "fp8_ds_mla")
     codes = cache.view(-1, cache.shape[-1])[slots, :512]
     assert ((codes & 0x78) == 0).float().mean() > 0.2  # zero or subnormal codes: exponent bits 0
     q = torch.randn(B, S, H, 576, generator=g)
     seq = torch.full((B,), T, dtype=torch.int32)
-    want = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format="fp8")
+    want = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format="fp8_ds_mla")
     got = mla_decode_triton(q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721, head_dim_v=512,
-                            kv_format="fp8", gluon=True)
+                            kv_format="fp8_ds_mla", gluon=True)
     assert rel_err(got.float().cpu(), want) < 1e-2
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 def test_fused_write_kernel_matches_the_reference_write(fmt):
     """Triton pack + quantise + scatter (interpreter) vs the torch reference, from strided inputs
     (c_kv and k_pe as views of one kv_a output, as the model produces them)."""
@@ -350,7 +351,7 @@ def test_fused_write_kernel_matches_the_reference_write(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 def test_gpu_fused_write_is_byte_exact(fmt):
     from specmla.ops.kv_cache import write_kv_cache_triton
 

@@ -54,7 +54,7 @@ CASES = [  # lens, S, H, page
 ]
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 @pytest.mark.parametrize("lens,S,H,page", CASES)
 def test_close_to_the_exact_reference(fmt, lens, S, H, page):
     q, cache, table, seq = _problem(lens, S, H, page, fmt)
@@ -77,20 +77,20 @@ def test_tbq4_defaults_are_the_kernels():
     a = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="tbq4")
     assert torch.equal(a, mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="tbq4", q_split=False,
                                           p_format="e4m3"))
-    q, cache, table, seq = _problem([70, 9], 1, 16, 64, "fp8")
-    a = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8")
-    assert torch.equal(a, mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8", q_split=True, p_format="fp16"))
+    q, cache, table, seq = _problem([70, 9], 1, 16, 64, "fp8_ds_mla")
+    a = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8_ds_mla")
+    assert torch.equal(a, mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8_ds_mla", q_split=True, p_format="fp16"))
     with pytest.raises(ValueError, match="p_format"):
-        mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8", p_format="bf16")
+        mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8_ds_mla", p_format="bf16")
 
 
 def test_p_in_two_terms_or_fp16_is_closer_than_one_term():
     err = {p_format: [] for p_format in P_FORMATS}
     for seed, (lens, S, H, page) in enumerate(CASES * 2):
-        q, cache, table, seq = _problem(lens, S, H, page, "fp8", seed=seed)
-        ref = mla_decode_torch(q.double(), cache, table, seq, SCALE, head_dim_v=512, kv_format="fp8")
+        q, cache, table, seq = _problem(lens, S, H, page, "fp8_ds_mla", seed=seed)
+        ref = mla_decode_torch(q.double(), cache, table, seq, SCALE, head_dim_v=512, kv_format="fp8_ds_mla")
         for p_format in P_FORMATS:
-            got = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8", p_format=p_format)
+            got = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8_ds_mla", p_format=p_format)
             err[p_format].append(1 - _cosines(got, ref).mean().item())
     assert sum(err["e4m3x2"]) < sum(err["e4m3"]) / 4
     assert sum(err["fp16"]) < sum(err["e4m3"]) / 4
@@ -100,8 +100,8 @@ def test_p_in_two_terms_or_fp16_is_closer_than_one_term():
 def test_one_block_by_hand(p_format):
     """One request of 40 keys, one query row: the kernels' rounding written out (q in hi + lo with one row scale,
     the producer's f = max scale / 448, P·scale/f in fp16 or one e4m3 term, O·f / l)."""
-    q, cache, table, seq = _problem([40], 1, 1, 64, "fp8", seed=3)
-    got = mla_decode_e4m3(q.float(), cache, table, seq, SCALE, kv_format="fp8", p_format=p_format).double()
+    q, cache, table, seq = _problem([40], 1, 1, 64, "fp8_ds_mla", seed=3)
+    got = mla_decode_e4m3(q.float(), cache, table, seq, SCALE, kv_format="fp8_ds_mla", p_format=p_format).double()
     rows = cache[int(table[0, 0]), :40]
     codes = rows[:, :512].contiguous().view(torch.float8_e4m3fn).double().view(40, 4, 128)
     scale = rows[:, 512:528].contiguous().view(torch.float32).double()  # [40, 4]
@@ -131,13 +131,13 @@ def test_split_p_terms():
     assert ((hi + lo - y).abs() <= torch.clamp(y * 2.0 ** -7, min=2.0 ** -9)).all()
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_rope_int8", "tbq4"])
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 def test_huge_range_stays_finite(fmt):
     """Rows spread over orders of magnitude (fp8: ~1e-4 to 1e4; tbq4 keeps fp16 block norms, so a narrower range), a
     zero query row and one with a vanishing latent part: no NaN / inf, and each output stays within the values'
     range (a convex combination, up to P's rounding). (Closeness is not asserted: with scores in the hundreds, the
     e4m3 rounding of q and of the keys can reorder near-tied keys of a one-hot softmax: cosines down to 0.5.)"""
-    kv_range = 1e2 if fmt == "fp8" else 8
+    kv_range = 1e2 if fmt == "fp8_ds_mla" else 8
     q, cache, table, seq = _problem([1, 65, 200], 2, 5, 16, fmt, seed=7, q_range=1e3, kv_range=kv_range)
     q[0, 0, 0] = 0
     q[1, 1, 2, :512] *= 1e-20
@@ -151,7 +151,7 @@ def test_huge_range_stays_finite(fmt):
 
 
 def test_bad_format_raises():
-    q, cache, table, seq = _problem([5], 1, 4, 16, "fp8")
+    q, cache, table, seq = _problem([5], 1, 4, 16, "fp8_ds_mla")
     with pytest.raises(ValueError, match="fp8 and tbq4"):
         mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="bf16")
     with pytest.raises(ValueError, match="kv_cache must be"):  # the rows of another format
@@ -183,8 +183,8 @@ def _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_format="fp16"):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("fmt,p_format,row_tol", [("fp8", "fp16", 0.004), ("fp8", "e4m3", 0.012), ("fp8", "e4m3x2", 0.004),
-                                                  ("fp8_rope_int8", "fp16", 0.004), ("tbq4", "e4m3", 0.015)])
+@pytest.mark.parametrize("fmt,p_format,row_tol", [("fp8_ds_mla", "fp16", 0.004), ("fp8_ds_mla", "e4m3", 0.012), ("fp8_ds_mla", "e4m3x2", 0.004),
+                                                  ("fp8", "fp16", 0.004), ("tbq4", "e4m3", 0.015)])
 def test_the_kernels_follow_the_emulation(fmt, p_format, row_tol, monkeypatch):
     """The Hopper kernels' error against the exact reference is the emulation's, with and without split launches;
     with one split per row (as emulated) every row is within row_tol of the emulation. Measured (H100, this case):

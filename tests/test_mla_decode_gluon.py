@@ -24,8 +24,8 @@ CPU_COMPILE_CASES = [  # H, S, dc, dr, dtype, direct[, block_n]
     [16, 4, 512, 64, "bfloat16", False],  # four tokens folded into 64 rows, split partials
     [32, 2, 256, 32, "float16", False],  # other latent / rope widths, fp16: the one-stream kernel
     [128, 1, 512, 64, "bfloat16", False, 32],  # 32-key blocks: the one-stream kernel
-    [16, 1, 512, 64, "fp8", True],  # an fp8 cache: keys as M, 16 rows (ops/mla_decode_gluon_quant.py)
-    [16, 2, 512, 64, "fp8", False],  # ... 32 rows, split partials
+    [16, 1, 512, 64, "fp8_ds_mla", True],  # an fp8 cache: keys as M, 16 rows (ops/mla_decode_gluon_quant.py)
+    [16, 2, 512, 64, "fp8_ds_mla", False],  # ... 32 rows, split partials
     [16, 1, 512, 64, "tbq4", False],  # a tbq4 cache through the same kernel
 ]
 FP8_STACK_BYTES = 256  # fp8, 32 rows: 112 B with Triton 3.6 (the GPU machine's), 192 B with 3.9; 16 rows: 0
@@ -41,7 +41,7 @@ def test_compiles_for_sm90_within_hopper_limits():
     assert [r["case"] for r in rows] == CPU_COMPILE_CASES
     for r in rows:
         (use,) = r["kernels"]
-        fp8 = r["case"][4] in ("fp8", "tbq4")
+        fp8 = r["case"][4] in ("fp8_ds_mla", "tbq4")
         seesaw = r["case"][3] == 64 and len(r["case"]) == 6 and not fp8
         assert use["name"] == ("_mla_decode_quant_kernel" if fp8 else "_mla_decode_seesaw_kernel" if seesaw
                                else "_mla_decode_wgmma_kernel"), r

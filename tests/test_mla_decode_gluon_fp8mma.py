@@ -191,7 +191,7 @@ def test_q_split_in_two_e4m3_terms():
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
 
 
-def _problem(lens, S, H=16, seed=0, kv_format="fp8"):
+def _problem(lens, S, H=16, seed=0, kv_format="fp8_ds_mla"):
     from specmla.ops.kv_cache import row_spec, write_kv_cache
 
     torch.manual_seed(seed)
@@ -221,13 +221,13 @@ def test_fp8mma_kernel_matches_the_reference(lens, S, splits, monkeypatch):
 
     q, cache, table, seq = _problem(lens, S)
     scale = 576 ** -0.5
-    ref = mla_decode_torch(q.double(), cache, table, seq, scale, head_dim_v=512, kv_format="fp8")
+    ref = mla_decode_torch(q.double(), cache, table, seq, scale, head_dim_v=512, kv_format="fp8_ds_mla")
     monkeypatch.setattr(M, "USE", True)
     monkeypatch.setattr(R, "USE", False)  # the register-Vᵀ kernel would take these calls first
     launches = []
     launch = M.launch_fp8mma_split
     monkeypatch.setattr(M, "launch_fp8mma_split", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
-    got = mla_decode_triton(q, cache, table, seq, scale, head_dim_v=512, kv_format="fp8", gluon=True,
+    got = mla_decode_triton(q, cache, table, seq, scale, head_dim_v=512, kv_format="fp8_ds_mla", gluon=True,
                             num_splits=splits).double()
     assert launches == [1]  # this kernel ran, not the unpacking one
     assert torch.isfinite(got).all()

@@ -12,7 +12,7 @@ from specmla.ops import mla_decode_gluon as G
 from specmla.ops import mla_decode_gluon_fp8reg as R
 
 
-def _run(q, cache, table, seq, splits, monkeypatch, p_format="fp16", q_cat=True, kv_format="fp8"):
+def _run(q, cache, table, seq, splits, monkeypatch, p_format="fp16", q_cat=True, kv_format="fp8_ds_mla"):
     from specmla.ops.mla_decode_triton import mla_decode_triton
 
     monkeypatch.setattr(R, "USE", True)
@@ -34,9 +34,9 @@ def _run(q, cache, table, seq, splits, monkeypatch, p_format="fp16", q_cat=True,
     ([4097, 77, 128], 3, "fp16", True), ([130, 2], 1, "fp16", True), ([8192, 5000], 2, "fp16", True),
     ([1, 63, 64, 65, 300, 1000], None, "fp16", False), ([1, 63, 64, 65, 300, 1000], None, "e4m3x2", True),
     ([1, 63, 64, 65, 300, 1000], None, "e4m3", True), ([8192, 5000], 2, "e4m3", False)])
-@pytest.mark.parametrize("kv_format", ["fp8", "fp8_rope_int8"])
+@pytest.mark.parametrize("kv_format", ["fp8_ds_mla", "fp8"])
 def test_fp8reg_kernel_matches_the_reference(lens, splits, p_format, q_cat, kv_format, monkeypatch):
-    """fp8_rope_int8 rows: the same kernel, the rope's int8 values converted to bf16 by the producer (`_convert_rope`)
+    """fp8 rows (608 bytes): the same kernel, the rope's int8 values converted to bf16 by the producer (`_convert_rope`)
     in the stage's rope tile."""
     from specmla.ops.mla_decode import mla_decode_torch
 
@@ -56,13 +56,13 @@ def test_fp8reg_kernel_matches_the_reference(lens, splits, p_format, q_cat, kv_f
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("lens,splits,kv_format", [
-    ([1, 63, 64, 65, 300, 1000], None, "fp8"), ([4097, 77, 128], 3, "fp8"), ([8192, 5000], 2, "fp8"),
-    ([4097, 77, 128], 3, "fp8_rope_int8")])
+    ([1, 63, 64, 65, 300, 1000], None, "fp8_ds_mla"), ([4097, 77, 128], 3, "fp8_ds_mla"), ([8192, 5000], 2, "fp8_ds_mla"),
+    ([4097, 77, 128], 3, "fp8")])
 def test_fp8reg_loader_warp_gives_the_same_result(lens, splits, kv_format, monkeypatch):
     """LOADER (a one-warp partition issues the copies as stages are handed back) changes only when copies start:
     the result is the default's bit for bit."""
     q, cache, table, seq = _problem(lens, 1, kv_format=kv_format)
-    monkeypatch.setattr(R, "ROPE_INT8_LOADER", False)  # fp8_rope_int8's default is the loader
+    monkeypatch.setattr(R, "ROPE_INT8_LOADER", False)  # 608-byte rows' default is the loader
     want, _ = _run(q, cache, table, seq, splits, monkeypatch, kv_format=kv_format)
     monkeypatch.setattr(R, "LOADER", True)
     monkeypatch.setattr(R, "ROPE_INT8_LOADER", True)
@@ -89,7 +89,7 @@ def test_fp8reg_steal_matches_the_reference(lens, splits, monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 
     q, cache, table, seq = _problem(lens, 1)
-    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8")
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8_ds_mla")
     _steal(monkeypatch)
     helped = 0
     for _ in range(3):
@@ -117,12 +117,12 @@ def test_fp8reg_steal_replays_in_a_cuda_graph(monkeypatch):
     q, cache, table, seq = _problem([3000, 64, 900, 5], 1)
     _steal(monkeypatch)
     monkeypatch.setattr(R, "USE", True)
-    want = mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8", gluon=True)
+    want = mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8_ds_mla", gluon=True)
     out = torch.empty_like(want)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8", gluon=True, out=out)
+        mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8_ds_mla", gluon=True, out=out)
     for _ in range(3):
         out.zero_()
         graph.replay()
@@ -146,15 +146,17 @@ def test_fp8reg_q_in_one_term_ignores_q_cat(monkeypatch):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla"])
 @pytest.mark.parametrize("lens,S,splits", [([700, 90, 3], 2, None), ([4097, 77], 3, 2), ([1, 64, 300], 4, None)])
-def test_fp8reg_takes_rope_int8_calls_one_query_token_per_program(lens, S, splits, monkeypatch):
-    """fp8_rope_int8 with S > 1 query tokens (H = 16): one token's 16 rows per program (no folding), each with its own
-    causal limit, instead of the Triton kernel; against the fp64 reference with NaN bytes past each request's end."""
+def test_fp8reg_takes_several_query_tokens_one_per_program(lens, S, splits, kv_format, monkeypatch):
+    """S > 1 query tokens (H = 16), 608- and 656-byte rows: one token's 16 rows per program (no folding), each with
+    its own causal limit, instead of the other kernels; against the fp64 reference with NaN bytes past each request's
+    end."""
     from specmla.ops.mla_decode import mla_decode_torch
 
-    q, cache, table, seq = _problem(lens, S, kv_format="fp8_rope_int8")
-    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8_rope_int8")
-    got, launches = _run(q, cache, table, seq, splits, monkeypatch, kv_format="fp8_rope_int8")
+    q, cache, table, seq = _problem(lens, S, kv_format=kv_format)
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format=kv_format)
+    got, launches = _run(q, cache, table, seq, splits, monkeypatch, kv_format=kv_format)
     assert launches == [1]
     got = got.double()
     assert torch.isfinite(got).all()
@@ -171,10 +173,10 @@ def test_fp8reg_takes_rope_int8_calls_one_query_token_per_program(lens, S, split
 def test_fp8reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 
-    q, cache, table, seq = _problem([700, 90], 2)
+    q, cache, table, seq = _problem([700, 90], 1, H=32)  # 32 heads: 32 rows
     got, launches = _run(q, cache, table, seq, None, monkeypatch)
     assert launches == []
-    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8")
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8_ds_mla")
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -280,7 +282,7 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
 
 def test_fp8reg_kernel_compiles_for_sm90():
     """CPU: the kernel compiles for sm_90, and so do its LOADER and STEAL variants, its timeline probe (PROBE 7) and
-    its fp8_rope_int8 form."""
+    its 608-byte fp8 form."""
     loader = {"LOADER": True, "REGS": [224, 40]}
     for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True],
                                   [16, 1, 512, 64, "fp8reg", False, 64, loader],

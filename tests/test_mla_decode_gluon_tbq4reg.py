@@ -83,10 +83,31 @@ def test_tbq4reg_rope_straight_into_the_decoded_stage(lens, splits, raw, monkeyp
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("lens,S,splits", [([700, 90, 3], 2, None), ([4097, 77], 3, 2), ([1, 64, 300], 4, None)])
+def test_tbq4reg_takes_several_query_tokens_one_per_program(lens, S, splits, monkeypatch):
+    """S > 1 query tokens (H = 16): one token's 16 rows per program (no folding), each with its own causal limit;
+    against the fp64 tbq4 reference, 0xFF bytes past each request's end, a token that sees no key (length 1)."""
+    from specmla.ops.mla_decode import mla_decode_torch
+
+    q, cache, table, seq = _problem(lens, S, kv_format="tbq4")
+    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")
+    got, launches = _run(q, cache, table, seq, splits, monkeypatch)
+    assert launches == [1]
+    got = got.double()
+    assert torch.isfinite(got).all()
+    assert ((got - ref).norm() / ref.norm()).item() < 5e-2
+    empty = ref.flatten(2).norm(dim=-1) == 0
+    assert empty.any() == (min(lens) < S) and (got.flatten(2)[empty].abs() <= 1e-6).all()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(2), ref.flatten(2), dim=-1)
+    assert cos[~empty].min().item() > 0.998
+
+
+@pytest.mark.gpu
+@hopper
 def test_tbq4reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
     from specmla.ops.mla_decode import mla_decode_torch
 
-    q, cache, table, seq = _problem([700, 90], 2, kv_format="tbq4")
+    q, cache, table, seq = _problem([700, 90], 1, H=32, kv_format="tbq4")  # 32 heads: 32 rows
     got, launches = _run(q, cache, table, seq, None, monkeypatch)
     assert launches == []
     ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")

@@ -41,7 +41,7 @@ class KVPool:
         kv_format: str = "auto",
         kv_lora_rank: int | None = None,
     ):
-        """latent_dim = Dc + Dr; kv_format fp8 / fp8_rope_int8 / tbq4 stores quantised rows (needs
+        """latent_dim = Dc + Dr; kv_format fp8 / fp8_ds_mla / tbq4 stores quantised rows (needs
         kv_lora_rank = Dc)."""
         if min(num_layers, num_pages, page_size, latent_dim) < 1:
             raise ValueError(

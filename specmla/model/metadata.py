@@ -37,7 +37,7 @@ class AttentionMetadata:
     decode_query_len: int = 0
     context_slots: torch.Tensor | None = None
     cu_seqlens_kv: torch.Tensor | None = None
-    kv_format: str = "auto"  # the cache's row format: auto (the model dtype) | fp8 | fp8_rope_int8 | tbq4
+    kv_format: str = "auto"  # the cache's row format: auto (the model dtype) | fp8 | fp8_ds_mla | tbq4
     uniform_len: int = 0
 
     @property

@@ -2,13 +2,15 @@
 
 One cache row per token holds [c_kv (Dc) | k_pe (Dr)] (after kv_a_layernorm and rope) in one of:
 - "native" (bf16 / fp16 / fp32): the values themselves, width Dc + Dr;
-- "fp8": FlashMLA's 656-byte layout for Dc=512, Dr=64 — Dc e4m3 bytes, one fp32 scale per 128
-  values (amax / 448), then Dr bf16 values; uint8 rows of Dc + 4·Dc/128 + 2·Dr bytes;
-- "fp8_rope_int8": the same codes and scales, then the rope in int8 with one fp16 scale per 8 values
-  (amax / 127): Dr/8 scales, then Dr int8 values — 608 bytes for Dc=512, Dr=64, 7 % fewer than "fp8" (the
-  decode reads them at the copy rate, so 7 % less time). The rope needs the per-8 scales: with one e4m3 or
+- "fp8": Dc e4m3 bytes with one fp32 scale per 128 values (amax / 448), as in FlashMLA's layout, then the
+  rope in int8 with one fp16 scale per 8 values (amax / 127): Dr/8 scales, then Dr int8 values — 608 bytes
+  for Dc=512, Dr=64, 7 % fewer than FlashMLA's 656 (the decode reads them at the copy rate, so 7 % less time:
+  1.75× bf16 against 1.61× at H=16 B=32 T=32k on an H100). The rope needs the per-8 scales: with one e4m3 or
   int8 scale per token the embedded model's worst attention row falls to cosine 0.981 / 0.998, under issue
-  7's 0.999 bar; per 8 it stays at 0.9994 (docs/benchmarks.md, issue 7, nineteenth session);
+  7's 0.999 bar; per 8 it stays at 0.9994 (docs/benchmarks.md, issue 7, nineteenth session, where it was
+  called "fp8_rope_int8");
+- "fp8_ds_mla": FlashMLA's 656-byte layout for Dc=512, Dr=64 (vLLM's name for it): the same codes and scales,
+  then Dr bf16 values; uint8 rows of Dc + 4·Dc/128 + 2·Dr bytes;
 - "tbq4": c_kv in 128-blocks rotated by the FWHT and coded on 16 Lloyd–Max centroids (see
   `ops.tbq4`: all codes, then the blocks' fp16 norms), then Dr bf16 values, each field starting
   16-byte aligned and the row padded to a multiple of 16 bytes (`tbq4.cache_row_bytes`: 400 for
@@ -22,11 +24,11 @@ import torch
 
 from specmla.ops import tbq4
 
-QUANTIZED = ("fp8", "fp8_rope_int8", "tbq4")
-FP8_FORMATS = ("fp8", "fp8_rope_int8")  # e4m3 codes with per-128 fp32 scales; the rope in bf16 or in int8
+QUANTIZED = ("fp8", "fp8_ds_mla", "tbq4")
+FP8_FORMATS = ("fp8", "fp8_ds_mla")  # e4m3 codes with per-128 fp32 scales; the rope in int8 or in bf16
 FP8_MAX = 448.0
 FP8_BLOCK = 128
-ROPE_GROUP = 8  # (fp8_rope_int8) rope values per fp16 scale
+ROPE_GROUP = 8  # (fp8) rope values per fp16 scale
 
 
 def row_spec(kv_format: str, dc: int, dr: int, native_dtype: torch.dtype) -> tuple[int, torch.dtype]:
@@ -36,29 +38,29 @@ def row_spec(kv_format: str, dc: int, dr: int, native_dtype: torch.dtype) -> tup
     if kv_format in FP8_FORMATS:
         if dc % FP8_BLOCK:
             raise ValueError(f"{kv_format} cache needs Dc divisible by {FP8_BLOCK}, got {dc}")
-        if kv_format == "fp8":
+        if kv_format == "fp8_ds_mla":
             return dc + 4 * (dc // FP8_BLOCK) + 2 * dr, torch.uint8
         if dr % ROPE_GROUP:
-            raise ValueError(f"fp8_rope_int8 cache needs Dr divisible by {ROPE_GROUP}, got {dr}")
+            raise ValueError(f"fp8 cache needs Dr divisible by {ROPE_GROUP}, got {dr}")
         return rope_offset(kv_format, dc, dr) + dr, torch.uint8
     if kv_format == "tbq4":
         if dc % tbq4.BLOCK:
             raise ValueError(f"tbq4 cache needs Dc divisible by {tbq4.BLOCK}, got {dc}")
         return tbq4.cache_row_bytes(dc, dr), torch.uint8
-    raise ValueError(f"unknown kv format {kv_format!r} (bf16 | fp16 | fp32 | fp8 | fp8_rope_int8 | tbq4)")
+    raise ValueError(f"unknown kv format {kv_format!r} (bf16 | fp16 | fp32 | fp8 | fp8_ds_mla | tbq4)")
 
 
 def rope_scales_offset(dc: int) -> int:
-    """(fp8_rope_int8) Byte offset of the rope's fp16 scales: after the codes and their scales."""
+    """(fp8) Byte offset of the rope's fp16 scales: after the codes and their scales."""
     return dc + 4 * (dc // FP8_BLOCK)
 
 
 def rope_offset(kv_format: str, dc: int, dr: int) -> int:
-    """Byte offset of the rope part in a quantised row: bf16 values (fp8: after the codes and scales; tbq4),
-    or (fp8_rope_int8) int8 values after the rope's scales."""
-    if kv_format == "fp8":
+    """Byte offset of the rope part in a quantised row: bf16 values (fp8_ds_mla: after the codes and scales;
+    tbq4), or (fp8) int8 values after the rope's scales."""
+    if kv_format == "fp8_ds_mla":
         return rope_scales_offset(dc)
-    if kv_format == "fp8_rope_int8":
+    if kv_format == "fp8":
         return rope_scales_offset(dc) + 2 * (dr // ROPE_GROUP)
     return tbq4.rope_offset(dc)
 
@@ -82,7 +84,7 @@ def encode_rows(kv_format: str, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch
         blocks = c_kv.float().view(T, dc // FP8_BLOCK, FP8_BLOCK)
         scale = (blocks.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
         codes = (blocks / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(T, dc)
-        if kv_format == "fp8_rope_int8":
+        if kv_format == "fp8":
             values, rope_scale = rope_int8(k_pe)
             rope = torch.cat([rope_scale.view(torch.uint8), values.view(torch.uint8)], dim=-1)
         return torch.cat([codes, scale.view(T, -1).contiguous().view(torch.uint8).view(T, -1), rope], dim=-1)
@@ -113,10 +115,10 @@ def decode_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int, dtype=torc
 
 
 def decode_rope(kv_format: str, rows: torch.Tensor, dc: int, dr: int) -> torch.Tensor:
-    """Quantised rows [..., W] → their rope part [..., Dr] in fp32: the bf16 values, or (fp8_rope_int8) the int8
+    """Quantised rows [..., W] → their rope part [..., Dr] in fp32: the bf16 values, or (fp8) the int8
     values × their group's fp16 scale."""
     rope_at = rope_offset(kv_format, dc, dr)
-    if kv_format != "fp8_rope_int8":
+    if kv_format != "fp8":
         return rows[..., rope_at : rope_at + 2 * dr].contiguous().view(torch.bfloat16).float()
     scale = rows[..., rope_scales_offset(dc) : rope_at].contiguous().view(torch.float16).float()
     values = rows[..., rope_at : rope_at + dr].contiguous().view(torch.int8).float()
@@ -199,7 +201,7 @@ def _write_quantized_kernel(
     the fp32 view of the rows). tbq4: per 128-block y = x·H (Hadamard as a matrix product, split into
     even/odd output columns so that two codes pack into one byte), unit coordinates coded by the
     nearest centroid, fp16 corrected norm (OUT_W is the fp16 view). Rope goes out as bf16 at ROPE_AT (in
-    bf16 units), or (ROPE_I8, fp8_rope_int8) as int8 bytes at ROPE_AT after its fp16 scales (OUT_BF is then the
+    bf16 units), or (ROPE_I8, fp8) as int8 bytes at ROPE_AT after its fp16 scales (OUT_BF is then the
     fp16 view), one per GROUP values, as `rope_int8` codes them."""
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -272,7 +274,7 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torc
         raise ValueError("need a contiguous cache, unit-stride last dims and a power-of-two Dr")
     if T == 0:
         return
-    tbq, i8 = kv_format == "tbq4", kv_format == "fp8_rope_int8"
+    tbq, i8 = kv_format == "tbq4", kv_format == "fp8"
     flat = kv_cache.view(-1, width)
     wide = flat.view(torch.float16 if tbq else torch.float32)
     bf = flat.view(torch.float16 if i8 else torch.bfloat16)  # the rope (int8: its scales)

@@ -46,7 +46,7 @@ from specmla.ops.mla_decode import _check_args
 
 E4M3_MAX = 448.0
 LOG2E = 1.4426950408889634
-FORMATS = ("fp8", "fp8_rope_int8", "tbq4")
+FORMATS = ("fp8_ds_mla", "fp8", "tbq4")
 
 
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _cache_fields(kv_format: str, rows: torch.Tensor, dc: int, dr: int):
     [B, L, nc] fp32 (fp8: the fp32 scales; tbq4: the fp16 norms), rope [B, L, Dr] (bf16 values as fp32))."""
     B, L, _ = rows.shape
     nc = dc // FP8_BLOCK
-    # bf16 values as they are; fp8_rope_int8's int8 × fp16 scale rounded to bf16, as the producer converts it
+    # bf16 values as they are; fp8's int8 × fp16 scale rounded to bf16, as the producer converts it
     rope = decode_rope(kv_format, rows, dc, dr).bfloat16().float()
     if kv_format in FP8_FORMATS:
         codes = rows[..., :dc].contiguous().view(torch.float8_e4m3fn).float().view(B, L, nc, FP8_BLOCK)
@@ -164,7 +164,7 @@ def mla_decode_e4m3(
     softmax_scale: float,
     *,
     causal: bool = True,
-    kv_format: str = "fp8",
+    kv_format: str = "fp8_ds_mla",
     head_dim_v: int | None = None,
     q_split: bool | None = None,
     p_format: str | None = None,
@@ -172,7 +172,7 @@ def mla_decode_e4m3(
 ) -> torch.Tensor:
     """`mla_decode_torch`'s contract with the e4m3 kernels' rounding: out [B, S, H, Dc] in q's dtype.
 
-    kv_format "fp8" (`mla_decode_gluon_fp8reg`) or "tbq4" (`mla_decode_gluon_tbq4reg`). q_split: q as two e4m3
+    kv_format "fp8" / "fp8_ds_mla" (`mla_decode_gluon_fp8reg`) or "tbq4" (`mla_decode_gluon_tbq4reg`). q_split: q as two e4m3
     terms (default: True for fp8, False for tbq4, the kernels' settings); p_format: how P·scale/f enters P·V, one of
     `P_FORMATS` (default: "fp16" for fp8, the fp8 kernel's `P16`; "e4m3" for tbq4)."""
     if kv_format not in FORMATS:

@@ -1,4 +1,4 @@
-"""Hopper MLA decode over an fp8 cache (FlashMLA's 656-byte rows) with e4m3 matmuls on the codes themselves.
+"""Hopper MLA decode over an fp8_ds_mla cache (FlashMLA's 656-byte rows) with e4m3 matmuls on the codes themselves.
 
 Why: the warp-specialised kernel of `mla_decode_gluon_quant` unpacks every code into a bf16 tile and runs
 bf16 matmuls on it. Its consumers alone cap it at 1.47× bf16's speed and its register-load producer at 1.27×
@@ -53,7 +53,7 @@ if G.HAVE_GLUON:
 
 BLOCK_N = 64  # keys per block (wgmma's M for Q·Kᵀ, its K for P·V)
 DC = Q8.DC  # the row: four 128-code chunks (one scale each), then 4 fp32 scales, then the 64 rope values
-ROW_BYTES = Q8.ROW_BYTES["fp8"]
+ROW_BYTES = Q8.ROW_BYTES["fp8_ds_mla"]
 PROBE = 0  # timing probes (wrong results): 1 the producer writes no Vᵀ or scales, 2 the consumers hand every
 # stage straight back, 3 Pᵀ is stored keys-major
 USE = False  # True: mla_decode_triton sends the fp8 calls it gives the Gluon kernels here (else `mla_decode_gluon_quant`)
@@ -153,7 +153,7 @@ if G.HAVE_GLUON:
                      ROPE_I8: gl.constexpr = False):
         """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs: four [64, 128] code
         boxes, the rope's [64, 64] bf16 box and a [64, SW] fp32 box from the scales on (SW > 4 reads into the rope).
-        ROPE_I8 (fp8_rope_int8 rows, SW = 8: the codes' and the rope's scales): the rope's [64, 64] int8 box lands in
+        ROPE_I8 (608-byte fp8 rows, SW = 8: the codes' and the rope's scales): the rope's [64, 64] int8 box lands in
         the second half of the stage's bf16 rope tile (`rope_landing`), where the producer converts it."""
         row = _block_row(BT, b, stride_btb, n0, PAGE_SIZE)
         bar = bars.index(rs)
@@ -171,7 +171,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def rope_landing(raw_rope, rs):
-        """(fp8_rope_int8) Where stage rs's int8 rope values land: [64 keys, 64] bytes, unswizzled, in the second
+        """(608-byte fp8 rows) Where stage rs's int8 rope values land: [64 keys, 64] bytes, unswizzled, in the second
         half of its bf16 rope tile."""
         BLOCK_N: gl.constexpr = raw_rope.shape[1]
         R8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
@@ -492,7 +492,7 @@ def fp8mma_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: 
     """Whether this kernel takes an fp8-cache call: whatever the unpacking kernel takes (Hopper, bf16 queries,
     Dc = 512, Dr = 64, ≤ 32 rows, contiguous 16-byte-aligned 656-byte rows), in pages of a multiple of 64 keys
     (one TMA box per block)."""
-    return Q8.quant_supported(q, kv_cache, dc, block_m, "fp8") and kv_cache.shape[1] % BLOCK_N == 0
+    return Q8.quant_supported(q, kv_cache, dc, block_m, "fp8_ds_mla") and kv_cache.shape[1] % BLOCK_N == 0
 
 
 def _descriptors(kv_cache: torch.Tensor, scale_words: int = 4) -> tuple:

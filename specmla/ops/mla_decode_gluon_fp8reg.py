@@ -13,7 +13,7 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
 - The two consumer warpgroups take alternate key blocks whole (all 512 columns), each with its own online softmax
   and accumulator; they merge once at the end through shared memory. No exchange per block: one consumer's
   softmax overlaps the other's matmuls.
-- The producer warpgroup issues the TMA copies (whole 656-byte rows, boxes 128 to 512 bytes wide), normalises
+- The producer warpgroup issues the TMA copies (whole 656-byte fp8_ds_mla rows, boxes 128 to 512 bytes wide), normalises
   each block's scales per chunk (P·scale/f in e4m3's range, as in `mla_decode_gluon_fp8mma`) and zeroes the codes
   of rows past the end. It refills the stage of the block two behind the one it hands over: refilling the
   previous block's stage waited on the other consumer every block (375 against 255 µs).
@@ -42,7 +42,7 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
   is the warp-specialised default partition: with consumer 0 there (as in the static kernel), ptxas built that
   consumer's wgmma descriptors in regular registers and spilled them (144 R2UR per block against 60; 298.6 µs on
   an H200). docs/benchmarks.md, eighteenth and nineteenth sessions.
-- fp8_rope_int8 rows (608 bytes: the rope in int8 with one fp16 scale per 8 values, `ops.kv_cache`): the rope's int8
+- fp8 rows (608 bytes, called fp8_rope_int8 in the nineteenth session: the rope in int8 with one fp16 scale per 8 values, `ops.kv_cache`): the rope's int8
   box lands in the second half of the stage's bf16 rope tile and the producer converts it in place (`_convert_rope`),
   so the consumers are unchanged; the loader warp issues the copies (`ROPE_INT8_LOADER`), because the conversion
   delayed the producer's refills (263.1 against 237.0 µs at B=32 T=32k on an H100: 1.74× bf16). docs/benchmarks.md,
@@ -84,11 +84,11 @@ P_SPLIT = True  # (P16 False) Pᵀ·scale/f as two e4m3 terms (hi + lo, two P·V
 LOADER = False  # a one-warp partition issues the copies as stages free up (else the producer refills them)
 LOADER_REGS = 24
 REGS_WITH_LOADER = (224, 40)  # (consumer, producer) registers when the loader warp runs too
-# fp8_rope_int8 rows: the loader warp issues the copies, because the producer's rope conversion delayed its refills
+# fp8 rows (608 bytes): the loader warp issues the copies, because the producer's rope conversion delayed its refills
 # (H100, B=32 T=32k: 237.0 µs with the loader, 263.1 without, 249.2 refilling before converting)
 ROPE_INT8_LOADER = True
 REFILL_LAG = 2  # (LOADER False) the producer refills the stage of block j - REFILL_LAG after handing over block j
-REFILL_EARLY = False  # (LOADER False) … before preparing block j (its scales, fp8_rope_int8: the rope's conversion)
+REFILL_EARLY = False  # (LOADER False) … before preparing block j (its scales, 608-byte fp8 rows: the rope's conversion)
 PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ,
 # 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs), 7 the
 # default kernel that also writes each program's timeline (`_stamp`) past STAMPS_AT words of the workspace
@@ -233,7 +233,7 @@ if G.HAVE_GLUON:
         """Keep NR blocks in flight; per block wait for its bytes, write the per-key scales normalised per chunk
         (and the chunk factors f) for its raw stage, zero the codes of rows past the end and hand it over; then
         (REFILL) refill the stage of the block LAG behind once its consumer has read it (else `_loader` issues the
-        copies). EARLY: refill before preparing the block, so that the preparation's time (fp8_rope_int8: the
+        copies). EARLY: refill before preparing the block, so that the preparation's time (608-byte fp8 rows: the
         rope's conversion) does not delay the copies."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end, n_blocks,
          q_hi, q_lo, q_r, qs, raw_codes, raw_rope, raw_scales, sc, fs, p8, bars) = shared
@@ -300,7 +300,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _convert_rope(raw_rope, raw_scales, rs):
-        """(Producer, fp8_rope_int8) Stage rs's int8 rope values (`M.rope_landing`: the second half of its bf16 tile)
+        """(Producer, 608-byte fp8 rows) Stage rs's int8 rope values (`M.rope_landing`: the second half of its bf16 tile)
         × their fp16 scales (scale words 4-7, two per word) → the tile's bf16 values, 32 keys at a time: the first
         32 keys' bf16 rows lie before the landing area, the last 32 keys' overwrite it, so they are all read first.
         Each thread converts 8 values (one scale) per pass and stores them as one 16-byte vector."""
@@ -980,22 +980,22 @@ if G.HAVE_GLUON:
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8") -> bool:
+def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8_ds_mla") -> bool:
     """Whether this kernel takes an fp8-cache call: what `mla_decode_gluon_fp8mma` takes, with 16 query rows;
-    fp8_rope_int8 rows (608 bytes) under the same conditions."""
+    fp8 rows (608 bytes) under the same conditions."""
     if max(16, block_m) != BLOCK_M:
         return False
-    if kv_format == "fp8_rope_int8":
+    if kv_format == "fp8":
         return (Q8.hopper_rows_supported(q, kv_cache, dc, ROPE_INT8_ROW_BYTES)
                 and kv_cache.shape[1] % BLOCK_N == 0)  # one TMA box per block
-    return kv_format == "fp8" and M.fp8mma_supported(q, kv_cache, dc, block_m)
+    return kv_format == "fp8_ds_mla" and M.fp8mma_supported(q, kv_cache, dc, block_m)
 
 
-ROPE_INT8_ROW_BYTES = row_spec("fp8_rope_int8", 512, 64, torch.uint8)[0]  # 608 bytes
+ROPE_INT8_ROW_BYTES = row_spec("fp8", 512, 64, torch.uint8)[0]  # 608 bytes
 
 
 def _rope_int8_descriptors(kv_cache: torch.Tensor) -> tuple:
-    """TMA views of fp8_rope_int8 rows: codes [rows, 608] e4m3 in [64, 128] boxes, the rope's int8 values [rows, 608]
+    """TMA views of fp8 rows (608 bytes): codes [rows, 608] e4m3 in [64, 128] boxes, the rope's int8 values [rows, 608]
     in unswizzled [64, 64] boxes, the scales [rows, 152] fp32 in [64, 8] boxes (4 codes' + 8 fp16 rope scales)."""
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     flat = kv_cache.view(rows, ROPE_INT8_ROW_BYTES)
@@ -1008,10 +1008,10 @@ def _rope_int8_descriptors(kv_cache: torch.Tensor) -> tuple:
 
 
 def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
-                        causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8"):
-    """Stage 1 of `mla_decode_triton` for an fp8 or fp8_rope_int8 cache (grid, split rule and outputs as the other
+                        causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8_ds_mla"):
+    """Stage 1 of `mla_decode_triton` for an fp8 (608-byte) or fp8_ds_mla (656-byte) cache (grid, split rule and outputs as the other
     kernels)."""
-    rope_i8 = kv_format == "fp8_rope_int8"
+    rope_i8 = kv_format == "fp8"
     scale_words = 8 if rope_i8 else SCALE_WORDS
     grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                            cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,

@@ -1,4 +1,4 @@
-"""Hopper MLA decode that reads a quantised latent cache — fp8 (FlashMLA's 656-byte rows) or tbq4 (400-byte
+"""Hopper MLA decode that reads a quantised latent cache — fp8_ds_mla (FlashMLA's 656-byte rows) or tbq4 (400-byte
 rows, attention in the FWHT-rotated domain) — in Gluon, warp-specialised: a producer warpgroup turns each key
 block's codes into a bf16 tile in shared memory, and two consumer warpgroups run the matmuls on it, with the
 keys as the matmuls' M dimension.
@@ -70,8 +70,8 @@ PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpack
 # matmuls, 3 the producer stores the codes without unpacking them, 4 it loads codes only for the first two blocks,
 # 5 neither loads (after the first two blocks) nor unpacks: the consumers' own time
 
-FORMATS = {"fp8": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention in the rotated domain)
-ROW_BYTES = {"fp8": 656, "tbq4": tbq4.cache_row_bytes(512, 64)}  # Dc = 512, Dr = 64: 656 and 400
+FORMATS = {"fp8_ds_mla": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention in the rotated domain)
+ROW_BYTES = {"fp8_ds_mla": 656, "tbq4": tbq4.cache_row_bytes(512, 64)}  # Dc = 512, Dr = 64: 656 and 400
 
 _SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
@@ -489,7 +489,7 @@ if G.HAVE_GLUON:
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def quant_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8") -> bool:
+def quant_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8_ds_mla") -> bool:
     """Whether this kernel takes a quantised-cache call: Hopper, an fp8 or tbq4 cache, bf16 queries (the rope
     part is bf16), Dc = 512, Dr = 64, row tiles of at most MAX_ROWS, contiguous uint8 rows."""
     return kv_format in FORMATS and block_m <= MAX_ROWS and hopper_rows_supported(q, kv_cache, dc, ROW_BYTES[kv_format])
@@ -519,7 +519,7 @@ def auto_takes(cfg: dict, B: int, S: int) -> bool:
 
 
 def launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
-                       causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8"):
+                       causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8_ds_mla"):
     """Stage 1 of `mla_decode_triton` for an fp8 or tbq4 cache (grid, split rule and outputs as the others;
     tbq4: q already rotated): the kernel reads the uint8 rows as bf16 (rope, tbq4 norms) and 32-bit words
     (codes, fp8 scales)."""

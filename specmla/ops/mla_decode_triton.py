@@ -186,7 +186,7 @@ def _mla_decode_split_kernel(
     KV_ALIGN: tl.constexpr = 1, S_ALIGN: tl.constexpr = 1, R_ALIGN: tl.constexpr = 1,
     ROPE_I8: tl.constexpr = False, RS_AT: tl.constexpr = 0,
 ):
-    """Native (bf16/fp16/fp32) rows, or fp8 rows dequantised in registers (FP8); ROPE_I8 (fp8_rope_int8): the
+    """Native (bf16/fp16/fp32) rows, or fp8 rows dequantised in registers (FP8); ROPE_I8 (608-byte fp8 rows): the
     rope in int8 (KVR the int8 view, ROPE_AT in bytes) with one fp16 scale per 8 values at word RS_AT of KVS."""
     b, s_idx, h_idx, row_ok, start, end, limit = _program_rows(SEQ, S, H, NUM_SPLITS, BLOCK_H, FOLD, BLOCK_M,
                                                               BLOCK_N, CAUSAL)
@@ -416,6 +416,16 @@ def _mla_decode_combine_kernel(
         tl.store(LSE + b * stride_lb + s * stride_ls + h, lse2 / 1.4426950408889634)  # natural log
 
 
+def _e4m3_kernel_takes(q, kv_cache, dc: int, block_m: int, kv_format: str) -> bool:
+    """Whether the 16-row e4m3 Gluon kernel of `kv_format` (fp8 / fp8_ds_mla: `mla_decode_gluon_fp8reg`, tbq4:
+    `mla_decode_gluon_tbq4reg`) is on and takes this call."""
+    if kv_format in FP8_FORMATS:
+        return mla_decode_gluon_fp8reg.USE and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, block_m,
+                                                                                        kv_format)
+    return (kv_format == "tbq4" and mla_decode_gluon_tbq4reg.USE
+            and mla_decode_gluon_tbq4reg.tbq4reg_supported(q, kv_cache, dc, block_m))
+
+
 def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:
     """Largest F dividing S with F·block_h ≤ max_rows (TokenSpeed's rule)."""
     for f in range(S, 0, -1):
@@ -430,6 +440,8 @@ def _sm_count(device: torch.device) -> int:
     return 8
 
 
+# quantised formats whose S > 1 calls (H ≤ 16) run one query token per program on the 16-row e4m3 Gluon kernels
+UNFOLDED_FORMATS = ("fp8", "fp8_ds_mla", "tbq4")
 TBQ4_COMBINE_ROTATE = True  # tbq4: the split combine also rotates the output back (else a kernel of its own)
 SMEM_BUDGET = 224 * 1024  # estimate (stages·block_n·d + block_m·d)·elem overcounts Triton's use a little
 
@@ -500,7 +512,7 @@ def mla_decode_triton(
     gluon: bool | None = None,
 ):
     """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs.
-    kv_format "fp8" / "tbq4": uint8 rows (`ops.kv_cache`), dequantised in registers inside the
+    kv_format "fp8" / "fp8_ds_mla" / "tbq4": uint8 rows (`ops.kv_cache`), dequantised in registers inside the
     kernel's loop; `prefetch` (default: on for tiles under 64 rows) loads the next key block's bytes
     while this one computes, since a register-dequantised tile cannot ride the dot's shared-memory
     pipeline. `kv_align` caps the codes' load vector (fp8: 8 bytes by default; 16-byte vectors made
@@ -518,20 +530,21 @@ def mla_decode_triton(
     # the table's width grows with the longest request in eager steps; a power-of-two bucket keeps
     # the split count (and the compiled combine variant) stable instead of changing every few pages
     max_seq = triton.next_power_of_2(block_table.shape[1]) * page_size
-    if (kv_format == "fp8_rope_int8" and S > 1 and H <= 16 and gluon is not False and mla_decode_gluon_fp8reg.USE
-            and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, 16, kv_format)):
-        # one query token per program, in the fp8 kernel's 16 rows: each token's program reads the keys again, but
-        # the folded rows' Triton kernel spills for the int8 rope (H100, B=32 T=32k: S=2 734 µs, 0.57× bf16)
-        max_rows = 16
+    if S > 1 and H <= 16 and gluon is not False and kv_format in UNFOLDED_FORMATS and _e4m3_kernel_takes(
+            q, kv_cache, dc, 16, kv_format):
+        # one query token per program, in the e4m3 kernels' 16 rows: each token's program reads the keys again, but
+        # the folded rows' Triton kernel spills for fp8's int8 rope (H100, B=32 T=32k: S=2 734 µs, 0.57× bf16)
+        unfolded = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N, 16, waves=1)
+        if gluon or mla_decode_gluon_quant.auto_takes(unfolded, B, S):  # else the folded rows on Triton
+            max_rows = 16
     block_h = min(max_rows, triton.next_power_of_2(H))
     block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
     tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()), kv_format)
     gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
-    if kv_format == "fp8_rope_int8":  # only the fp8 e4m3 kernel reads these rows
-        gluon_quant = mla_decode_gluon_fp8reg.USE and mla_decode_gluon_fp8reg.fp8reg_supported(
-            q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
+    if kv_format == "fp8":  # only the fp8 e4m3 kernel reads these rows
+        gluon_quant = _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     else:
         gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     supported = gluon_quant or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
@@ -539,7 +552,7 @@ def mla_decode_triton(
     if gluon and not supported:
         raise ValueError("the Gluon decode kernels take Hopper only: a 16-bit cache with Dc a multiple of 64 up to "
                          "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 "
-                         "rows (fp8_rope_int8: 16 rows)")
+                         "rows (fp8: 16 rows)")
     gluon_cfg = None
     helpers = None  # (partials, lse) of the programs that helped with other splits' keys (fp8 STEAL)
     if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
@@ -572,13 +585,13 @@ def mla_decode_triton(
     ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
-    fp8, tbq, i8 = kv_format in FP8_FORMATS, kv_format == "tbq4", kv_format == "fp8_rope_int8"
+    fp8, tbq, i8 = kv_format in FP8_FORMATS, kv_format == "tbq4", kv_format == "fp8"
     kv, quant = kv_cache, {}
     if fp8 or tbq:
         if kv_cache.dtype != torch.uint8 or not kv_cache.is_contiguous() or dc % 128:
             raise ValueError(f"the {kv_format} cache must be contiguous uint8 rows with Dc a multiple of 128")
         # the same bytes viewed as codes (fp8: uint8, tbq4: int32 words), scales (fp32) / norms (fp16), rope (bf16;
-        # fp8_rope_int8: int8, its scales read through the fp32 view)
+        # fp8: int8, its scales read through the fp32 view)
         scales = kv_cache.view(torch.float32 if fp8 else torch.float16)
         rope = kv_cache.view(torch.int8 if i8 else torch.bfloat16)
         kv = kv_cache if fp8 else kv_cache.view(torch.int32)
@@ -602,13 +615,11 @@ def mla_decode_triton(
         cent = tbq4.centroids(q.device)
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
-    if (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8reg.USE
-            and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)):
+    if run_gluon and gluon_quant and fp8 and _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format):
         helpers = mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                                               lse, softmax_scale * LOG2E, cfg, causal=causal,
                                                               direct=direct, num_splits=ns, kv_format=kv_format)
-    elif (run_gluon and gluon_quant and tbq and mla_decode_gluon_tbq4reg.USE
-            and mla_decode_gluon_tbq4reg.tbq4reg_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
+    elif run_gluon and gluon_quant and tbq and _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format):
         mla_decode_gluon_tbq4reg.launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                       softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
                                                       num_splits=ns)
