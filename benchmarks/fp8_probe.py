@@ -18,21 +18,24 @@ from specmla.ops import mla_decode_gluon_quant as F
 from specmla.ops.mla_decode import mla_decode_torch
 from specmla.ops.mla_decode_triton import mla_decode_triton
 
+DS = "fp8_ds_mla"  # FlashMLA's 656-byte rows, the layout these probes measured
+
 CASES = [(16, 32, 32768, 1), (16, 4, 81920, 1), (16, 32, 32768, 2), (16, 1, 8192, 1), (16, 128, 4096, 1)]
 if os.environ.get("FP8_PROBE_CASES"):  # e.g. "16x32x32768x1,16x4x81920x1"
     CASES = [tuple(int(v) for v in c.split("x")) for c in os.environ["FP8_PROBE_CASES"].split(",")]
 # name, cache format, mla_decode_triton(gluon=), settings of ops.mla_decode_gluon_quant for the call
-VARIANTS = (("bf16", "bf16", None, {}), ("fp8_default", "fp8_ds_mla", None, {}), ("fp8_gluon", "fp8_ds_mla", True, {}),
-            ("fp8_triton", "fp8_ds_mla", False, {}),
+VARIANTS = (("bf16", "bf16", None, {}), ("fp8_default", DS, None, {}), ("fp8_gluon", DS, True, {}),
+            ("fp8_triton", DS, False, {}),
             # timing probes (wrong results): no unpacking; no consumer matmuls; raw stores; no code loads; neither
             # loads nor unpacking
-            ("probe_no_unpack", "fp8_ds_mla", True, dict(PROBE=1)), ("probe_no_mma", "fp8_ds_mla", True, dict(PROBE=2)),
-            ("probe_raw_stores", "fp8_ds_mla", True, dict(PROBE=3)), ("probe_no_loads", "fp8_ds_mla", True, dict(PROBE=4)),
-            ("probe_consumers_only", "fp8_ds_mla", True, dict(PROBE=5)),
+            ("probe_no_unpack", DS, True, dict(PROBE=1)), ("probe_no_mma", DS, True, dict(PROBE=2)),
+            ("probe_raw_stores", DS, True, dict(PROBE=3)), ("probe_no_loads", DS, True, dict(PROBE=4)),
+            ("probe_consumers_only", DS, True, dict(PROBE=5)),
             ("tbq4_default", "tbq4", None, {}), ("tbq4_gluon", "tbq4", True, {}), ("tbq4_triton", "tbq4", False, {}))
 if os.environ.get("FP8_PROBE_SHAPES"):  # register splits to try: "16:8:104:152,32:4:152:208" (rows:warps:cons:prod)
     VARIANTS = VARIANTS[:2] + tuple(
-        (f"shape_{v}", "fp8_ds_mla", True, dict(SHAPES={**F.SHAPES, int(v.split(":")[0]): tuple(int(x) for x in v.split(":")[1:])}))
+        (f"shape_{v}", DS, True,
+         dict(SHAPES={**F.SHAPES, int(v.split(":")[0]): tuple(int(x) for x in v.split(":")[1:])}))
         for v in os.environ["FP8_PROBE_SHAPES"].split(","))
 
 
@@ -58,7 +61,7 @@ def main():
     rows = []
     for H, B, T, S in CASES:
         res = {"case": [H, B, T, S]}
-        for kv in ("bf16", "fp8_ds_mla", "tbq4"):
+        for kv in ("bf16", DS, "tbq4"):
             caches, table, seq, qs = make_problem(H, B, T, S, 4, kv)
             nb = kv_decode_bytes(kv, B * T, B, S, H)
             out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")

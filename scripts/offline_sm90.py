@@ -83,9 +83,9 @@ def gluon_decode_usage(cases) -> list[dict]:
     """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct[, block_n]) and
     report its resources; for "fp8reg" / "tbq4reg" an optional 8th item sets module constants while compiling,
     e.g. {"LOADER": true, "REGS": [224, 40]} (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process:
-    Triton's interpreter mode, which the test suite turns on, cannot compile). dtype "fp8_ds_mla" / "tbq4": the kernel for
-    quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries; "fp8mma": the fp8 kernel with e4m3 matmuls
-    (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`;
+    Triton's interpreter mode, which the test suite turns on, cannot compile). dtype "fp8_ds_mla" / "tbq4": the
+    kernel for quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries; "fp8mma": the fp8 kernel with e4m3
+    matmuls (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`;
     "fp8reg_rope_int8": on 608-byte fp8 rows); "tbq4reg": its tbq4 sibling (`ops.mla_decode_gluon_tbq4reg`)."""
     import torch
 

@@ -79,7 +79,8 @@ def test_tbq4_defaults_are_the_kernels():
                                           p_format="e4m3"))
     q, cache, table, seq = _problem([70, 9], 1, 16, 64, "fp8_ds_mla")
     a = mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8_ds_mla")
-    assert torch.equal(a, mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8_ds_mla", q_split=True, p_format="fp16"))
+    assert torch.equal(a, mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8_ds_mla", q_split=True,
+                                          p_format="fp16"))
     with pytest.raises(ValueError, match="p_format"):
         mla_decode_e4m3(q, cache, table, seq, SCALE, kv_format="fp8_ds_mla", p_format="bf16")
 
@@ -183,8 +184,9 @@ def _kernel(fmt, q, cache, table, seq, splits, monkeypatch, p_format="fp16"):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("fmt,p_format,row_tol", [("fp8_ds_mla", "fp16", 0.004), ("fp8_ds_mla", "e4m3", 0.012), ("fp8_ds_mla", "e4m3x2", 0.004),
-                                                  ("fp8", "fp16", 0.004), ("tbq4", "e4m3", 0.015)])
+@pytest.mark.parametrize("fmt,p_format,row_tol", [("fp8_ds_mla", "fp16", 0.004), ("fp8_ds_mla", "e4m3", 0.012),
+                                                  ("fp8_ds_mla", "e4m3x2", 0.004), ("fp8", "fp16", 0.004),
+                                                  ("tbq4", "e4m3", 0.015)])
 def test_the_kernels_follow_the_emulation(fmt, p_format, row_tol, monkeypatch):
     """The Hopper kernels' error against the exact reference is the emulation's, with and without split launches;
     with one split per row (as emulated) every row is within row_tol of the emulation. Measured (H100, this case):

@@ -180,13 +180,20 @@ def test_q_split_in_two_e4m3_terms():
     want_hi = y.clamp(-448, 448).to(torch.float8_e4m3fn)
     want_lo = (y - want_hi.float()).to(torch.float8_e4m3fn)
     got_hi, got_lo = hi.transpose(0, 1).float(), lo.transpose(0, 1).float()  # [16, 4, 128]
-    assert torch.equal(got_hi, want_hi.float())
-    # lo: the same, except that Triton's fp32 → e4m3 conversion may round a residual one e4m3 step away from
-    # torch's (seen: 10·2⁻⁹ for 11·2⁻⁹) — a step of lo is 2⁻⁴ of a step of hi
+
+    def step(v):  # one e4m3 step at v
+        return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2 ** -6))) - 3)
+
+    # the kernel scales by 448 / amax (Triton's fp32 division is approximate) where torch divides by amax / 448, so a
+    # value at a rounding midpoint may round one e4m3 step the other way (seen on the H100: hi rarely, lo more
+    # often: 10·2⁻⁹ for 11·2⁻⁹); lo absorbs hi's step, so hi + lo stays y to lo's precision
+    want = want_hi.float()
+    diff = (got_hi - want).abs()
+    assert (diff <= step(want)).all() and (diff > 0).float().mean().item() < 0.01
+    assert ((got_hi + got_lo - y).abs() <= step(y) / 8 + 2 ** -9).all()
     want = want_lo.float()
-    step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2 ** -6))) - 3)
     diff = (got_lo - want).abs()
-    assert (diff <= step).all() and (diff > 0).float().mean().item() < 0.02
+    assert (diff > 0).float().mean().item() < 0.03
     ref = k.view(torch.float8_e4m3fn).double() @ (want_hi[:, 1].double() + want_lo[:, 1].double()).t()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
 

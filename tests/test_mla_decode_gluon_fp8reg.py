@@ -56,8 +56,8 @@ def test_fp8reg_kernel_matches_the_reference(lens, splits, p_format, q_cat, kv_f
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("lens,splits,kv_format", [
-    ([1, 63, 64, 65, 300, 1000], None, "fp8_ds_mla"), ([4097, 77, 128], 3, "fp8_ds_mla"), ([8192, 5000], 2, "fp8_ds_mla"),
-    ([4097, 77, 128], 3, "fp8")])
+    ([1, 63, 64, 65, 300, 1000], None, "fp8_ds_mla"), ([4097, 77, 128], 3, "fp8_ds_mla"),
+    ([8192, 5000], 2, "fp8_ds_mla"), ([4097, 77, 128], 3, "fp8")])
 def test_fp8reg_loader_warp_gives_the_same_result(lens, splits, kv_format, monkeypatch):
     """LOADER (a one-warp partition issues the copies as stages are handed back) changes only when copies start:
     the result is the default's bit for bit."""
@@ -122,7 +122,8 @@ def test_fp8reg_steal_replays_in_a_cuda_graph(monkeypatch):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8_ds_mla", gluon=True, out=out)
+        mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="fp8_ds_mla", gluon=True,
+                          out=out)
     for _ in range(3):
         out.zero_()
         graph.replay()

@@ -172,9 +172,9 @@ def mla_decode_e4m3(
 ) -> torch.Tensor:
     """`mla_decode_torch`'s contract with the e4m3 kernels' rounding: out [B, S, H, Dc] in q's dtype.
 
-    kv_format "fp8" / "fp8_ds_mla" (`mla_decode_gluon_fp8reg`) or "tbq4" (`mla_decode_gluon_tbq4reg`). q_split: q as two e4m3
-    terms (default: True for fp8, False for tbq4, the kernels' settings); p_format: how P·scale/f enters P·V, one of
-    `P_FORMATS` (default: "fp16" for fp8, the fp8 kernel's `P16`; "e4m3" for tbq4)."""
+    kv_format "fp8" / "fp8_ds_mla" (`mla_decode_gluon_fp8reg`) or "tbq4" (`mla_decode_gluon_tbq4reg`). q_split: q as
+    two e4m3 terms (default: True for fp8, False for tbq4, the kernels' settings); p_format: how P·scale/f enters
+    P·V, one of `P_FORMATS` (default: "fp16" for fp8, the fp8 kernel's `P16`; "e4m3" for tbq4)."""
     if kv_format not in FORMATS:
         raise ValueError(f"mla_decode_e4m3 emulates the e4m3 kernels of the fp8 and tbq4 caches only; "
                          f"got kv_format={kv_format!r}")

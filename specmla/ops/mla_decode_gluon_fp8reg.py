@@ -42,7 +42,8 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
   is the warp-specialised default partition: with consumer 0 there (as in the static kernel), ptxas built that
   consumer's wgmma descriptors in regular registers and spilled them (144 R2UR per block against 60; 298.6 µs on
   an H200). docs/benchmarks.md, eighteenth and nineteenth sessions.
-- fp8 rows (608 bytes, called fp8_rope_int8 in the nineteenth session: the rope in int8 with one fp16 scale per 8 values, `ops.kv_cache`): the rope's int8
+- fp8 rows (608 bytes, called fp8_rope_int8 in the nineteenth session: the rope in int8 with one fp16 scale per 8
+  values, `ops.kv_cache`): the rope's int8
   box lands in the second half of the stage's bf16 rope tile and the producer converts it in place (`_convert_rope`),
   so the consumers are unchanged; the loader warp issues the copies (`ROPE_INT8_LOADER`), because the conversion
   delayed the producer's refills (263.1 against 237.0 µs at B=32 T=32k on an H100: 1.74× bf16). docs/benchmarks.md,
@@ -88,7 +89,7 @@ REGS_WITH_LOADER = (224, 40)  # (consumer, producer) registers when the loader w
 # (H100, B=32 T=32k: 237.0 µs with the loader, 263.1 without, 249.2 refilling before converting)
 ROPE_INT8_LOADER = True
 REFILL_LAG = 2  # (LOADER False) the producer refills the stage of block j - REFILL_LAG after handing over block j
-REFILL_EARLY = False  # (LOADER False) … before preparing block j (its scales, 608-byte fp8 rows: the rope's conversion)
+REFILL_EARLY = False  # (LOADER False) … before preparing block j (its scales; 608-byte fp8 rows: the rope)
 PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ,
 # 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs), 7 the
 # default kernel that also writes each program's timeline (`_stamp`) past STAMPS_AT words of the workspace
@@ -300,7 +301,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _convert_rope(raw_rope, raw_scales, rs):
-        """(Producer, 608-byte fp8 rows) Stage rs's int8 rope values (`M.rope_landing`: the second half of its bf16 tile)
+        """(Producer, 608-byte rows) Stage rs's int8 rope values (`M.rope_landing`: the second half of its bf16 tile)
         × their fp16 scales (scale words 4-7, two per word) → the tile's bf16 values, 32 keys at a time: the first
         32 keys' bf16 rows lie before the landing area, the last 32 keys' overwrite it, so they are all read first.
         Each thread converts 8 values (one scale) per pass and stores them as one 16-byte vector."""
@@ -980,7 +981,8 @@ if G.HAVE_GLUON:
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8_ds_mla") -> bool:
+def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int,
+                     kv_format: str = "fp8_ds_mla") -> bool:
     """Whether this kernel takes an fp8-cache call: what `mla_decode_gluon_fp8mma` takes, with 16 query rows;
     fp8 rows (608 bytes) under the same conditions."""
     if max(16, block_m) != BLOCK_M:
@@ -1009,7 +1011,8 @@ def _rope_int8_descriptors(kv_cache: torch.Tensor) -> tuple:
 
 def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
                         causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8_ds_mla"):
-    """Stage 1 of `mla_decode_triton` for an fp8 (608-byte) or fp8_ds_mla (656-byte) cache (grid, split rule and outputs as the other
+    """Stage 1 of `mla_decode_triton` for an fp8 (608-byte) or fp8_ds_mla (656-byte) cache (grid, split rule and
+    outputs as the other
     kernels)."""
     rope_i8 = kv_format == "fp8"
     scale_words = 8 if rope_i8 else SCALE_WORDS

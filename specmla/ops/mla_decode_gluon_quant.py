@@ -70,7 +70,7 @@ PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpack
 # matmuls, 3 the producer stores the codes without unpacking them, 4 it loads codes only for the first two blocks,
 # 5 neither loads (after the first two blocks) nor unpacks: the consumers' own time
 
-FORMATS = {"fp8_ds_mla": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention in the rotated domain)
+FORMATS = {"fp8_ds_mla": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention rotated)
 ROW_BYTES = {"fp8_ds_mla": 656, "tbq4": tbq4.cache_row_bytes(512, 64)}  # Dc = 512, Dr = 64: 656 and 400
 
 _SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
@@ -489,7 +489,8 @@ if G.HAVE_GLUON:
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def quant_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int, kv_format: str = "fp8_ds_mla") -> bool:
+def quant_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int,
+                    kv_format: str = "fp8_ds_mla") -> bool:
     """Whether this kernel takes a quantised-cache call: Hopper, an fp8 or tbq4 cache, bf16 queries (the rope
     part is bf16), Dc = 512, Dr = 64, row tiles of at most MAX_ROWS, contiguous uint8 rows."""
     return kv_format in FORMATS and block_m <= MAX_ROWS and hopper_rows_supported(q, kv_cache, dc, ROW_BYTES[kv_format])
