@@ -10,7 +10,7 @@
   "reg16_*": P·V in fp16 (`P16`, the default), "_q_apart": q's two terms as two matmuls (`Q_CAT = False`),
   "_no_loader": the producer refills the stages (no loader warp, `LOADER = False`), "reg16_loader": the one-warp
   copy partition (`LOADER`); "tbq4_rope_via_raw": the rope through the raw ring (`ROPE_DIRECT = False`),
-  "tbq4_raw4": 4 raw stages of 17 KB (crashed at B=32 T=32k); "_splits_half" / "_double": half / twice the split count;
+  "tbq4_raw4": 4 raw stages of 17 KB (no gain); "_splits_half" / "_double": half / twice the split count;
   "reg16_steal": programs whose share is done help the share with the most blocks left (`STEAL`; "_min2" / "_min8":
   `STEAL_MIN_BLOCKS`, "_3seg": up to two shares helped, "_claim4": four blocks per atomic);
   "reg16_rows608": the same kernel on 608-byte rows, the size of a row whose rope is int8 with 8 fp16 scales

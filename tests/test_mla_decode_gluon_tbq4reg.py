@@ -69,7 +69,7 @@ def test_tbq4reg_code_box_width_does_not_change_the_result(code_box, monkeypatch
 def test_tbq4reg_rope_straight_into_the_decoded_stage(lens, splits, raw, monkeypatch):
     """ROPE_DIRECT (the default: the rope's copy lands in the decoded stage; the stage is ready after that copy and
     the producer's arrive) gives the result of the rope through the raw ring bit for bit, with 3 raw stages of 17 KB
-    or 4 (4 crashed at B=32 T=32k on the H100: see the module)."""
+    or 4 (4 gains nothing: see the module)."""
     q, cache, table, seq = _problem(lens, 1, kv_format="tbq4")
     monkeypatch.setattr(T, "ROPE_DIRECT", False)
     monkeypatch.setattr(T, "NUM_RAW", 3)

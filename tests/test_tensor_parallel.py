@@ -26,8 +26,8 @@ def test_tp2_equals_tp1_on_a_random_tiny_model(tiny_model_dir):
 def test_tp2_equals_tp1_on_the_embedded_model_with_mtp_speculation_and_fp8_cache():
     from specmla.model.default import default_model_path
 
-    path = default_model_path()  # production latent shapes (Dc 512): fp8 rows apply
-    kw = dict(speculative="mtp", num_speculative_tokens=2, kv_cache_dtype="fp8_ds_mla")
+    path = default_model_path()  # production latent shapes (Dc 512): fp8 rows apply (608 bytes, the int8 rope)
+    kw = dict(speculative="mtp", num_speculative_tokens=2, kv_cache_dtype="fp8")
     assert run(path, 2, **kw) == run(path, 1, **kw)
 
 
