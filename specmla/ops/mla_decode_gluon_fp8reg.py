@@ -13,7 +13,7 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
 - The two consumer warpgroups take alternate key blocks whole (all 512 columns), each with its own online softmax
   and accumulator; they merge once at the end through shared memory. No exchange per block: one consumer's
   softmax overlaps the other's matmuls.
-- The producer warpgroup issues the TMA copies (whole 656-byte fp8_ds_mla rows, boxes 128 to 512 bytes wide), normalises
+- The producer warpgroup issues the TMA copies (whole 656-byte rows, boxes 128 to 512 bytes wide), normalises
   each block's scales per chunk (P·scale/f in e4m3's range, as in `mla_decode_gluon_fp8mma`) and zeroes the codes
   of rows past the end. It refills the stage of the block two behind the one it hands over: refilling the
   previous block's stage waited on the other consumer every block (375 against 255 µs).
@@ -43,9 +43,8 @@ take 268 µs at B=32 T=32k, 1.54× bf16). Here:
   consumer's wgmma descriptors in regular registers and spilled them (144 R2UR per block against 60; 298.6 µs on
   an H200). docs/benchmarks.md, eighteenth and nineteenth sessions.
 - fp8 rows (608 bytes, called fp8_rope_int8 in the nineteenth session: the rope in int8 with one fp16 scale per 8
-  values, `ops.kv_cache`): the rope's int8
-  box lands in the second half of the stage's bf16 rope tile and the producer converts it in place (`_convert_rope`),
-  so the consumers are unchanged; the loader warp issues the copies (`ROPE_INT8_LOADER`), because the conversion
+  values, `ops.kv_cache`; the 656-byte rows are fp8_ds_mla): the rope's int8 box lands in the second half of the
+  stage's bf16 rope tile and the producer converts it in place (`_convert_rope`), so the consumers are unchanged; the loader warp issues the copies (`ROPE_INT8_LOADER`), because the conversion
   delayed the producer's refills (263.1 against 237.0 µs at B=32 T=32k on an H100: 1.74× bf16). docs/benchmarks.md,
   nineteenth session.
 
@@ -1012,8 +1011,7 @@ def _rope_int8_descriptors(kv_cache: torch.Tensor) -> tuple:
 def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
                         causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8_ds_mla"):
     """Stage 1 of `mla_decode_triton` for an fp8 (608-byte) or fp8_ds_mla (656-byte) cache (grid, split rule and
-    outputs as the other
-    kernels)."""
+    outputs as the other kernels)."""
     rope_i8 = kv_format == "fp8"
     scale_words = 8 if rope_i8 else SCALE_WORDS
     grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,

@@ -532,8 +532,9 @@ def mla_decode_triton(
     max_seq = triton.next_power_of_2(block_table.shape[1]) * page_size
     if S > 1 and H <= 16 and gluon is not False and kv_format in UNFOLDED_FORMATS and _e4m3_kernel_takes(
             q, kv_cache, dc, 16, kv_format):
-        # one query token per program, in the e4m3 kernels' 16 rows: each token's program reads the keys again, but
-        # the folded rows' Triton kernel spills for fp8's int8 rope (H100, B=32 T=32k: S=2 734 µs, 0.57× bf16)
+        # one query token per program, in the e4m3 kernels' 16 rows: each token's program reads the keys again, and
+        # yet it beats the folded rows (H100, B=32 T=32k, S=2: 1.03-1.19× bf16 against 0.35-0.83×; S=4: 0.54-0.62×
+        # against 0.45-0.59×; docs/benchmarks.md, issue 7, twentieth session)
         unfolded = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N, 16, waves=1)
         if gluon or mla_decode_gluon_quant.auto_takes(unfolded, B, S):  # else the folded rows on Triton
             max_rows = 16
