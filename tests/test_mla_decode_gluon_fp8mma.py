@@ -218,6 +218,19 @@ def _problem(lens, S, H=16, seed=0, kv_format="fp8_ds_mla"):
     return q, cache, table, seq
 
 
+def assert_tokens_match(got, ref, lens, S, max_err, min_cos):
+    """S query tokens per request (`_problem`'s lengths) against the reference: finite, relative error under
+    max_err, every row that sees a key with cosine over min_cos; a token before the request's first key (length < S)
+    sees none, and its row is the reference's zeros."""
+    got = got.double()
+    assert torch.isfinite(got).all()
+    assert ((got - ref).norm() / ref.norm()).item() < max_err
+    empty = ref.flatten(2).norm(dim=-1) == 0
+    assert empty.any() == (min(lens) < S) and (got.flatten(2)[empty].abs() <= 1e-6).all()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(2), ref.flatten(2), dim=-1)
+    assert cos[~empty].min().item() > min_cos
+
+
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("lens,S,splits", [([1, 63, 64, 65, 300, 1000], 1, None), ([4097, 77, 128], 1, 1),

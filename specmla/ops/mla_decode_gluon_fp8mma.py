@@ -337,11 +337,7 @@ if G.HAVE_GLUON:
             mbarrier.wait(bars.index(Q_READY), 0)
         qa = qs.index(ca).load(ROW)
         qb = qs.index(cb).load(ROW)
-        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
-        if CAUSAL:
-            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
+        limit = Q8._row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
         fa_prev = gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW)
         fb_prev = gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW)

@@ -494,11 +494,7 @@ if G.HAVE_GLUON:
         ROW: gl.constexpr = gl.SliceLayout(0, ACC)
         BLOCK_M: gl.constexpr = qs.shape[1]
         q0 = qs.index(0).load(ROW)  # one scale per row for every chunk: fewer registers
-        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
-        if CAUSAL:
-            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
+        limit = Q8._row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
         f0p = gl.max(gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW), axis=0)
         o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=ACC16 if P16 else ACC)

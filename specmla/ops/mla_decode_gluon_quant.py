@@ -146,6 +146,18 @@ if G.HAVE_GLUON:
         q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0).to(gl.bfloat16))
 
     @gluon.jit
+    def _row_limits(seq_len, S, g, FOLD: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_M: gl.constexpr,
+                    CAUSAL: gl.constexpr, ROW: gl.constexpr):
+        """Each query row's key limit (keys < limit are seen) for token group g of a request of length seq_len:
+        causal, the row's token position + 1 (rows are FOLD tokens × BLOCK_H heads); else the whole request."""
+        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
+        if CAUSAL:
+            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
+        return limit
+
+    @gluon.jit
     def _softmax_keys(s, m_i, l_keys, offs_n, end, limit, scale_log2):
         """Online softmax of Sᵀ [keys, rows] (keys offs_n; hidden at or past `end` and past each row's
         causal `limit`): P at the new max, the old rows' rescale factor, the new max, and the row sums kept
@@ -373,11 +385,7 @@ if G.HAVE_GLUON:
         else:
             mbarrier.wait(bars.index(Q_READY), 0)
 
-        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
-        if CAUSAL:
-            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
+        limit = _row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
         l_keys = s_zero
