@@ -1,6 +1,7 @@
-"""Several query tokens (S > 1, the MTP verify step) on quantised caches: the default route, where the 16-row e4m3
-Gluon kernels take one query token per program (`mla_decode_triton.UNFOLDED_FORMATS`), against the folded route
-(the Triton kernel or the unpacking Gluon kernel), each format in the same run as bf16. GPU only.
+"""Several query tokens (S > 1, the MTP verify step) on quantised caches: the 64-row e4m3 kernel (fp8 formats, through
+`mla_decode_triton.FOLDED_E4M3_FORMATS`), the 16-row e4m3 Gluon kernels with one query token per program
+(`UNFOLDED_FORMATS`) and the folded route (the Triton kernel or the unpacking Gluon kernel), each format in the same
+run as bf16. GPU only.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/unfold_probe.py --cases 16x32x32768x2,16x32x32768x4 --out DIR
 """
@@ -18,11 +19,14 @@ from specmla.ops import mla_decode_triton as T
 from specmla.ops.mla_decode import mla_decode_torch
 
 FORMATS = ("bf16", "fp8", "fp8_ds_mla", "tbq4")
+FOLD64 = ("fp8", "fp8_ds_mla")  # the formats the 64-row kernel reads (its route is off by default)
 
 
-def time_route(kv: str, H: int, B: int, T_: int, S: int, unfolded: tuple) -> dict:
-    """Seconds per default call with UNFOLDED_FORMATS = unfolded, and its error on two requests."""
+def time_route(kv: str, H: int, B: int, T_: int, S: int, unfolded: tuple, folded64: tuple = ()) -> dict:
+    """Seconds per default call with UNFOLDED_FORMATS = unfolded and FOLDED_E4M3_FORMATS = folded64, and its error on
+    two requests."""
     T.UNFOLDED_FORMATS = unfolded
+    T.FOLDED_E4M3_FORMATS = folded64
     caches, table, seq, qs = make_problem(H, B, T_, S, 2, kv)
     ref = mla_decode_torch(qs[0][:2].float(), caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
     got = T.mla_decode_triton(qs[0][:2], caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
@@ -37,22 +41,26 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="16x32x32768x2,16x32x32768x4,16x4x81920x4")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--kv", default=",".join(FORMATS[1:]), help="quantised formats to time (bf16 always runs)")
     args = ap.parse_args()
-    default = T.UNFOLDED_FORMATS
+    default, default64 = T.UNFOLDED_FORMATS, T.FOLDED_E4M3_FORMATS
     rows = []
     for case in args.cases.split(","):
         H, B, T_, S = parse_case(case)
         base = time_route("bf16", H, B, T_, S, default)
         rows.append({"case": case, "kv": "bf16", "route": "default", **base})
         print(f"{case} bf16 {base['s'] * 1e6:.1f} us", flush=True)
-        for kv in FORMATS[1:]:
-            for route, unfolded in (("unfolded", default), ("folded", ())):
-                r = time_route(kv, H, B, T_, S, unfolded)
+        for kv in args.kv.split(","):
+            routes = [("unfolded", default, ()), ("folded", (), ())]
+            if kv in FOLD64:
+                routes.insert(0, ("fold64", default, FOLD64))
+            for route, unfolded, folded64 in routes:
+                r = time_route(kv, H, B, T_, S, unfolded, folded64)
                 rows.append({"case": case, "kv": kv, "route": route, "row_bytes": row_bytes(kv),
                              "x_bf16": base["s"] / r["s"], **r})
                 print(f"{case} {kv} {route} {r['s'] * 1e6:.1f} us {base['s'] / r['s']:.2f}x err {r['rel_err']:.4f}",
                       flush=True)
-    T.UNFOLDED_FORMATS = default
+    T.UNFOLDED_FORMATS, T.FOLDED_E4M3_FORMATS = default, default64
     with open(os.path.join(args.out, "unfold_probe.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 

@@ -262,12 +262,15 @@ if G.HAVE_GLUON:
     def _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
                 FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
                 ROW_SCALE: gl.constexpr = False, LO: gl.constexpr = True, FIRST: gl.constexpr = 0,
-                COUNT: gl.constexpr = 4, ROPE: gl.constexpr = True, PAIRED: gl.constexpr = False):
+                COUNT: gl.constexpr = 4, ROPE: gl.constexpr = True, PAIRED: gl.constexpr = False,
+                TWO_PASS: gl.constexpr = False):
         """q's latent part as two e4m3 terms per 128-column chunk, q ≈ (hi + lo)·sq (sq: the row's chunk
         maximum / 448; ROW_SCALE: the row's maximum / 448, the same for every chunk; LO False: hi alone, q_lo
         untouched), and (ROPE) its rope part in bf16; padded rows are zeros. Only chunks FIRST .. FIRST+COUNT-1
         are written: two warpgroups can share the work (with ROW_SCALE each still reads the whole row). PAIRED:
-        chunk c's hi and lo tiles are q_hi's tiles 2c and 2c + 1 (one [2·rows, 128] operand; q_lo unused)."""
+        chunk c's hi and lo tiles are q_hi's tiles 2c and 2c + 1 (one [2·rows, 128] operand; q_lo unused).
+        TWO_PASS (with ROW_SCALE): the row maximum from one pass over the chunks, then each written chunk loaded
+        again, so that one chunk at a time is in registers (64 rows: four would be 256 registers per thread)."""
         QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
@@ -276,7 +279,15 @@ if G.HAVE_GLUON:
         ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
         q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
         cols = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, QL)), 0)
-        if ROW_SCALE:  # the row's four chunks loaded once, then one scale for all of them
+        if ROW_SCALE and TWO_PASS:
+            row_max = gl.full([BLOCK_M], 1e-30, gl.float32, layout=gl.SliceLayout(1, QL))
+            for c in gl.static_range(4):
+                x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
+                row_max = gl.maximum(row_max, gl.max(gl.abs(x), axis=1))
+            for c in gl.static_range(FIRST, FIRST + COUNT):
+                x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
+                _store_q_chunk(x, 448.0 / row_max, row_max / 448.0, q_hi.index(c), q_lo.index(c), qs.index(c), LO)
+        elif ROW_SCALE:  # the row's four chunks loaded once, then one scale for all of them
             x0 = gl.load(Q + q_at + 0 * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
             x1 = gl.load(Q + q_at + 1 * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)
             x2 = gl.load(Q + q_at + 2 * 128 + cols, mask=ok_q, other=0.0).to(gl.float32)

@@ -162,14 +162,14 @@ if G.HAVE_GLUON:
         return a0, a1, a2, a3
 
     @gluon.jit
-    def _f16_fragment(a8):
+    def _f16_fragment(a8, FRAG: gl.constexpr):
         """A Vᵀ fragment of e4m3 codes (`_vt_fragment`) → the fp16 wgmma's register operand, values exact. The
         fp16 fragment holds 2 keys per register where the e4m3 one holds 4, and its lanes cover keys k1 k2 where
         the e4m3 one's cover k2 k3: relabelling the keys (k1 → k3, k2 → k1, k3 → k2) makes the layouts equal up to
         the order of whole registers, and composed with `_vt_fragment`'s order it gives the keys in stage order."""
         t = gl.reshape(a8.to(gl.float16), [128, 2, 2, 2, 2, 2, 2])  # (m, k5 … k0)
         t = gl.reshape(gl.permute(t, F16_KEY_PERM.value), [128, 64])
-        return gl.convert_layout(t, VT16_FRAG)
+        return gl.convert_layout(t, FRAG)
 
     @gluon.jit
     def _pv16_chunk(raw_codes, rs, p16, i, c: gl.constexpr, o, PROBE: gl.constexpr):
@@ -179,7 +179,7 @@ if G.HAVE_GLUON:
             a8 = _vt_fragment(raw_codes.index(rs * 4 + c), V_LOAD, VT_FRAG)
         else:
             a8 = gl.zeros([128, 64], gl.float8e4nv, layout=VT_FRAG)
-        return warpgroup_mma(_f16_fragment(a8), p16.index(i + c).permute((1, 0)), o, is_async=True)
+        return warpgroup_mma(_f16_fragment(a8, VT16_FRAG), p16.index(i + c).permute((1, 0)), o, is_async=True)
 
     @gluon.jit
     def _pv16(raw_codes, rs, p16, ROLE: gl.constexpr, o0, o1, o2, o3, free_bar, PROBE: gl.constexpr):
