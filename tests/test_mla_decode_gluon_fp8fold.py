@@ -11,6 +11,8 @@ from test_mla_decode_gluon_fp8mma import _problem, assert_tokens_match, hopper
 from specmla.ops import mla_decode_gluon_fp8fold as F
 from specmla.ops import mla_decode_triton as T
 
+DEFAULT_ROUTE = T.FOLDED_E4M3_FORMATS  # before any test changes it
+
 
 def _run(q, cache, table, seq, splits, monkeypatch, kv_format, gluon=True, route=("fp8", "fp8_ds_mla")):
     monkeypatch.setattr(T, "FOLDED_E4M3_FORMATS", route)  # the route is off by default (slower, for now)
@@ -64,7 +66,7 @@ def test_fp8fold_leaves_other_calls(monkeypatch):
     q, cache, table, seq = _problem([700, 90], 2, kv_format="tbq4")
     assert _run(q, cache, table, seq, None, monkeypatch, "tbq4")[1] == []
     q, cache, table, seq = _problem([700, 90], 4, kv_format="fp8")
-    assert _run(q, cache, table, seq, None, monkeypatch, "fp8", route=T.FOLDED_E4M3_FORMATS)[1] == []
+    assert _run(q, cache, table, seq, None, monkeypatch, "fp8", route=DEFAULT_ROUTE)[1] == []
 
 
 def test_fold64_route_needs_several_tokens_an_fp8_format_and_hopper(monkeypatch):
