@@ -1,7 +1,8 @@
 """The 64-row fp8 decode kernel for several query tokens (`ops.mla_decode_gluon_fp8fold`): the whole kernel against
-the fp64 reference for S = 2, 3, 4 folded tokens (H = 16) on 608- and 656-byte rows, with ragged lengths, NaN bytes
-past each request's end, a token that sees no key and several splits; the calls it leaves to the other kernels; the
-route's choice. GPU (Hopper) only, except a CPU test that compiles it for sm_90 and one of the route's rule."""
+the fp64 reference for S = 2, 3, 4 folded tokens (H = 16; and H = 128, S = 2) on 608- and 656-byte rows, with ragged
+lengths, NaN bytes past each request's end, a token that sees no key and several splits; the calls it leaves to the
+other kernels; the route's choice. GPU (Hopper) only, except a CPU test that compiles it for sm_90 and one of the
+route's rule."""
 
 import pytest
 import torch

@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from specmla.ops import (mla_decode_gluon, mla_decode_gluon_fp8fold, mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg,
-                         mla_decode_gluon_quant,
-                         mla_decode_gluon_tbq4reg, tbq4)
+                         mla_decode_gluon_quant, mla_decode_gluon_tbq4reg, tbq4)
 from specmla.ops.kv_cache import FP8_FORMATS, rope_offset, rope_scales_offset
 from specmla.ops.online_softmax import (online_softmax_finish, online_softmax_step, split_merge_weights,
                                         split_merge_weights_two)
@@ -447,6 +446,8 @@ UNFOLDED_FORMATS = ("fp8", "fp8_ds_mla", "tbq4")
 # none, because it is correct but slower than one token per program (H100, B=32 T=32k, fp8: S=4 0.51× bf16 against
 # 0.58×, S=2 0.52× against 1.12×; docs/benchmarks.md, issue 7, twenty-first session)
 FOLDED_E4M3_FORMATS: tuple = ()
+TBQ4_COMBINE_ROTATE = True  # tbq4: the split combine also rotates the output back (else a kernel of its own)
+SMEM_BUDGET = 224 * 1024  # estimate (stages·block_n·d + block_m·d)·elem overcounts Triton's use a little
 
 
 def _fold64_takes(q, kv_cache, dc: int, S: int, H: int, kv_format: str) -> bool:
@@ -456,8 +457,6 @@ def _fold64_takes(q, kv_cache, dc: int, S: int, H: int, kv_format: str) -> bool:
     block_h = min(MAX_ROWS, triton.next_power_of_2(H))
     block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h) * block_h))
     return mla_decode_gluon_fp8fold.fp8fold_supported(q, kv_cache, dc, block_m, kv_format)
-TBQ4_COMBINE_ROTATE = True  # tbq4: the split combine also rotates the output back (else a kernel of its own)
-SMEM_BUDGET = 224 * 1024  # estimate (stages·block_n·d + block_m·d)·elem overcounts Triton's use a little
 
 
 def default_tiles(block_m: int, d: int, elem: int, kv_format: str = "auto") -> dict:
