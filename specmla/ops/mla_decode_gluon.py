@@ -87,6 +87,19 @@ if HAVE_GLUON:
         return page * stride_kvp + (offs_n % PAGE_SIZE) * stride_kvt, n_ok
 
     @gluon.jit
+    def _softmax_rows(s, m_i, l_i, offs_n, end, limit, scale_log2):
+        """Online softmax of S [rows, keys] (keys offs_n; hidden at or past `end` and past each row's causal
+        `limit`), the query rows along the matmul's M: P at the new max, the old rows' rescale factor, the new max
+        and row sums (`mla_decode_gluon_quant._softmax_keys` is its keys-along-M twin)."""
+        visible = gl.expand_dims(offs_n < end, 0) & (gl.expand_dims(offs_n, 0) < gl.expand_dims(limit, 1))
+        s = gl.where(visible, s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
     def _program_keys(SEQ, S, NUM_SPLITS, FOLD: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
         """This program's request b, its query-token group g, the request's length and its share
         [start, end) of the keys in whole BLOCK_N blocks: the Triton kernel's rule (`_program_rows`)."""
@@ -232,15 +245,7 @@ if HAVE_GLUON:
             s = warpgroup_mma(q_r_smem, k_r.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
-            offs_n = start + it * BLOCK_N + cols_n
-            visible = gl.expand_dims(offs_n < end, 0) & (gl.expand_dims(offs_n, 0) < gl.expand_dims(limit, 1))
-            s = gl.where(visible, s * scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
+            p, alpha, m_i, l_i = _softmax_rows(s, m_i, l_i, start + it * BLOCK_N + cols_n, end, limit, scale_log2)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
             p_smem.store(p.to(dtype))
             fence_async_shared()

@@ -178,15 +178,7 @@ if G.HAVE_GLUON:
                     mbarrier.arrive(bars.index(S_READ + OTHER))
                 else:
                     s = part
-                n = start + j * BLOCK_N + keys
-                visible = gl.expand_dims(n < end, 0) & (gl.expand_dims(n, 0) < gl.expand_dims(limit, 1))
-                x = gl.where(visible, s * scale_log2, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(x, axis=1))
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(x - gl.expand_dims(m_safe, 1))
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
+                p, alpha, m_i, l_i = G._softmax_rows(s, m_i, l_i, start + j * BLOCK_N + keys, end, limit, scale_log2)
                 # Pᵀ·scale/f per chunk in two e4m3 terms (the scales read again: fewer registers live)
                 R._store_p(p8, ca, gl.permute(p * gl.expand_dims(sc.index(rs * 4 + ca).load(KEYL), 0), (1, 0)), True)
                 R._store_p(p8, cb, gl.permute(p * gl.expand_dims(sc.index(rs * 4 + cb).load(KEYL), 0), (1, 0)), True)
