@@ -52,6 +52,7 @@ L_READY = _c(6)  # +w: warpgroup w's row sums are in shared memory (after the la
 Q_READY = _c(8)  # Q has landed (loaded by warpgroup 0)
 NUM_BARRIERS = _c(9)
 FINE_WAITS = True  # S waits for each 64-column chunk as it lands (else for each half)
+PROBE = 0  # timing probe (wrong results): 1 no refills in the loop (the consumers alone, each on its first block)
 
 
 if G.HAVE_GLUON:
@@ -102,7 +103,7 @@ if G.HAVE_GLUON:
         ROLE: gl.constexpr, shared,
         PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr,
+        CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr, PROBE: gl.constexpr,
     ):
         """One warpgroup's program; `shared` = the kernel's pointers, strides, scalars and shared memory."""
         (Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
@@ -235,11 +236,13 @@ if G.HAVE_GLUON:
 
             # ---- refill: own half as soon as this warpgroup's P_j·V_j is done, the rest once the other's is ----
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _issue_own_half(KV, own_c, nx_rows, nx_ok, ROLE, DC, CHUNK, FINE)
+            if PROBE != 1:
+                _issue_own_half(KV, own_c, nx_rows, nx_ok, ROLE, DC, CHUNK, FINE)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(bars.index(KV_FREE + OTHER))
             mbarrier.wait(bars.index(KV_FREE + ROLE), phase)
-            _issue_rest(KV, own_c, own_r, nx_rows, nx_ok, ROLE, DC, CHUNK, FINE)
+            if PROBE != 1:
+                _issue_rest(KV, own_c, own_r, nx_rows, nx_ok, ROLE, DC, CHUNK, FINE)
             nx_rows, nx_ok = G._block_page_rows(BT, b, stride_btb, start + (2 * r + ROLE + 4) * BLOCK_N, end,
                                                 stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, CHUNK)
         cp.wait_group(0)
@@ -274,7 +277,8 @@ if G.HAVE_GLUON:
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
-        WORKER_REGS: gl.constexpr, FINE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        WORKER_REGS: gl.constexpr, FINE: gl.constexpr, PROBE: gl.constexpr, SOURCE_KEY: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
@@ -298,9 +302,9 @@ if G.HAVE_GLUON:
                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
                   n_rounds, q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars)
         gl.warp_specialize([(_seesaw_warpgroup, (0, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
-                                                 DIRECT, FINE)),
+                                                 DIRECT, FINE, PROBE)),
                             (_seesaw_warpgroup, (1, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
-                                                 DIRECT, FINE))], [4], [WORKER_REGS])
+                                                 DIRECT, FINE, PROBE))], [4], [WORKER_REGS])
 
 
 def seesaw_supported(dc: int, dr: int, block_n: int) -> bool:
@@ -317,4 +321,5 @@ def launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                              cfg, dc=dc, causal=causal, direct=direct, num_splits=num_splits,
                                              block_n=64)
     _mla_decode_seesaw_kernel[grid](*args, **consts, WORKER_REGS=worker_regs,
-                                    FINE=FINE_WAITS if fine is None else fine, SOURCE_KEY=_SOURCE_KEY, num_warps=4)
+                                    FINE=FINE_WAITS if fine is None else fine, PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY,
+                                    num_warps=4)
