@@ -71,6 +71,20 @@ def test_fp8reg_loader_warp_gives_the_same_result(lens, splits, kv_format, monke
     assert torch.equal(got, want)
 
 
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla"])
+def test_fp8reg_codes_from_registers_give_the_same_result(kv_format, monkeypatch):
+    """REG_A (Q·Kᵀ's codes loaded into registers before the matmul) changes where the operand comes from, not the
+    arithmetic: bit for bit the default's."""
+    q, cache, table, seq = _problem([4097, 77, 128, 1], 1, kv_format=kv_format)
+    want, _ = _run(q, cache, table, seq, 3, monkeypatch, kv_format=kv_format)
+    monkeypatch.setattr(R, "REG_A", True)
+    got, launches = _run(q, cache, table, seq, 3, monkeypatch, kv_format=kv_format)
+    assert launches == [1]
+    assert torch.equal(got, want)
+
+
 def _steal(monkeypatch, min_blocks=1):
     monkeypatch.setattr(R, "STEAL", True)
     monkeypatch.setattr(R, "STEAL_MIN_BLOCKS", min_blocks)  # help even with one block left: small problems steal
@@ -278,12 +292,13 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
 
 
 def test_fp8reg_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90, and so do its LOADER and STEAL variants, its timeline probe (PROBE 7) and
-    its 608-byte fp8 form."""
+    """CPU: the kernel compiles for sm_90, and so do its LOADER, STEAL and REG_A variants, its timeline probe (PROBE 7)
+    and its 608-byte fp8 form."""
     loader = {"LOADER": True, "REGS": [224, 40]}
     for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True],
                                   [16, 1, 512, 64, "fp8reg", False, 64, loader],
                                   [16, 1, 512, 64, "fp8reg", False, 64, {"STEAL": True}],
+                                  [16, 1, 512, 64, "fp8reg", False, 64, {"REG_A": True}],
                                   [16, 1, 512, 64, "fp8reg", False, 64, {"PROBE": 7}],  # the timeline probe
                                   [16, 1, 512, 64, "fp8reg_rope_int8", False]]):
         (k,) = row["kernels"]

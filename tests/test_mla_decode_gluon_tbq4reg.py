@@ -64,6 +64,19 @@ def test_tbq4reg_code_box_width_does_not_change_the_result(code_box, monkeypatch
 
 @pytest.mark.gpu
 @hopper
+def test_tbq4reg_codes_from_registers_give_the_same_result(monkeypatch):
+    """REG_A (Q·Kᵀ's codes loaded into registers before the matmul) changes where the operand comes from, not the
+    arithmetic: bit for bit the default's."""
+    q, cache, table, seq = _problem([4097, 77, 128, 1], 1, kv_format="tbq4")
+    want, _ = _run(q, cache, table, seq, 3, monkeypatch)
+    monkeypatch.setattr(T, "REG_A", True)
+    got, launches = _run(q, cache, table, seq, 3, monkeypatch)
+    assert launches == [1]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("lens,splits,raw", [([1, 63, 64, 65, 300, 1000], None, 4), ([4097, 77, 128], 3, 4),
                                              ([8192, 5000], 2, 3)])
 def test_tbq4reg_rope_straight_into_the_decoded_stage(lens, splits, raw, monkeypatch):
@@ -165,9 +178,10 @@ def test_e4m3_lookup_gives_every_codes_centroid():
 
 def test_tbq4reg_kernel_compiles_for_sm90():
     """CPU: the kernel compiles for sm_90 and fits the shared memory (the rope copied straight into the decoded
-    stage), also with 4 raw stages and with the rope through the raw ring."""
+    stage), also with 4 raw stages, with the rope through the raw ring and with Q·Kᵀ's codes from registers."""
     for row in offline_sm90_rows([[16, 1, 512, 64, "tbq4reg", False], [16, 1, 512, 64, "tbq4reg", True],
                                   [16, 1, 512, 64, "tbq4reg", False, 64, {"NUM_RAW": 4}],
+                                  [16, 1, 512, 64, "tbq4reg", False, 64, {"REG_A": True}],
                                   [16, 1, 512, 64, "tbq4reg", False, 64, {"ROPE_DIRECT": False}]]):
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

@@ -92,6 +92,8 @@ REFILL_EARLY = False  # (LOADER False) … before preparing block j (its scales;
 PROBE = 0  # timing probes (wrong results): 1 no P·V, 2 no Vᵀ loads (P·V on zeros), 3 no softmax, 4 no Q·Kᵀ,
 # 5 the consumers hand every stage straight back (the producer alone), 6 no key blocks (the fixed costs), 7 the
 # default kernel that also writes each program's timeline (`_stamp`) past STAMPS_AT words of the workspace
+REG_A = False  # Q·Kᵀ takes the codes from registers (loaded from the stage by ldmatrix) instead of as a shared-memory
+# operand: no faster (H100, B=32 T=32k: fp8 244.2 against 236.5 µs; tbq4 251.4 against 213.3, its consumers spill)
 NO_COPY = False  # timing probe (wrong results): no TMA copies, the consumers alone on whatever the ring holds
 Q_SPLIT = True  # q as two e4m3 terms (hi + lo) in Q·Kᵀ; False: one term (half the score matmuls)
 STAMPS_AT = 1 << 21  # (PROBE 7) where the stamps go in the workspace, in int64 words: 16 per program
@@ -354,17 +356,23 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, c: gl.constexpr, s_zero, Q_SPLIT: gl.constexpr,
-                            Q_CAT: gl.constexpr = False):
+                            Q_CAT: gl.constexpr = False, REG_A: gl.constexpr = False):
         """Issue chunk c's partial Sᵀ on stage rs's codes: the hi and (Q_SPLIT) lo terms of q into one
         accumulator; Q_CAT: both terms as one [2·rows] operand (q_hi's tiles 2c, 2c + 1), so the codes are read
-        once, into an accumulator of 2·rows columns (`_fold_terms`)."""
+        once, into an accumulator of 2·rows columns (`_fold_terms`). REG_A: the codes go to the matmul from
+        registers (loaded from the stage first) instead of from shared memory."""
         BM: gl.constexpr = q_hi.shape[1]
         QROWS: gl.constexpr = 2 * BM if Q_CAT else BM
         Q8L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         q_op = G._reinterpret(q_hi, gl.float8e4nv, [q_hi.shape[0] * BM // QROWS, QROWS, 128], Q8L).index(c)
-        s = warpgroup_mma(raw_codes.index(rs * 4 + c), q_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if REG_A:
+            a = raw_codes.index(rs * 4 + c).load(gl.DotOperandLayout(operand_index=0, parent=s_zero.type.layout,
+                                                                     k_width=4))
+        else:
+            a = raw_codes.index(rs * 4 + c)
+        s = warpgroup_mma(a, q_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if Q_SPLIT and not Q_CAT:
-            s = warpgroup_mma(raw_codes.index(rs * 4 + c), q_lo.index(c).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(a, q_lo.index(c).permute((1, 0)), s, is_async=True)
         return s
 
     @gluon.jit
@@ -376,12 +384,12 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero, s_zero16, Q_SPLIT: gl.constexpr,
-                      Q_CAT: gl.constexpr = False):
+                      Q_CAT: gl.constexpr = False, REG_A: gl.constexpr = False):
         """Issue stage rs's partial Sᵀ per 128-column chunk and its rope part's."""
-        s0 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 0, s_zero, Q_SPLIT, Q_CAT)
-        s1 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 1, s_zero, Q_SPLIT, Q_CAT)
-        s2 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 2, s_zero, Q_SPLIT, Q_CAT)
-        s3 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 3, s_zero, Q_SPLIT, Q_CAT)
+        s0 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 0, s_zero, Q_SPLIT, Q_CAT, REG_A)
+        s1 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 1, s_zero, Q_SPLIT, Q_CAT, REG_A)
+        s2 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 2, s_zero, Q_SPLIT, Q_CAT, REG_A)
+        s3 = _issue_chunk_scores(raw_codes, q_hi, q_lo, rs, 3, s_zero, Q_SPLIT, Q_CAT, REG_A)
         sr = warpgroup_mma(raw_rope.index(rs), q_r.permute((1, 0)), s_zero16, use_acc=False, is_async=True)
         return s0, s1, s2, s3, sr
 
@@ -401,7 +409,7 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _consume_block(ROLE: gl.constexpr, shared, rs, n0, end, limit, q0, scale_log2, keys, s_zero_q, s_zero16,
                        state, BLOCK_M: gl.constexpr, NR: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr,
-                       Q_SPLIT: gl.constexpr, P16: gl.constexpr, Q_CAT: gl.constexpr):
+                       Q_SPLIT: gl.constexpr, P16: gl.constexpr, Q_CAT: gl.constexpr, REG_A: gl.constexpr = False):
         """One key block (keys n0 …, handed over in raw stage rs) into a consumer's state: Sᵀ on the raw codes, the
         online softmax, Pᵀ·scale/f into shared memory, Oᵀ += Vᵀ·Pᵀ; the stage is handed back once read."""
         (codes_desc, rope_desc, scale_desc, BT, stride_btb, b, start, end_own, n_blocks,
@@ -419,7 +427,7 @@ if G.HAVE_GLUON:
         else:
             if PROBE != 4:
                 s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q_hi, q_lo, q_r, rs, s_zero_q, s_zero16,
-                                                    Q_SPLIT, Q_CAT)
+                                                    Q_SPLIT, Q_CAT, REG_A)
             else:
                 s0, s1, s2, s3, sr = s_zero_q, s_zero_q, s_zero_q, s_zero_q, s_zero16
             sc0 = gl.expand_dims(sc.index(rs * 4 + 0).load(KEY), 1)
@@ -557,7 +565,7 @@ if G.HAVE_GLUON:
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
                   DIRECT: gl.constexpr, PROBE: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr,
-                  P16: gl.constexpr, Q_CAT: gl.constexpr = False):
+                  P16: gl.constexpr, Q_CAT: gl.constexpr = False, REG_A: gl.constexpr = False):
         """Consumer ROLE takes blocks ROLE, ROLE + 2, …: Sᵀ on the raw codes (hi and lo terms per chunk, the rope
         part in bf16), its own online softmax, Pᵀ·scale/f per chunk into shared memory, then the Vᵀ fragments
         from the raw codes (the stage is freed once they are in registers) and Oᵀ += Vᵀ·Pᵀ per chunk. At the end
@@ -600,7 +608,7 @@ if G.HAVE_GLUON:
                     _stamp(MID_O, 6)
             state = _consume_block(ROLE, shared, rs, n0, end, limit, q0, scale_log2, keys, s_zero_q, s_zero16,
                                    (m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p), BLOCK_M, NR, PROBE, P_SPLIT,
-                                   Q_SPLIT, P16, Q_CAT)
+                                   Q_SPLIT, P16, Q_CAT, REG_A)
             m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
         if PROBE == 7:  # 8/9: the consumer's last block is done
             _stamp(MID_O, 8 + ROLE)
@@ -906,7 +914,8 @@ if G.HAVE_GLUON:
         SW: gl.constexpr, P_SPLIT: gl.constexpr, Q_SPLIT: gl.constexpr, P16: gl.constexpr, Q_CAT: gl.constexpr,
         NO_COPY: gl.constexpr, LOADER: gl.constexpr, LOADER_REGS: gl.constexpr,
         STEAL: gl.constexpr, RANGES: gl.constexpr, NSEG: gl.constexpr, MIN_LEFT: gl.constexpr, CLAIM: gl.constexpr,
-        ROPE_I8: gl.constexpr, EARLY: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        ROPE_I8: gl.constexpr, EARLY: gl.constexpr, REG_A: gl.constexpr, SOURCE_KEY: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -960,18 +969,18 @@ if G.HAVE_GLUON:
         elif LOADER and not NO_COPY:
             gl.warp_specialize([
                 (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                             Q_SPLIT, P16, Q_CAT)),
+                             Q_SPLIT, P16, Q_CAT, REG_A)),
                 (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                             Q_SPLIT, P16, Q_CAT)),
+                             Q_SPLIT, P16, Q_CAT, REG_A)),
                 (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY, False, ROPE_I8, False)),
                 (_loader, (shared, PAGE_SIZE, BLOCK_N, NR, SW, ROPE_I8)),
             ], [4, 4, 1], [CONSUMER_REGS, PRODUCER_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                             Q_SPLIT, P16, Q_CAT)),
+                             Q_SPLIT, P16, Q_CAT, REG_A)),
                 (_consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NR, CAUSAL, DIRECT, PROBE, P_SPLIT,
-                             Q_SPLIT, P16, Q_CAT)),
+                             Q_SPLIT, P16, Q_CAT, REG_A)),
                 (_producer, (shared, PAGE_SIZE, BLOCK_N, BLOCK_M, NR, LAG, SW, NO_COPY, True, ROPE_I8, EARLY)),
             ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -1034,7 +1043,8 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                     P_SPLIT=P_SPLIT, Q_SPLIT=Q_SPLIT, P16=P16,
                                     Q_CAT=Q_CAT and Q_SPLIT,  # one term: nothing to join
                                     LOADER=loader, LOADER_REGS=loader_regs, NO_COPY=NO_COPY,
-                                    STEAL=steal, RANGES=max(32, triton.next_power_of_2(programs)) if steal else 32,
+                                    STEAL=steal, REG_A=REG_A,
+                                    RANGES=max(32, triton.next_power_of_2(programs)) if steal else 32,
                                     NSEG=STEAL_SEGMENTS, MIN_LEFT=STEAL_MIN_BLOCKS, CLAIM=STEAL_CLAIM,
                                     ROPE_I8=rope_i8, EARLY=REFILL_EARLY, SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)

@@ -61,6 +61,7 @@ ROPE_DIRECT = True  # the rope copied by TMA straight into its decoded stage (el
 # but gains nothing (H100, B=32 T=32k: 211.9 against 212.5 µs; B=4 T=80k 83.3 against 82.5), so NUM_RAW stays 3
 USE = True  # True: mla_decode_triton sends the tbq4 calls this kernel takes here (else `mla_decode_gluon_quant`)
 Q_SPLIT = False  # q as two e4m3 terms in Q·Kᵀ (True) or one
+REG_A = None  # Q·Kᵀ's codes from registers (`mla_decode_gluon_fp8reg.REG_A`; None: that module's setting)
 PROBE = 0  # timing probes (wrong results), bits: 1 the producer decodes nothing, 2 copies nothing, 4 the consumers
 # hand every stage straight back, 8 no scales. Bit 4 (4, 5, 12, 13) hangs or fails at launch from B=8 T=8k on the H100
 # (passes at B=2 T=4k, and under compute-sanitizer, which reports no error): a race that only consumers doing nothing
@@ -209,8 +210,8 @@ if G.HAVE_GLUON:
         PAGE_SIZE: gl.constexpr, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, ND: gl.constexpr, NRAW: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, Q_SPLIT: gl.constexpr, INV_K: gl.constexpr,
-        PROBE: gl.constexpr, CB: gl.constexpr, ROPE_DIRECT: gl.constexpr, SOURCE_KEY: gl.constexpr,
-        num_warps: gl.constexpr,
+        PROBE: gl.constexpr, CB: gl.constexpr, ROPE_DIRECT: gl.constexpr, REG_A: gl.constexpr,
+        SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_blocks = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -254,9 +255,9 @@ if G.HAVE_GLUON:
                 stride_ls, scale_log2, S, H, g, seq_len)
         gl.warp_specialize([
             (R._consumer, (0, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
-                           False, Q_SPLIT, False)),
+                           False, Q_SPLIT, False, False, REG_A)),
             (R._consumer, (1, shared, args, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, ND, CAUSAL, DIRECT, 5 if (PROBE & 4) != 0 else 0,
-                           False, Q_SPLIT, False)),
+                           False, Q_SPLIT, False, False, REG_A)),
             (_producer, (shared, raw, PAGE_SIZE, BLOCK_N, BLOCK_M, ND, NRAW, INV_K, PROBE, CB, ROPE_DIRECT)),
         ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -292,6 +293,6 @@ def launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out
                                            views=_descriptors(kv_cache))
     _mla_decode_tbq4reg_kernel[grid](*args, **consts, ND=NUM_DECODED, NRAW=NUM_RAW, CONSUMER_REGS=REGS[0],
                                      PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, CB=CODE_BOX,
-                                     ROPE_DIRECT=ROPE_DIRECT,
+                                     ROPE_DIRECT=ROPE_DIRECT, REG_A=R.REG_A if REG_A is None else REG_A,
                                      SOURCE_KEY=_SOURCE_KEY,
                                      num_warps=4)
