@@ -110,9 +110,9 @@ def main():
     table = torch.randperm(n_pages, device="cuda", dtype=torch.int32).view(args.B, pages_per)
     out = torch.empty(args.B * args.splits * (CHUNK + 128), dtype=torch.int32, device="cuda")
     nbytes = n_pages * WORDS * 4
-    copy = copy_bandwidth()
-    floor = nbytes / (copy * 1e9)
-    print(f"copy {copy:.0f} GB/s; {nbytes / 1e6:.1f} MB → {floor * 1e6:.1f} us at the copy rate", flush=True)
+    copy = copy_bandwidth()  # bytes/s
+    floor = nbytes / copy
+    print(f"copy {copy / 1e9:.0f} GB/s; {nbytes / 1e6:.1f} MB → {floor * 1e6:.1f} us at the copy rate", flush=True)
     small = table[:2, :8].contiguous()
     rows = []
     for item in args.variants.split(","):
@@ -124,7 +124,7 @@ def main():
         print(row, flush=True)
         rows.append(row)
     with open(os.path.join(args.out, "l2_prefetch_probe.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy, "bytes": nbytes, "B": args.B,
+        json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy / 1e9, "bytes": nbytes, "B": args.B,
                    "T": args.T, "splits": args.splits, "rows": rows}, f, indent=1)
 
 
