@@ -61,7 +61,8 @@ ROPE_DIRECT = True  # the rope copied by TMA straight into its decoded stage (el
 # but gains nothing (H100, B=32 T=32k: 211.9 against 212.5 µs; B=4 T=80k 83.3 against 82.5), so NUM_RAW stays 3
 USE = True  # True: mla_decode_triton sends the tbq4 calls this kernel takes here (else `mla_decode_gluon_quant`)
 Q_SPLIT = False  # q as two e4m3 terms in Q·Kᵀ (True) or one
-REG_A = None  # Q·Kᵀ's codes from registers (`mla_decode_gluon_fp8reg.REG_A`; None: that module's setting)
+REG_A = False  # Q·Kᵀ's codes from registers (`mla_decode_gluon_fp8reg.REG_A`): bit for bit the same, slower (its
+# consumers spill; H100, B=32 T=32k: 251.4 against 213.3 µs)
 PROBE = 0  # timing probes (wrong results), bits: 1 the producer decodes nothing, 2 copies nothing, 4 the consumers
 # hand every stage straight back, 8 no scales. Bit 4 (4, 5, 12, 13) hangs or fails at launch from B=8 T=8k on the H100
 # (passes at B=2 T=4k, and under compute-sanitizer, which reports no error): a race that only consumers doing nothing
@@ -293,6 +294,6 @@ def launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out
                                            views=_descriptors(kv_cache))
     _mla_decode_tbq4reg_kernel[grid](*args, **consts, ND=NUM_DECODED, NRAW=NUM_RAW, CONSUMER_REGS=REGS[0],
                                      PRODUCER_REGS=REGS[1], Q_SPLIT=Q_SPLIT, INV_K=_INV_K, PROBE=PROBE, CB=CODE_BOX,
-                                     ROPE_DIRECT=ROPE_DIRECT, REG_A=R.REG_A if REG_A is None else REG_A,
+                                     ROPE_DIRECT=ROPE_DIRECT, REG_A=REG_A,
                                      SOURCE_KEY=_SOURCE_KEY,
                                      num_warps=4)
