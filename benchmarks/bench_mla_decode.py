@@ -29,8 +29,8 @@ import torch
 from limits import copy_bandwidth, gemm_rate
 
 from specmla.ops.kv_cache import QUANTIZED, row_spec, write_kv_cache
-from specmla.ops.mla_decode import mla_decode_torch
-from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
+from specmla.ops.decode import mla_decode_torch
+from specmla.ops.decode.triton import decode_bytes, decode_flops, mla_decode_triton, plan
 
 CASES = [  # (H, B, T, S)
     (16, 128, 4096, 1), (16, 32, 32768, 1), (16, 1, 8192, 1), (16, 4, 81920, 1),

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import specmla.model.deepseek as ds
 from specmla.config import ModelConfig
 from specmla.model.metadata import AttentionMetadata
-from specmla.ops import mla_prefill as prefill_ops
+from specmla.ops import prefill as prefill_ops
 from specmla.ops import norm as norm_ops
 from specmla.ops import rope as rope_ops
 

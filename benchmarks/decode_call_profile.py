@@ -16,7 +16,7 @@ import os
 import torch
 from bench_mla_decode import SCALE, make_problem
 
-from specmla.ops.mla_decode_triton import mla_decode_triton
+from specmla.ops.decode.triton import mla_decode_triton
 
 
 def kernel_times(fn, calls: int = 20) -> dict:

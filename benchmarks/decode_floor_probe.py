@@ -26,10 +26,10 @@ from bench_mla_decode import PAGE, SCALE, make_problem, time_fn
 from decode_probe import NoLaunch
 from limits import copy_bandwidth
 
-import specmla.ops.mla_decode_triton as mdt
-from specmla.ops import mla_decode_gluon
-from specmla.ops.mla_decode import mla_decode_torch
-from specmla.ops.mla_decode_triton import decode_bytes, mla_decode_triton, plan
+import specmla.ops.decode.triton as mdt
+from specmla.ops.decode.hopper import common as mla_decode_gluon
+from specmla.ops.decode import mla_decode_torch
+from specmla.ops.decode.triton import decode_bytes, mla_decode_triton, plan
 
 
 STAGES = {  # the call with one of its two launches left out: (module, attribute) to replace

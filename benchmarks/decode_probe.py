@@ -18,9 +18,9 @@ import torch
 from bench_mla_decode import SCALE, make_problem, time_fn
 from limits import copy_bandwidth
 
-import specmla.ops.mla_decode_triton as mdt
-from specmla.ops.mla_decode import mla_decode_torch
-from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
+import specmla.ops.decode.triton as mdt
+from specmla.ops.decode import mla_decode_torch
+from specmla.ops.decode.triton import decode_bytes, decode_flops, mla_decode_triton, plan
 
 
 class NoLaunch:

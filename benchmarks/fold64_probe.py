@@ -18,7 +18,7 @@ import os
 import torch
 from bench_mla_decode import SCALE, make_problem, parse_case, time_fn
 
-from specmla.ops import mla_decode_triton as T
+from specmla.ops.decode import triton as T
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:

@@ -14,9 +14,9 @@ import torch
 from bench_mla_decode import SCALE, kv_decode_bytes, make_problem, time_fn
 from limits import copy_bandwidth
 
-from specmla.ops import mla_decode_gluon_quant as F
-from specmla.ops.mla_decode import mla_decode_torch
-from specmla.ops.mla_decode_triton import mla_decode_triton
+from specmla.ops.decode.hopper import dequant as F
+from specmla.ops.decode import mla_decode_torch
+from specmla.ops.decode.triton import mla_decode_triton
 
 DS = "fp8_ds_mla"  # FlashMLA's 656-byte rows, the layout these probes measured
 

@@ -23,8 +23,8 @@ import os
 
 import torch
 
-from specmla.ops import mla_decode_gluon as G
-from specmla.ops import mla_decode_gluon_quant as F
+from specmla.ops.decode.hopper import common as G
+from specmla.ops.decode.hopper import dequant as F
 
 if G.HAVE_GLUON:
     from triton.experimental import gluon

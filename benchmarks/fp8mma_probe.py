@@ -38,11 +38,11 @@ from bench_mla_decode import SCALE, kv_decode_bytes, make_problem, time_fn
 from fp8_probe import settings as module_settings
 from limits import copy_bandwidth
 
-from specmla.ops import mla_decode_gluon_fp8mma as M
-from specmla.ops import mla_decode_gluon_fp8reg as R
-from specmla.ops import mla_decode_gluon_tbq4reg as T
-from specmla.ops import mla_decode_triton as D
-from specmla.ops.mla_decode_triton import mla_decode_triton, plan
+from specmla.ops.decode.hopper import fp8mma as M
+from specmla.ops.decode.hopper import fp8 as R
+from specmla.ops.decode.hopper import tbq4 as T
+from specmla.ops.decode import triton as D
+from specmla.ops.decode.triton import mla_decode_triton, plan
 
 DS = "fp8_ds_mla"  # FlashMLA's 656-byte rows, the layout most of these probes measured
 

@@ -16,8 +16,8 @@ import torch
 from bench_mla_decode import SCALE, make_problem
 from fp8_probe import settings
 
-from specmla.ops import mla_decode_gluon_fp8reg as R
-from specmla.ops.mla_decode_triton import mla_decode_triton, plan
+from specmla.ops.decode.hopper import fp8 as R
+from specmla.ops.decode.triton import mla_decode_triton, plan
 
 PHASES = {0: "consumer 0 starts", 2: "q ready", 4: "first block handed over", 6: "last block handed over",
           8: "consumer 0 done", 9: "consumer 1 done", 10: "consumer 1's state in shared memory",

@@ -16,12 +16,12 @@ import torch
 from bench_mla_decode import SCALE, make_problem, time_fn
 from limits import copy_bandwidth
 
-from specmla.ops import mla_decode_gluon as G
-from specmla.ops.mla_decode import mla_decode_torch
-from specmla.ops.mla_decode_triton import decode_bytes, decode_flops, mla_decode_triton, plan
+from specmla.ops.decode.hopper import common as G
+from specmla.ops.decode import mla_decode_torch
+from specmla.ops.decode.triton import decode_bytes, decode_flops, mla_decode_triton, plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from mla_cases import make_decode_case, rel_err  # noqa: E402
+from helpers.mla_cases import make_decode_case, rel_err  # noqa: E402
 
 
 def check(rows, quick=False):

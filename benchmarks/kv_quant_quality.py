@@ -38,8 +38,8 @@ from specmla.model import deepseek
 from specmla.model.default import default_model_path
 from specmla.model.metadata import AttentionMetadata
 from specmla.ops.kv_cache import row_spec, write_kv_cache
-from specmla.ops.mla_decode import mla_decode
-from specmla.ops.mla_decode_e4m3 import mla_decode_e4m3
+from specmla.ops.decode import mla_decode
+from specmla.ops.decode.hopper.e4m3_reference import mla_decode_e4m3
 from specmla.ops.rope import apply_rope
 
 FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8_ds_mla", "fp8_ds_mla-kernel", "fp8_ds_mla-kernel-e4m3p", "tbq4",

@@ -12,8 +12,11 @@ import torch
 from bench_mla_decode import SCALE, make_problem
 from decode_call_profile import apply
 
-from specmla.ops import mla_decode_gluon_fp8mma, mla_decode_gluon_fp8reg, mla_decode_gluon_quant, mla_decode_gluon_tbq4reg
-from specmla.ops.mla_decode_triton import mla_decode_triton
+from specmla.ops.decode.hopper import fp8mma as mla_decode_gluon_fp8mma
+from specmla.ops.decode.hopper import fp8 as mla_decode_gluon_fp8reg
+from specmla.ops.decode.hopper import dequant as mla_decode_gluon_quant
+from specmla.ops.decode.hopper import tbq4 as mla_decode_gluon_tbq4reg
+from specmla.ops.decode.triton import mla_decode_triton
 
 H, B, T, S = (int(x) for x in sys.argv[1:5])
 gluon = len(sys.argv) > 5 and sys.argv[5] == "gluon"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from bench_prefill import causal_problem
 
-from specmla.ops.mla_prefill import mla_prefill_triton
+from specmla.ops.prefill import mla_prefill_triton
 
 H, S = int(sys.argv[1]), int(sys.argv[2])
 mode = sys.argv[3] if len(sys.argv) > 3 else ""

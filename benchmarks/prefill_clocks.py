@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from bench_prefill import causal_problem
 
-from specmla.ops import mla_prefill as prefill_ops
-from specmla.ops.mla_prefill_gluon import mla_prefill_gluon
+from specmla.ops import prefill as prefill_ops
+from specmla.ops.prefill.hopper import mla_prefill_gluon
 
 
 class Sampler(threading.Thread):

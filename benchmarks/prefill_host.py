@@ -11,8 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specmla.ops import mla_prefill as M
-from specmla.ops import mla_prefill_gluon as P
+from specmla.ops import prefill as M
+from specmla.ops.prefill import hopper as P
 
 
 def host_us(fn, n=400):

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from bench_prefill import causal_problem, interleaved
 from limits import gemm_rate
 
-from specmla.ops import mla_prefill_gluon as P
-from specmla.ops.mla_prefill import mla_prefill_triton
+from specmla.ops.prefill import hopper as P
+from specmla.ops.prefill import mla_prefill_triton
 
 VARIANTS = {  # name → keyword arguments of mla_prefill_gluon
     "gluon": {},  # one request: the persistent grid, key blocks from the diagonal down, heads by `head_group`

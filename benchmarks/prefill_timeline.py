@@ -12,7 +12,7 @@ import os
 import torch
 from bench_prefill import causal_problem
 
-from specmla.ops import mla_prefill_gluon as P
+from specmla.ops.prefill import hopper as P
 
 
 def summarise(t: torch.Tensor, n_sm: int) -> dict:

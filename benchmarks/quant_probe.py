@@ -18,8 +18,8 @@ import torch
 from bench_mla_decode import SCALE, kv_decode_bytes, make_problem, row_bytes, time_fn
 from limits import copy_bandwidth
 
-from specmla.ops.mla_decode import mla_decode_torch
-from specmla.ops.mla_decode_triton import mla_decode_triton, plan
+from specmla.ops.decode import mla_decode_torch
+from specmla.ops.decode.triton import mla_decode_triton, plan
 
 VARIANTS = [
     dict(prefetch=False),

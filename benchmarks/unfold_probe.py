@@ -15,8 +15,8 @@ import os
 import torch
 from bench_mla_decode import SCALE, make_problem, parse_case, row_bytes, time_fn
 
-from specmla.ops import mla_decode_triton as T
-from specmla.ops.mla_decode import mla_decode_torch
+from specmla.ops.decode import triton as T
+from specmla.ops.decode import mla_decode_torch
 
 FORMATS = ("bf16", "fp8", "fp8_ds_mla", "tbq4")
 FOLD64 = ("fp8", "fp8_ds_mla")  # the formats the 64-row kernel reads (its route is off by default)

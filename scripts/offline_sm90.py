@@ -89,11 +89,11 @@ def gluon_decode_usage(cases) -> list[dict]:
     "fp8reg_rope_int8": on 608-byte fp8 rows); "tbq4reg": its tbq4 sibling (`ops.mla_decode_gluon_tbq4reg`)."""
     import torch
 
-    from specmla.ops import mla_decode_gluon as G
-    from specmla.ops import mla_decode_gluon_fp8mma as M
-    from specmla.ops import mla_decode_gluon_quant as F
+    from specmla.ops.decode.hopper import common as G
+    from specmla.ops.decode.hopper import fp8mma as M
+    from specmla.ops.decode.hopper import dequant as F
     from specmla.ops.kv_cache import row_spec
-    from specmla.ops.mla_decode_triton import plan
+    from specmla.ops.decode.triton import plan
 
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
@@ -119,8 +119,8 @@ def gluon_decode_usage(cases) -> list[dict]:
         module = None
         if treg or reg or fold:
             import importlib
-            module = importlib.import_module("specmla.ops.mla_decode_gluon_" + ("tbq4reg" if treg else "fp8fold"
-                                                                                  if fold else "fp8reg"))
+            module = importlib.import_module("specmla.ops.decode.hopper." + ("tbq4" if treg else "fp8fold"
+                                                                                  if fold else "fp8"))
         saved = {name: getattr(module, name) for name in settings}
         for name, value in settings.items():
             setattr(module, name, tuple(value) if isinstance(value, list) else value)
@@ -129,11 +129,11 @@ def gluon_decode_usage(cases) -> list[dict]:
                 module.launch_fp8fold_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                             direct=direct, num_splits=1 if direct else 2, kv_format=kv_format)
             elif treg:
-                from specmla.ops import mla_decode_gluon_tbq4reg as T
+                from specmla.ops.decode.hopper import tbq4 as T
                 T.launch_tbq4reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                        direct=direct, num_splits=1 if direct else 2)
             elif reg:
-                from specmla.ops import mla_decode_gluon_fp8reg as R
+                from specmla.ops.decode.hopper import fp8 as R
                 R.launch_fp8reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                       direct=direct, num_splits=1 if direct else 2, kv_format=kv_format)
             elif mma:
@@ -156,7 +156,7 @@ def gluon_prefill_usage(cases) -> list[dict]:
     causal) and report its resources."""
     import torch
 
-    from specmla.ops import mla_prefill_gluon as P
+    from specmla.ops.prefill import hopper as P
 
     rows = []
     for H, dqk, dv, dtype_name, causal in cases:
@@ -183,7 +183,7 @@ if __name__ == "__main__":
         sys.exit(0)
     import torch
 
-    from specmla.ops.mla_decode_triton import mla_decode_triton
+    from specmla.ops.decode.triton import mla_decode_triton
 
     print("triton", triton.__version__)
     for H, S, B, fmt in ((16, 1, 32, "bf16"), (16, 4, 64, "bf16"), (128, 1, 64, "bf16")):

@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/hf_models.py
+sys.path.insert(0, str(Path(__file__).parent))  # tests/helpers/ as the package `helpers`
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

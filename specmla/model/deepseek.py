@@ -22,8 +22,8 @@ from specmla.config import ModelConfig
 from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
-from specmla.ops.mla_decode import mla_decode
-from specmla.ops.mla_prefill import mla_prefill
+from specmla.ops.decode import mla_decode
+from specmla.ops.prefill import mla_prefill
 from specmla.ops.moe import RouteSpec, moe_experts_triton, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
 from specmla.parallel import all_reduce_

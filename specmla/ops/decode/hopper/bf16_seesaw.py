@@ -1,0 +1,325 @@
+"""Hopper MLA decode for 64-row tiles with two warp-specialised warpgroups ("seesaw" schedule).
+
+Why: in `mla_decode_gluon`'s kernel both warpgroups run one instruction stream, so the softmax
+(CUDA cores) and the matmuls (tensor cores) take turns, and splitting S by key columns makes each
+warpgroup read all of Q from shared memory for every block. Here each warpgroup runs its own
+program (`gl.warp_specialize`) and owns alternate key blocks, FlashMLA's seesaw schedule
+(docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA): warpgroup w computes
+S = Q·K_jᵀ for its block j (all 64 keys, N = 64), does that block's softmax while the other
+warpgroup's matmuls run, and multiplies P_j by its half of V_j's 512 columns straight from
+registers; P_j also goes through shared memory so the other warpgroup multiplies it by the other
+half. O stays split by columns (128 fp32 registers per thread for each half).
+
+Online softmax across the two instruction streams: the running row max m passes between them
+through shared memory, in block order. Warpgroup 0's block 2r takes m from block 2r-1, warpgroup 1's
+block 2r+1 takes it from block 2r. Each publishes its block's rescale factor. Warpgroup 0 rescales
+its P by warpgroup 1's factor before handing it over, so both halves of O always sit at the newest
+max. Each warpgroup sums the rows of its own blocks' P; the two sums meet at the end.
+
+Shared memory (bf16, Dc = 512, Dr = 64): Q 72 KB + two key stages of 72 KB. A warpgroup loads its
+own stage (cp.async, rows past the end zero-filled, one group per 64-column chunk) in two batches:
+its own half of the columns, free as soon as its own P·V is done, then the other half and the rope
+part, free once the other warpgroup's P·V has read them. P_j is stored in stage j's rope columns,
+which only S_j reads. The next S consumes the chunks in that order, each as it lands. mbarriers
+(one arrival per warpgroup) order the hand-offs; each completes once per round of two blocks, so
+every wait uses the round's parity.
+
+Same contract, split rule and partial layout as `mla_decode_gluon` (the Triton combine merges
+splits); Dr must be 64 and Dc a multiple of 128 up to 512, with 64-key blocks.
+"""
+
+from __future__ import annotations
+
+from specmla.ops.decode.hopper import common as G
+
+if G.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    _cp_async, _cta_barrier = G._cp_async, G._cta_barrier
+
+_SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
+
+# mbarrier slots: one arrival each (a warpgroup's elected thread after a warpgroup-wide sync)
+_c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
+M_READY = _c(0)  # +w: warpgroup w published its block's max and rescale factor
+P_READY = _c(2)  # +w: warpgroup w's P is in its stage's rope buffer
+KV_FREE = _c(4)  # +w: the other warpgroup is done reading stage w
+L_READY = _c(6)  # +w: warpgroup w's row sums are in shared memory (after the last round)
+Q_READY = _c(8)  # Q has landed (loaded by warpgroup 0)
+NUM_BARRIERS = _c(9)
+FINE_WAITS = True  # S waits for each 64-column chunk as it lands (else for each half)
+PROBE = 0  # timing probe (wrong results): 1 no refills in the loop (the consumers alone, each on its first block)
+
+
+if G.HAVE_GLUON:
+
+    @gluon.jit
+    def _load_chunks(KV, stage_c, stage_r, page_rows, n_ok, C0: gl.constexpr, NC: gl.constexpr,
+                     ROPE: gl.constexpr, DC: gl.constexpr, CHUNK: gl.constexpr, FINE: gl.constexpr):
+        """cp.async 64-column chunks C0 .. C0+NC-1 of one key block (then its rope part when ROPE)
+        into a stage, rows not n_ok zero-filled; FINE: one cp.async group per chunk (else one group)."""
+        cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CHUNK)), 0)
+        rows = KV + gl.expand_dims(page_rows, 1) + cols
+        ok = gl.expand_dims(n_ok, 1)
+        for c in gl.static_range(NC):
+            _cp_async(stage_c.slice((C0 + c) * 64, 64, dim=1), rows + (C0 + c) * 64, mask=ok)
+            if FINE:
+                cp.commit_group()
+        if ROPE:
+            _cp_async(stage_r, rows + DC, mask=ok)
+            if FINE:
+                cp.commit_group()
+        if not FINE:
+            cp.commit_group()
+
+    @gluon.jit
+    def _issue_own_half(KV, stage_c, page_rows, n_ok, ROLE: gl.constexpr, DC: gl.constexpr, CHUNK: gl.constexpr,
+                        FINE: gl.constexpr):
+        """The block's columns this warpgroup multiplies by its own P (free once that P·V is done)."""
+        NH: gl.constexpr = DC // 128
+        _load_chunks(KV, stage_c, stage_c, page_rows, n_ok, ROLE * NH, NH, False, DC, CHUNK, FINE)
+
+    @gluon.jit
+    def _issue_rest(KV, stage_c, stage_r, page_rows, n_ok, ROLE: gl.constexpr, DC: gl.constexpr,
+                    CHUNK: gl.constexpr, FINE: gl.constexpr):
+        """The other warpgroup's half and the rope part (free once the other warpgroup's P·V is done)."""
+        NH: gl.constexpr = DC // 128
+        _load_chunks(KV, stage_c, stage_r, page_rows, n_ok, (1 - ROLE) * NH, NH, True, DC, CHUNK, FINE)
+
+    @gluon.jit
+    def _landed(num_outstanding: gl.constexpr):
+        """This warpgroup's cp.async groups but the newest num_outstanding are in shared memory, for
+        every thread of the warpgroup and for the tensor cores."""
+        cp.wait_group(num_outstanding)
+        fence_async_shared()
+        _cta_barrier()
+
+    @gluon.jit
+    def _seesaw_warpgroup(
+        ROLE: gl.constexpr, shared,
+        PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
+        BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr, PROBE: gl.constexpr,
+    ):
+        """One warpgroup's program; `shared` = the kernel's pointers, strides, scalars and shared memory."""
+        (Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
+         stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
+         stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
+         stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
+         n_rounds, q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars) = shared
+        dtype: gl.constexpr = Q.dtype.element_ty
+        HALF: gl.constexpr = DC // 2
+        NH: gl.constexpr = DC // 128  # 64-column chunks per half
+        GROUPS: gl.constexpr = 2 * NH + 1 if FINE else 2  # cp.async groups per key block
+        OTHER: gl.constexpr = 1 - ROLE
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        CHUNK: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                               warps_per_cta=[4, 1], order=[1, 0])
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        own_c = k_c_smem.index(ROLE)
+        own_r = k_r_smem.index(ROLE)
+
+        # ---- first loads: Q (warpgroup 0), then this warpgroup's first block ----
+        if ROLE == 0:
+            rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, CHUNK))
+            s_q = g * FOLD + rows_q // BLOCK_H
+            h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
+            ok_q = (rows_q < FOLD * BLOCK_H) & (h_q < H)
+            _load_chunks(Q, q_c_smem, q_r_smem, b * stride_qb + s_q * stride_qs + h_q * stride_qh, ok_q, 0,
+                         DC // 64, True, DC, CHUNK, False)
+        rows_j, ok_j = G._block_page_rows(BT, b, stride_btb, start + ROLE * BLOCK_N, end, stride_kvp, stride_kvt,
+                                          PAGE_SIZE, BLOCK_N, CHUNK)
+        _issue_own_half(KV, own_c, rows_j, ok_j, ROLE, DC, CHUNK, FINE)
+        _issue_rest(KV, own_c, own_r, rows_j, ok_j, ROLE, DC, CHUNK, FINE)
+        if ROLE == 0:
+            _landed(GROUPS)
+            mbarrier.arrive(bars.index(Q_READY))
+        else:
+            mbarrier.wait(bars.index(Q_READY), 0)
+        nx_rows, nx_ok = G._block_page_rows(BT, b, stride_btb, start + (ROLE + 2) * BLOCK_N, end, stride_kvp,
+                                            stride_kvt, PAGE_SIZE, BLOCK_N, CHUNK)
+
+        # ---- per-row state ----
+        rows_s = gl.arange(0, BLOCK_M, layout=ROW_S)
+        s_idx = g * FOLD + rows_s // BLOCK_H
+        if CAUSAL:
+            limit = seq_len - S + s_idx + 1
+        else:
+            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW_S) + seq_len
+        cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.full([BLOCK_M], 0.0, gl.float32, layout=ROW_S)
+        acc = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_LAYOUT)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+
+        for r in range(n_rounds):
+            phase = r & 1
+            # ---- S = Q·K_jᵀ for this warpgroup's block j = 2r + ROLE (own half of the columns first) ----
+            # chunks in the order they were issued: own half, other half, rope (FINE: each once it lands)
+            s = s_zero
+            for c in gl.static_range(NH):
+                if FINE:
+                    _landed(GROUPS - 1 - c)
+                elif c == 0:
+                    _landed(1)
+                s = warpgroup_mma(q_c_smem.slice(ROLE * HALF + c * 64, 64, dim=1),
+                                  own_c.slice(ROLE * HALF + c * 64, 64, dim=1).permute((1, 0)), s, use_acc=c > 0,
+                                  is_async=True)
+            for c in gl.static_range(NH):
+                if FINE:
+                    _landed(NH - c)
+                elif c == 0:
+                    _landed(0)
+                s = warpgroup_mma(q_c_smem.slice(OTHER * HALF + c * 64, 64, dim=1),
+                                  own_c.slice(OTHER * HALF + c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
+            if FINE:
+                _landed(0)
+            s = warpgroup_mma(q_r_smem, own_r.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+            # ---- softmax of block j against the max after block j-1 ----
+            if ROLE == 0:  # block j-1 was warpgroup 1's, in the previous round
+                mbarrier.wait(bars.index(M_READY + 1), (r + 1) & 1, pred=r > 0)
+                m_prev = gl.where(r > 0, m_smem.load(ROW_S), float("-inf"))
+            else:  # block j-1 was warpgroup 0's, this round
+                mbarrier.wait(bars.index(M_READY), phase)
+                m_prev = m_smem.load(ROW_S)
+                scale_other = scale_smem.slice(0, BLOCK_M).load(ROW_S)
+            offs_n = start + (2 * r + ROLE) * BLOCK_N + cols_n
+            visible = gl.expand_dims(offs_n < end, 0) & (gl.expand_dims(offs_n, 0) < gl.expand_dims(limit, 1))
+            s = gl.where(visible, s * scale_log2, float("-inf"))
+            m_i = gl.maximum(m_prev, gl.max(s, axis=1))
+            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+            scale_own = gl.exp2(m_prev - m_safe)
+            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
+            m_smem.store(m_i)
+            scale_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(scale_own)
+            mbarrier.arrive(bars.index(M_READY + ROLE))
+
+            # ---- O_half = O_half·scale + P_j·V_j[:, half] (P from registers) ----
+            if ROLE == 0:
+                rescale = scale_own
+            else:  # warpgroup 0's block of this round moved the max too
+                rescale = scale_other * scale_own
+            acc = acc * gl.expand_dims(gl.convert_layout(rescale, ROW_O), 1)
+            l_i = l_i * rescale + gl.sum(p, axis=1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_OPERAND), own_c.slice(ROLE * HALF, HALF, dim=1), acc,
+                                is_async=True)
+
+            # ---- hand P_j over (at the newest max) in the stage's rope buffer, which only S_j read ----
+            if ROLE == 0:
+                mbarrier.wait(bars.index(M_READY + 1), phase)
+                scale_next = scale_smem.slice(BLOCK_M, BLOCK_M).load(ROW_S)
+                own_r.store((p * gl.expand_dims(scale_next, 1)).to(dtype))
+            else:
+                own_r.store(p.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(bars.index(P_READY + ROLE))
+
+            # ---- O_half += P_other·V_other[:, half] ----
+            mbarrier.wait(bars.index(P_READY + OTHER), phase)
+            if ROLE == 0:  # block 2r+1 moved the max after this warpgroup's block: rescale first
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                acc = acc * gl.expand_dims(gl.convert_layout(scale_next, ROW_O), 1)
+                l_i = l_i * scale_next
+            acc = warpgroup_mma(k_r_smem.index(OTHER), k_c_smem.index(OTHER).slice(ROLE * HALF, HALF, dim=1), acc,
+                                is_async=True)
+
+            # ---- refill: own half as soon as this warpgroup's P_j·V_j is done, the rest once the other's is ----
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if PROBE != 1:
+                _issue_own_half(KV, own_c, nx_rows, nx_ok, ROLE, DC, CHUNK, FINE)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(bars.index(KV_FREE + OTHER))
+            mbarrier.wait(bars.index(KV_FREE + ROLE), phase)
+            if PROBE != 1:
+                _issue_rest(KV, own_c, own_r, nx_rows, nx_ok, ROLE, DC, CHUNK, FINE)
+            nx_rows, nx_ok = G._block_page_rows(BT, b, stride_btb, start + (2 * r + ROLE + 4) * BLOCK_N, end,
+                                                stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, CHUNK)
+        cp.wait_group(0)
+
+        # ---- finish: both warpgroups' row sums, normalise, store this warpgroup's half ----
+        l_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(l_i)
+        mbarrier.arrive(bars.index(L_READY + ROLE))
+        mbarrier.wait(bars.index(L_READY + OTHER), 0)
+        l_i = l_i + l_smem.slice(OTHER * BLOCK_M, BLOCK_M).load(ROW_S)
+        has = l_i > 0
+        inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
+        out = acc * gl.expand_dims(inv_l, 1)
+        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        G._store_result(out, ROLE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT)), lse2, b, g, H,
+                        MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb,
+                        stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+                        BLOCK_H, FOLD, BLOCK_M, DC, DIRECT, ROLE == 1, ROW_O, ROW_S)  # warpgroup 1 holds the final max
+
+    @gluon.jit
+    def _mla_decode_seesaw_kernel(
+        Q, KV, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
+        stride_qb, stride_qs, stride_qh,
+        stride_kvp, stride_kvt,
+        stride_btb,
+        stride_mob, stride_mos, stride_moh, stride_mosp,
+        stride_mlb, stride_mls, stride_mlh,
+        stride_ob, stride_os, stride_oh,
+        stride_lb, stride_ls,
+        scale_log2,
+        S, H, NUM_SPLITS,
+        PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
+        BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
+        Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
+        WORKER_REGS: gl.constexpr, FINE: gl.constexpr, PROBE: gl.constexpr, SOURCE_KEY: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = Q.dtype.element_ty
+        b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
+        n_rounds = gl.cdiv(gl.maximum(end - start, 0), 2 * BLOCK_N)
+
+        q_c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DC], Q_C_SMEM)
+        q_r_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, DR], Q_R_SMEM)
+        k_c_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, DC], K_C_SMEM)
+        k_r_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, DR], K_R_SMEM)
+        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
+        scale_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], VEC)  # per warpgroup
+        l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], VEC)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BARRIERS):
+            mbarrier.init(bars.index(i), count=1)
+
+        shared = (Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
+                  stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
+                  stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
+                  stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
+                  n_rounds, q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars)
+        gl.warp_specialize([(_seesaw_warpgroup, (0, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
+                                                 DIRECT, FINE, PROBE)),
+                            (_seesaw_warpgroup, (1, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
+                                                 DIRECT, FINE, PROBE))], [4], [WORKER_REGS])
+
+
+def seesaw_supported(dc: int, dr: int, block_n: int) -> bool:
+    """The seesaw kernel's shapes: P lives in a stage's rope buffer (Dr = block_n = 64), and each
+    warpgroup's half of the latent columns is whole 64-column chunks."""
+    return G.HAVE_GLUON and dr == 64 and block_n == 64 and dc % 128 == 0 and 128 <= dc <= 512
+
+
+def launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
+                        dc: int, causal: bool, direct: bool, num_splits: int, worker_regs: int = 240,
+                        fine: bool | None = None):
+    """Stage 1 of `mla_decode_triton` through the seesaw kernel (arguments as `G.launch_gluon_split`)."""
+    grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+                                             cfg, dc=dc, causal=causal, direct=direct, num_splits=num_splits,
+                                             block_n=64)
+    _mla_decode_seesaw_kernel[grid](*args, **consts, WORKER_REGS=worker_regs,
+                                    FINE=FINE_WAITS if fine is None else fine, PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY,
+                                    num_warps=4)

@@ -1,0 +1,289 @@
+"""Latent KV cache formats and the writes of a step's latents into the paged cache (torch reference).
+
+One cache row per token holds [c_kv (Dc) | k_pe (Dr)] (after kv_a_layernorm and rope) in one of:
+- "native" (bf16 / fp16 / fp32): the values themselves, width Dc + Dr;
+- "fp8": Dc e4m3 bytes with one fp32 scale per 128 values (amax / 448), as in FlashMLA's layout, then the
+  rope in int8 with one fp16 scale per 8 values (amax / 127): Dr/8 scales, then Dr int8 values — 608 bytes
+  for Dc=512, Dr=64, 7 % fewer than FlashMLA's 656 (the decode reads them at the copy rate, so 7 % less time:
+  1.75× bf16 against 1.61× at H=16 B=32 T=32k on an H100). The rope needs the per-8 scales: with one e4m3 or
+  int8 scale per token the embedded model's worst attention row falls to cosine 0.981 / 0.998, under issue
+  7's 0.999 bar; per 8 it stays at 0.9994 (docs/benchmarks.md, issue 7, nineteenth session, where it was
+  called "fp8_rope_int8");
+- "fp8_ds_mla": FlashMLA's 656-byte layout for Dc=512, Dr=64 (vLLM's name for it): the same codes and scales,
+  then Dr bf16 values; uint8 rows of Dc + 4·Dc/128 + 2·Dr bytes;
+- "tbq4": c_kv in 128-blocks rotated by the FWHT and coded on 16 Lloyd–Max centroids (see
+  `ops.tbq4`: all codes, then the blocks' fp16 norms), then Dr bf16 values, each field starting
+  16-byte aligned and the row padded to a multiple of 16 bytes (`tbq4.cache_row_bytes`: 400 for
+  Dc=512, Dr=64 — 256 of codes, 8 of norms, 8 of padding, 128 of rope), so that TMA can copy it.
+`slot_mapping` holds page * page_size + offset for each new token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmla.ops.kv_cache import tbq4
+
+QUANTIZED = ("fp8", "fp8_ds_mla", "tbq4")
+FP8_FORMATS = ("fp8", "fp8_ds_mla")  # e4m3 codes with per-128 fp32 scales; the rope in int8 or in bf16
+FP8_MAX = 448.0
+FP8_BLOCK = 128
+ROPE_GROUP = 8  # (fp8) rope values per fp16 scale
+
+
+def row_spec(kv_format: str, dc: int, dr: int, native_dtype: torch.dtype) -> tuple[int, torch.dtype]:
+    """(row width, element dtype) of one cached token."""
+    if kv_format in ("auto", "native", "bf16", "fp16", "fp32"):
+        return dc + dr, native_dtype
+    if kv_format in FP8_FORMATS:
+        if dc % FP8_BLOCK:
+            raise ValueError(f"{kv_format} cache needs Dc divisible by {FP8_BLOCK}, got {dc}")
+        if kv_format == "fp8_ds_mla":
+            return dc + 4 * (dc // FP8_BLOCK) + 2 * dr, torch.uint8
+        if dr % ROPE_GROUP:
+            raise ValueError(f"fp8 cache needs Dr divisible by {ROPE_GROUP}, got {dr}")
+        return rope_offset(kv_format, dc, dr) + dr, torch.uint8
+    if kv_format == "tbq4":
+        if dc % tbq4.BLOCK:
+            raise ValueError(f"tbq4 cache needs Dc divisible by {tbq4.BLOCK}, got {dc}")
+        return tbq4.cache_row_bytes(dc, dr), torch.uint8
+    raise ValueError(f"unknown kv format {kv_format!r} (bf16 | fp16 | fp32 | fp8 | fp8_ds_mla | tbq4)")
+
+
+def rope_scales_offset(dc: int) -> int:
+    """(fp8) Byte offset of the rope's fp16 scales: after the codes and their scales."""
+    return dc + 4 * (dc // FP8_BLOCK)
+
+
+def rope_offset(kv_format: str, dc: int, dr: int) -> int:
+    """Byte offset of the rope part in a quantised row: bf16 values (fp8_ds_mla: after the codes and scales;
+    tbq4), or (fp8) int8 values after the rope's scales."""
+    if kv_format == "fp8_ds_mla":
+        return rope_scales_offset(dc)
+    if kv_format == "fp8":
+        return rope_scales_offset(dc) + 2 * (dr // ROPE_GROUP)
+    return tbq4.rope_offset(dc)
+
+
+def rope_int8(k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, Dr] → (int8 values [T, Dr], fp16 scales [T, Dr/8]): per 8 values amax / 127, rounded to fp16 first (so
+    that the values are coded with the scale the reader uses; kept within fp16's [2⁻²⁴, 65504], so an all-zero group
+    codes to zeros and values beyond 127 · 65504 saturate), then round-half-even of value / scale."""
+    T, dr = k_pe.shape
+    groups = k_pe.float().view(T, dr // ROPE_GROUP, ROPE_GROUP)
+    scale = (groups.abs().amax(-1, keepdim=True) / 127).clamp(2.0 ** -24, 65504.0).half()
+    values = torch.round(groups / scale.float()).clamp(-127, 127).to(torch.int8)
+    return values.view(T, dr), scale.view(T, -1)
+
+
+def encode_rows(kv_format: str, c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """[T, Dc], [T, Dr] → the cache rows of `kv_format` (quantized formats only)."""
+    T, dc = c_kv.shape
+    rope = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8).view(T, -1)
+    if kv_format in FP8_FORMATS:
+        blocks = c_kv.float().view(T, dc // FP8_BLOCK, FP8_BLOCK)
+        scale = (blocks.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+        codes = (blocks / scale).to(torch.float8_e4m3fn).view(torch.uint8).view(T, dc)
+        if kv_format == "fp8":
+            values, rope_scale = rope_int8(k_pe)
+            rope = torch.cat([rope_scale.view(torch.uint8), values.view(torch.uint8)], dim=-1)
+        return torch.cat([codes, scale.view(T, -1).contiguous().view(torch.uint8).view(T, -1), rope], dim=-1)
+    if kv_format == "tbq4":
+        rows = torch.zeros(T, tbq4.cache_row_bytes(dc, k_pe.shape[-1]), dtype=torch.uint8, device=c_kv.device)
+        rope_at = tbq4.rope_offset(dc)
+        rows[:, : tbq4.row_bytes(dc)] = tbq4.quantize(c_kv)
+        rows[:, rope_at : rope_at + rope.shape[-1]] = rope
+        return rows
+    raise ValueError(f"{kv_format!r} is not a quantized format")
+
+
+def decode_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int, dtype=torch.float32) -> torch.Tensor:
+    """Cache rows → [..., Dc + Dr] values in the original (unrotated) domain."""
+    if kv_format not in QUANTIZED:
+        return rows.to(dtype)
+    lead = rows.shape[:-1]
+    rows = rows.reshape(-1, rows.shape[-1])
+    T = rows.shape[0]
+    rope = decode_rope(kv_format, rows, dc, dr)
+    if kv_format in FP8_FORMATS:
+        codes = rows[:, :dc].contiguous().view(torch.float8_e4m3fn).float().view(T, dc // FP8_BLOCK, FP8_BLOCK)
+        scale = rows[:, dc : dc + 4 * (dc // FP8_BLOCK)].contiguous().view(torch.float32).view(T, -1, 1)
+        c_kv = (codes * scale).view(T, dc)
+    else:
+        c_kv = tbq4.dequantize(rows[:, : tbq4.row_bytes(dc)].contiguous(), dc)
+    return torch.cat([c_kv, rope], dim=-1).to(dtype).view(*lead, dc + dr)
+
+
+def decode_rope(kv_format: str, rows: torch.Tensor, dc: int, dr: int) -> torch.Tensor:
+    """Quantised rows [..., W] → their rope part [..., Dr] in fp32: the bf16 values, or (fp8) the int8
+    values × their group's fp16 scale."""
+    rope_at = rope_offset(kv_format, dc, dr)
+    if kv_format != "fp8":
+        return rows[..., rope_at : rope_at + 2 * dr].contiguous().view(torch.bfloat16).float()
+    scale = rows[..., rope_scales_offset(dc) : rope_at].contiguous().view(torch.float16).float()
+    values = rows[..., rope_at : rope_at + dr].contiguous().view(torch.int8).float()
+    lead = rows.shape[:-1]
+    return (values.view(*lead, -1, ROPE_GROUP) * scale.view(*lead, -1, 1)).view(*lead, dr)
+
+
+def write_kv_cache(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+                   kv_format: str = "auto") -> None:
+    """Scatter the step's latents (quantising them first for fp8/tbq4) into their cache slots.
+    kv_cache [num_pages, page_size, width]; c_kv [T, Dc]; k_pe [T, Dr]; slot_mapping int [T]."""
+    dc, dr = c_kv.shape[-1], k_pe.shape[-1]
+    width, _ = row_spec(kv_format, dc, dr, kv_cache.dtype)
+    if kv_cache.shape[-1] != width:
+        raise ValueError(f"cache row width {kv_cache.shape[-1]} != {width} for format {kv_format} (Dc={dc}, Dr={dr})")
+    if kv_format in QUANTIZED and c_kv.is_cuda:  # the fused kernel on the GPU
+        return write_kv_cache_triton(kv_cache, c_kv, k_pe, slot_mapping, kv_format)
+    flat = kv_cache.view(-1, width)
+    if kv_format in QUANTIZED:
+        rows = encode_rows(kv_format, c_kv, k_pe)
+    else:
+        rows = torch.cat([c_kv, k_pe], dim=-1).to(kv_cache.dtype)
+    flat.index_copy_(0, slot_mapping.long(), rows)
+
+
+def gather_kv_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Contiguous copy [length, width] of one request's first `length` cached rows (block_table int [P])."""
+    page_size = kv_cache.shape[1]
+    n_pages = -(-length // page_size)
+    return kv_cache[block_table[:n_pages].long()].reshape(-1, kv_cache.shape[-1])[:length]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused writes (Triton): pack [c_kv | k_pe], quantise, scatter by slot — one kernel, strided inputs
+# ---------------------------------------------------------------------------------------------
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 → bf16, round to nearest even, by integer arithmetic (the interpreter's cast differs)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e4m3_rne(x):
+    """fp32 with |x| ≤ 448 → e4m3fn byte, round to nearest even (subnormals below 2^-6 included)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = ((bits >> 31) & 1).to(tl.int32)
+    exp = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+    man = (bits & 0x7FFFFF).to(tl.int32)
+    # normal: keep 3 of 23 mantissa bits, ties to even; a carry bumps the exponent
+    keep = man >> 20
+    rest = man & 0xFFFFF
+    up = (rest > 0x80000) | ((rest == 0x80000) & ((keep & 1) == 1))
+    keep = keep + up.to(tl.int32)
+    exp_n = exp + (keep >> 3)
+    normal = ((exp_n + 7) << 3) | (keep & 7)
+    # subnormal: multiples of 2^-9
+    t = tl.abs(x) * 512.0
+    f = tl.floor(t)
+    frac = t - f
+    fi = f.to(tl.int32)
+    sub = fi + ((frac > 0.5) | ((frac == 0.5) & ((fi & 1) == 1))).to(tl.int32)
+    code = tl.where(exp < -6, sub, normal)
+    return ((sign << 7) | code).to(tl.uint8)
+
+
+@triton.jit
+def _write_quantized_kernel(
+    CKV, KPE, SLOT, OUT_U8, OUT_W, OUT_BF, HAD, CENT,
+    T, stride_ct, stride_pt, row_u8, row_w, row_bf,
+    DC: tl.constexpr, DR: tl.constexpr, BLOCK_T: tl.constexpr, TBQ4: tl.constexpr, ROPE_AT: tl.constexpr,
+    ROPE_I8: tl.constexpr = False, GROUP: tl.constexpr = 8,
+):
+    """One program per BLOCK_T tokens. fp8: per-128 amax scale, e4m3 codes, fp32 scales (OUT_W is
+    the fp32 view of the rows). tbq4: per 128-block y = x·H (Hadamard as a matrix product, split into
+    even/odd output columns so that two codes pack into one byte), unit coordinates coded by the
+    nearest centroid, fp16 corrected norm (OUT_W is the fp16 view). Rope goes out as bf16 at ROPE_AT (in
+    bf16 units), or (ROPE_I8, fp8) as int8 bytes at ROPE_AT after its fp16 scales (OUT_BF is then the
+    fp16 view), one per GROUP values, as `rope_int8` codes them."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    slot = tl.load(SLOT + t, mask=t_ok, other=0).to(tl.int64)
+    offs = tl.arange(0, 128)
+    for blk in tl.static_range(0, DC // 128):
+        x = tl.load(CKV + t[:, None] * stride_ct + blk * 128 + offs[None, :], mask=t_ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+        if TBQ4:
+            half = tl.arange(0, 64)
+            h_even = tl.load(HAD + offs[:, None] * 128 + 2 * half[None, :])  # [128, 64]
+            h_odd = tl.load(HAD + offs[:, None] * 128 + 2 * half[None, :] + 1)
+            y0 = tl.dot(x, h_even, input_precision="ieee")  # coordinates 0, 2, 4, ... of the rotated block
+            y1 = tl.dot(x, h_odd, input_precision="ieee")
+            norm = tl.sqrt(tl.sum(y0 * y0, 1) + tl.sum(y1 * y1, 1))
+            inv = 1.0 / tl.maximum(norm, 1e-30)
+            u0, u1 = y0 * inv[:, None], y1 * inv[:, None]
+            best0 = tl.zeros([BLOCK_T, 64], dtype=tl.int32)
+            best1 = tl.zeros([BLOCK_T, 64], dtype=tl.int32)
+            c0 = tl.load(CENT)
+            d0, d1 = tl.abs(u0 - c0), tl.abs(u1 - c0)
+            for k in tl.static_range(1, 16):
+                ck = tl.load(CENT + k)
+                e0, e1 = tl.abs(u0 - ck), tl.abs(u1 - ck)
+                best0 = tl.where(e0 < d0, k, best0)
+                best1 = tl.where(e1 < d1, k, best1)
+                d0, d1 = tl.minimum(d0, e0), tl.minimum(d1, e1)
+            r0, r1 = tl.load(CENT + best0), tl.load(CENT + best1)
+            recon = tl.sqrt(tl.sum(r0 * r0, 1) + tl.sum(r1 * r1, 1))
+            corrected = norm / tl.maximum(recon, 1e-30)
+            packed = (best0 | (best1 << 4)).to(tl.uint8)
+            tl.store(OUT_U8 + slot[:, None] * row_u8 + blk * 64 + half[None, :], packed, mask=t_ok[:, None])
+            tl.store(OUT_W + slot * row_w + DC // 4 + blk, corrected.to(tl.float16), mask=t_ok)
+        else:
+            # IEEE round-to-nearest divisions (Triton's fp32 `/` is approximate on the GPU), so the
+            # codes are the torch writer's byte for byte
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), tl.full([BLOCK_T], 448.0, tl.float32)), 1e-12)
+            codes = _e4m3_rne(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape)))
+            tl.store(OUT_U8 + slot[:, None] * row_u8 + blk * 128 + offs[None, :], codes, mask=t_ok[:, None])
+            tl.store(OUT_W + slot * row_w + DC // 4 + blk, scale, mask=t_ok)
+    r = tl.arange(0, DR)
+    pe = tl.load(KPE + t[:, None] * stride_pt + r[None, :], mask=t_ok[:, None], other=0.0)
+    if ROPE_I8:
+        g = tl.reshape(pe.to(tl.float32), [BLOCK_T, DR // GROUP, GROUP])
+        scale = tl.math.div_rn(tl.max(tl.abs(g), 2), tl.full([BLOCK_T, DR // GROUP], 127.0, tl.float32))
+        scale = tl.minimum(tl.maximum(scale, 2.0 ** -24), 65504.0).to(tl.float16)
+        v = tl.math.div_rn(g, tl.broadcast_to(tl.expand_dims(scale.to(tl.float32), 2), g.shape))
+        v = (v + 12582912.0) - 12582912.0  # round half to even (|v| < 2^22), as torch.round
+        v = tl.reshape(tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int32).to(tl.int8), [BLOCK_T, DR])
+        gi = tl.arange(0, DR // GROUP)
+        tl.store(OUT_BF + slot[:, None] * row_bf + (ROPE_AT - DR // GROUP * 2) // 2 + gi[None, :], scale,
+                 mask=t_ok[:, None])
+        tl.store(OUT_U8 + slot[:, None] * row_u8 + ROPE_AT + r[None, :], v.to(tl.uint8, bitcast=True),
+                 mask=t_ok[:, None])
+    else:
+        tl.store(OUT_BF + slot[:, None] * row_bf + ROPE_AT + r[None, :], _bf16_rne(pe.to(tl.float32)),
+                 mask=t_ok[:, None])
+
+
+def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                          slot_mapping: torch.Tensor, kv_format: str, block_t: int = 16) -> None:
+    """Fused pack + quantise + scatter for fp8 / tbq4 caches (`write_kv_cache`'s reference semantics)."""
+    T, dc = c_kv.shape
+    dr = k_pe.shape[-1]
+    width, _ = row_spec(kv_format, dc, dr, kv_cache.dtype)
+    if kv_format not in QUANTIZED or kv_cache.dtype != torch.uint8 or kv_cache.shape[-1] != width:
+        raise ValueError(f"write_kv_cache_triton writes fp8/tbq4 uint8 rows of width {width}")
+    if not kv_cache.is_contiguous() or c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1 or dr & (dr - 1):
+        raise ValueError("need a contiguous cache, unit-stride last dims and a power-of-two Dr")
+    if T == 0:
+        return
+    tbq, i8 = kv_format == "tbq4", kv_format == "fp8"
+    flat = kv_cache.view(-1, width)
+    wide = flat.view(torch.float16 if tbq else torch.float32)
+    bf = flat.view(torch.float16 if i8 else torch.bfloat16)  # the rope (int8: its scales)
+    had = tbq4.hadamard(c_kv.device) if tbq else flat
+    cent = tbq4.centroids(c_kv.device) if tbq else flat
+    rope_at = rope_offset(kv_format, dc, dr)
+    _write_quantized_kernel[(triton.cdiv(T, block_t),)](
+        c_kv, k_pe, slot_mapping, flat, wide, bf, had, cent,
+        T, c_kv.stride(0), k_pe.stride(0), flat.stride(0), wide.stride(0), bf.stride(0),
+        DC=dc, DR=dr, BLOCK_T=block_t, TBQ4=tbq, ROPE_AT=rope_at if i8 else rope_at // 2, ROPE_I8=i8,
+        GROUP=ROPE_GROUP,
+    )

@@ -1,0 +1,682 @@
+"""Hopper MLA prefill (contract C2) in Gluon: FlashAttention-3's warp-specialised schedule.
+
+Why: the Triton kernel (`mla_prefill._prefill_kernel`) reaches about 0.8× torch SDPA at d_qk 192 /
+d_v 128 on H100. Triton 3.6 runs its dots and its softmax as one instruction stream that waits for
+every wgmma, so the tensor cores idle during the softmax. Here the schedule is written out after
+FlashAttention-3's for this head size (tile 128 × 128, P·V from registers; Shah et al. 2024):
+
+- Three partitions (`gl.warp_specialize`): one producer warp issues TMA loads (per tile Q, each
+  warpgroup's 64 rows once that warpgroup is done with its last tile's, then K_j and V_{j-1} into rings
+  of NUM_STAGES stages, each with its own "landed" mbarrier); two consumer warpgroups each own 64 of the
+  tile's 128 query rows and read the same stages.
+- K and V stages are released separately (one arrival per warpgroup on the stage's "free"
+  barrier): K as soon as both warpgroups' S_j has read it, V after their P·V, about a block later.
+  With one "free" barrier per K+V stage the producer could load K_{j+2} only after P_j·V_j, and the
+  tensor cores waited for keys (497 against 575 TFLOP/s at H=128).
+- A consumer issues S_j = Q·K_jᵀ, then P_{j-1}·V_{j-1}, both async, and waits for S_j first, meaning
+  the softmax of block j to run under that P·V. ptxas defeats this: its register allocator treats
+  the P registers that the P·V reads asynchronously as free after the issue, writes the next P (or
+  a loop-carried value) into them and so must wait for the P·V before the exponentials. What
+  overlaps the softmax is the other warpgroup's matmuls (PINGPONG makes the two take turns).
+- The softmax scale is folded into the exponent: p = 2^(s·c − m·c) with m the raw row max (one FMA
+  per score). Only key blocks that cross the causal diagonal or the end of the keys are masked.
+- Ragged packs go through 2-D descriptors over [tokens, heads·dim]: a tile's rows past its request
+  read the next request's rows (or zeros past the tensor); their keys are masked and their query
+  rows are never stored.
+
+Tiles (query rows × head × request) are numbered so that heads run in groups small enough for the
+group's keys and values to stay in L2 while its tiles read them, the longest causal tiles of a group
+first. One request (B=1) runs on a persistent grid, one program per SM: the producer claims tiles from
+a counter in global memory (the longest first, so the shortest fill the end) and hands their ids to the
+consumers through shared memory, and the rings and barrier phases run on from tile to tile, so the next
+tile's Q and keys load while the last one finishes (the gap between two programs on an SM was 2.6 µs, 3.5 %
+of the call at H=128). Ragged batches keep one program per tile (the persistent loop would visit every
+empty tile of the short requests). Each tile visits its key blocks from the causal diagonal down, as
+FlashAttention-3 does: tiles that start together then read different blocks of their head rather than
+all reading block 0, then 1, … at once, and with 2 heads per group at 8k (keys and values 10 MB) the call
+ran at 607 against 541 TFLOP/s from block 0 up (H100, H=128, docs/benchmarks.md).
+Host side: after the first call of a specialisation the compiled kernel's launcher is called directly, and
+the TMA descriptors are built without re-checking what `gluon_prefill_supported` checked (a call went from
+about 87–130 to 41–76 µs of host time on the H100 host; torch SDPA takes 19–36, `benchmarks/prefill_host.py`).
+Head dims: Dqk = D1 + DT (D1 a power of two ≥ 64, DT 0 or a power of two ≥ 16), Dv a power of two up
+to 128 (256 spills); the tile ring must fit in shared memory. Gluon does not run in the Triton
+interpreter: GPU tests check this kernel against the fp64 reference, and a CPU test compiles it
+for sm_90.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from specmla.ops.decode.hopper import common as G
+from specmla.ops.prefill import head_dim_split
+
+if G.HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
+    _cta_barrier = G._cta_barrier
+
+BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64 (wgmma's M)
+BLOCK_N = 128  # keys per stage
+NUM_STAGES = 2
+SMEM_LIMIT = 227 * 1024  # H100's shared memory per block
+CONSUMER_REGS = 240  # FlashAttention-3's split of the register file: 2 × 128 threads × 240 + the producer
+PRODUCER_REGS = 24
+
+_SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
+_c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
+# mbarriers: per consumer warpgroup, its Q rows landed; per stage: K landed, V landed, K free, V free (one
+# arrival per consumer warpgroup); the turn of each warpgroup; per warpgroup, its Q rows free (its last S of a
+# tile done); per tile-id slot: id written, id read (both warpgroups)
+Q_READY = _c(0)  # +w
+K_READY = _c(2)
+V_READY = _c(2 + NUM_STAGES)
+K_FREE = _c(2 + 2 * NUM_STAGES)
+V_FREE = _c(2 + 3 * NUM_STAGES)
+TURN = _c(2 + 4 * NUM_STAGES)  # +w: warpgroup w may issue its matmuls (PINGPONG)
+Q_FREE = _c(4 + 4 * NUM_STAGES)  # +w
+TILE_READY = _c(6 + 4 * NUM_STAGES)  # +slot
+TILE_FREE = _c(8 + 4 * NUM_STAGES)  # +slot
+NUM_BARRIERS = _c(10 + 4 * NUM_STAGES)
+PINGPONG = True  # the warpgroups take turns issuing their matmuls (FlashAttention-3's scheduler barrier):
+# H100, 8k causal, H=128 582 against 576 TFLOP/s without, H=16 447 against 430 (docs/benchmarks.md)
+SPLIT_Q = True  # Q loaded per warpgroup, each half once that warpgroup's last S of the tile is done
+REVERSE = True  # key blocks from the causal diagonal down (FlashAttention-3's order) instead of from 0 up
+
+
+if G.HAVE_GLUON:
+
+    @gluon.jit
+    def _tile(t, CU_Q, CU_K, H, N_M, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              CAUSAL: gl.constexpr):
+        """Tile t's head, request, query rows and keys: [0, end) in n_blocks blocks (at least one, so an empty
+        request still runs the pipeline once, fully masked, and stores zeros).
+
+        Tiles are numbered request by request; within a request they run in groups of `head_group` heads
+        (as many as keep their keys in L2), and within a group the longest causal tiles of every head come
+        first, then the next longest, and so on."""
+        per_request = N_M * H
+        b = t // per_request
+        group_tiles = head_group * N_M
+        group = (t % per_request) // group_tiles
+        r = (t % per_request) % group_tiles
+        heads = gl.minimum(head_group, H - group * head_group)  # the last group may be smaller
+        start_m = (N_M - 1 - r // heads) * BLOCK_M
+        h = group * head_group + r % heads
+        q0 = gl.load(CU_Q + b)
+        q_len = gl.load(CU_Q + b + 1) - q0
+        k0 = gl.load(CU_K + b)
+        k_len = gl.load(CU_K + b + 1) - k0
+        end = k_len
+        if CAUSAL:
+            end = gl.maximum(gl.minimum(k_len, k_len - q_len + start_m + BLOCK_M), 0)
+        n_blocks = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
+        return h, b, q0, q_len, k0, k_len, start_m, end, n_blocks
+
+    @gluon.jit
+    def _publish(tile_ids, bars, k, t):
+        """Producer: tile id number k (t; t >= N_TILES tells the consumers to stop) into slot k % 2, once
+        both warpgroups have read what the slot held two ids ago."""
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        slot = k % 2
+        mbarrier.wait(bars.index(TILE_FREE + slot), ((k // 2) + 1) & 1, pred=k >= 2)
+        tile_ids.index(slot).store(gl.full([1], 0, gl.int32, ONE) + t)
+        _cta_barrier()
+        mbarrier.arrive(bars.index(TILE_READY + slot))
+
+    @gluon.jit
+    def _read_tile(tile_ids, bars, k):
+        """Consumer warpgroup: tile id number k."""
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        slot = k % 2
+        mbarrier.wait(bars.index(TILE_READY + slot), (k // 2) & 1)
+        t = gl.max(tile_ids.index(slot).load(ONE), axis=0)
+        _release(bars, TILE_FREE + slot)
+        return t
+
+    @gluon.jit
+    def _next_tile(tile_ids, bars, k, CU_Q, CU_K, H, N_M, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+        """Consumer warpgroup: tile id number k and that tile's bounds (`_tile`)."""
+        t = _read_tile(tile_ids, bars, k)
+        return (t, ) + _tile(t, CU_Q, CU_K, H, N_M, head_group, BLOCK_M, BLOCK_N, CAUSAL)
+
+    @gluon.jit
+    def _claim(COUNTER, N_TILES, DYNAMIC: gl.constexpr):
+        """This program's next tile: DYNAMIC (persistent grid) the next unclaimed one (programs first take
+        tiles 0 … grid-1, then count on from the grid size); else none."""
+        if DYNAMIC:
+            t = gl.num_programs(0) + gl.atomic_add(COUNTER, 1)
+        else:
+            t = N_TILES
+        return t
+
+    @gluon.jit
+    def _producer(shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr,
+                  DYNAMIC: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr):
+        """One warp: claims the tiles and tells the consumers; per tile TMA Q (once the last tile's S
+        matmuls are done with it), then K_j / V_j into stage (blocks so far) % NUM_STAGES once both
+        warpgroups freed it."""
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
+         stride_ot, stride_oh, stride_lt, scale_log2,
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids, TIMES) = shared
+        DQK: gl.constexpr = D1 + DT
+        ELEM: gl.constexpr = q_desc.dtype.primitive_bitwidth // 8
+        k_bytes: gl.constexpr = BLOCK_N * DQK * ELEM
+        v_bytes: gl.constexpr = BLOCK_N * DV * ELEM
+        t = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        k = 0  # tile ids published
+        tiles = 0  # tiles run (each loads Q once)
+        c0 = 0  # key blocks of the tiles before this one (the rings' stage and phase count on across tiles)
+        while t < N_TILES:
+            _publish(tile_ids, bars, k, t)
+            k += 1
+            h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(t, CU_Q, CU_K, H, N_M, head_group, BLOCK_M,
+                                                                       BLOCK_N, CAUSAL)
+            if start_m < q_len:
+                if SPLIT_Q:  # each warpgroup's rows as soon as that warpgroup is done with its last ones
+                    WG_M: gl.constexpr = BLOCK_M // 2
+                    for w in gl.static_range(2):
+                        mbarrier.wait(bars.index(Q_FREE + w), (tiles + 1) & 1, pred=tiles > 0)
+                        mbarrier.expect(bars.index(Q_READY + w), WG_M * DQK * ELEM)
+                        row = q0 + start_m + w * WG_M
+                        _tma_load(q_desc, [row, h * DQK], bars.index(Q_READY + w), q_smem.slice(w * WG_M, WG_M))
+                        if DT > 0:
+                            _tma_load(qt_desc, [row, h * DQK + D1], bars.index(Q_READY + w),
+                                      qt_smem.slice(w * WG_M, WG_M))
+                else:
+                    mbarrier.wait(bars.index(Q_FREE), (tiles + 1) & 1, pred=tiles > 0)
+                    mbarrier.expect(bars.index(Q_READY), BLOCK_M * DQK * ELEM)
+                    _tma_load(q_desc, [q0 + start_m, h * DQK], bars.index(Q_READY), q_smem)
+                    if DT > 0:
+                        _tma_load(qt_desc, [q0 + start_m, h * DQK + D1], bars.index(Q_READY), qt_smem)
+                # K_j, then V_{j-1}: a K stage frees once both warpgroups' S has read it, a V stage only after
+                # their P·V, about a block later, so K runs ahead of V
+                for j in range(n_blocks + 1):
+                    if j < n_blocks:
+                        c = c0 + j
+                        st = c % NUM_STAGES
+                        mbarrier.wait(bars.index(K_FREE + st), ((c // NUM_STAGES) + 1) & 1, pred=c >= NUM_STAGES)
+                        row = k0 + _block_at(j, n_blocks, REVERSE) * BLOCK_N
+                        mbarrier.expect(bars.index(K_READY + st), k_bytes)
+                        _tma_load(k_desc, [row, h * DQK], bars.index(K_READY + st), k_smem.index(st))
+                        if DT > 0:
+                            _tma_load(kt_desc, [row, h * DQK + D1], bars.index(K_READY + st), kt_smem.index(st))
+                    if j > 0:
+                        cv = c0 + j - 1
+                        sv = cv % NUM_STAGES
+                        mbarrier.wait(bars.index(V_FREE + sv), ((cv // NUM_STAGES) + 1) & 1, pred=cv >= NUM_STAGES)
+                        mbarrier.expect(bars.index(V_READY + sv), v_bytes)
+                        row = k0 + _block_at(j - 1, n_blocks, REVERSE) * BLOCK_N
+                        _tma_load(v_desc, [row, h * DV], bars.index(V_READY + sv), v_smem.index(sv))
+                tiles += 1
+                c0 += n_blocks
+            # claimed once this tile's loads are issued, about NUM_STAGES blocks before its consumers finish: the
+            # atomic's latency hides there, and a tile claimed earlier (at this tile's start) waited behind a
+            # whole tile while other programs ran dry at the end (H=16 8k: 5.6 % of the span with no tile)
+            t = _claim(COUNTER, N_TILES, DYNAMIC)
+        _publish(tile_ids, bars, k, t)  # t >= N_TILES: the consumers stop
+        if DYNAMIC:  # the last program to finish leaves the counter at zero for the next launch
+            if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
+                gl.atomic_xchg(COUNTER, 0)
+                gl.atomic_xchg(COUNTER + 1, 0)
+
+    @gluon.jit
+    def _block_at(j, n_blocks, REVERSE: gl.constexpr):
+        """The key block a tile visits j-th: REVERSE from its last block (the causal diagonal) down, as
+        FlashAttention-3 does; else from block 0 up."""
+        if REVERSE:
+            return n_blocks - 1 - j
+        else:
+            return j
+
+    @gluon.jit
+    def _scores(q, qt, k_smem, kt_smem, st, s_zero, DT: gl.constexpr):
+        """Issue S = Q·K_stᵀ (the D1 part, then the DT tail) without waiting."""
+        s = warpgroup_mma(q, k_smem.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if DT > 0:
+            s = warpgroup_mma(qt, kt_smem.index(st).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _release(bars, index, pred=True):
+        """This warpgroup is done with a stage buffer (its matmuls that read it have completed)."""
+        _cta_barrier()
+        mbarrier.arrive(bars.index(index), pred=pred)
+
+    @gluon.jit
+    def _release_k(bars, st, last, q_free):
+        """S of a block is done: its K stage is free, and after the tile's last block this warpgroup's Q
+        rows are too (barrier q_free)."""
+        _cta_barrier()
+        mbarrier.arrive(bars.index(K_FREE + st))
+        mbarrier.arrive(bars.index(q_free), pred=last)
+
+    @gluon.jit
+    def _release_v_tail(bars, c_last, two, NUM_STAGES: gl.constexpr):
+        """After a tile's last P·V: the V stages of its last two blocks (or its only one) are free; the steps
+        released every earlier block's."""
+        _cta_barrier()
+        mbarrier.arrive(bars.index(V_FREE + (c_last - 1) % NUM_STAGES), pred=two)
+        mbarrier.arrive(bars.index(V_FREE + c_last % NUM_STAGES))
+
+    @gluon.jit
+    def _take_turn(bars, i, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
+        """PINGPONG: wait until the other warpgroup has issued its matmuls of the previous round (warpgroup 0
+        goes first); round i is this warpgroup's i-th batch of matmuls (counted across tiles)."""
+        if PINGPONG:
+            if ROLE == 0:
+                mbarrier.wait(bars.index(TURN), (i + 1) & 1, pred=i > 0)
+            else:
+                mbarrier.wait(bars.index(TURN + 1), i & 1)
+
+    @gluon.jit
+    def _pass_turn(bars, ROLE: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(bars.index(TURN + 1 - ROLE))
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, n0, end, limit, scale_log2, masked, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                 S_LAYOUT: gl.constexpr):
+        """Online softmax of one block of raw scores: P (at the new max), the old rows' rescale factor,
+        the new raw max and row sums. Masked blocks first hide keys at or past `end` and, when CAUSAL,
+        right of each row's limit."""
+        if masked:
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+            visible = gl.expand_dims(cols < end, 0)
+            if CAUSAL:
+                visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(limit, 1))
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_c = gl.where(m_new == float("-inf"), 0.0, m_new) * scale_log2
+        alpha = gl.exp2(m_i * scale_log2 - m_c)
+        p = gl.exp2(s * scale_log2 - gl.expand_dims(m_c, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _step(j, n0, c0, r0, last, p, m_i, l_i, acc, q, qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit,
+              scale_log2, MASKED: gl.constexpr, ROLE: gl.constexpr, QI: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr,
+              DT: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, P_OPERAND: gl.constexpr,
+              S_LAYOUT: gl.constexpr, ROW_O: gl.constexpr):
+        """The tile's j-th key block (keys from n0; block c0 + j of this program, matmul round r0 + j): issue S_j and
+        P_{j-1}·V_{j-1}, then the softmax of block j, O rescaled to block j's max and P_j in 16 bits. K_j
+        (and Q after the tile's last block) is released once S_j is done; V_{j-2} here, after the issue (its
+        P·V completed in the previous step; a release right after that wait pulled the wait earlier still)."""
+        c = c0 + j
+        st = c % NUM_STAGES
+        prev = (c - 1) % NUM_STAGES
+        mbarrier.wait(bars.index(K_READY + st), (c // NUM_STAGES) & 1)
+        mbarrier.wait(bars.index(V_READY + prev), ((c - 1) // NUM_STAGES) & 1)
+        p_op = gl.convert_layout(p, P_OPERAND)
+        _take_turn(bars, r0 + j, ROLE, PINGPONG)
+        s = _scores(q, qt, k_smem, kt_smem, st, s_zero, DT)
+        acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        _pass_turn(bars, ROLE, PINGPONG)
+        _release(bars, V_FREE + (c - 2) % NUM_STAGES, j >= 2)  # block j-2's P·V completed in the last step
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        _release_k(bars, st, j == last, Q_FREE + QI)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, n0, end, limit, scale_log2, MASKED, BLOCK_N, CAUSAL, S_LAYOUT)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
+        # P in 16 bits only now: its registers are the operand of the P·V that was in flight
+        return p.to(q.dtype), m_i, l_i, acc
+
+    @gluon.jit
+    def _attend(ROLE: gl.constexpr, shared, tiles, c0, r0, q_len, k_len, start_m, end, n_blocks,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DT: gl.constexpr,
+                DV: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_Q: gl.constexpr,
+                REVERSE: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+        """This warpgroup's rows of one tile over every key block: the unnormalised output, row max and
+        row sums (the program's `tiles`-th tile; its blocks start at c0 and its matmul rounds at r0)."""
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
+         stride_ot, stride_oh, stride_lt, scale_log2,
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids, TIMES) = shared
+        dtype: gl.constexpr = q_smem.dtype
+        WG_M: gl.constexpr = BLOCK_M // 2
+        P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+        ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        row0 = start_m + ROLE * WG_M
+        rows = row0 + gl.arange(0, WG_M, layout=ROW_S)
+        limit = k_len - q_len + rows  # row t sees keys j <= limit (causal)
+        full_end = end  # keys before full_end are visible to every row of this warpgroup
+        if CAUSAL:
+            full_end = gl.minimum(gl.maximum(k_len - q_len + row0 + 1, 0), end)
+        full_end = full_end // BLOCK_N * BLOCK_N
+        q = q_smem.slice(ROLE * WG_M, WG_M, dim=0)
+        qt = qt_smem.slice(ROLE * WG_M, WG_M, dim=0)
+        s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
+        m_i = gl.full([WG_M], float("-inf"), gl.float32, layout=ROW_S)
+        l_i = gl.full([WG_M], 0.0, gl.float32, layout=ROW_S)
+        acc = gl.zeros([WG_M, DV], gl.float32, layout=O_LAYOUT)
+        last = n_blocks - 1
+        QI: gl.constexpr = ROLE if SPLIT_Q else 0  # this warpgroup's Q barriers
+
+        mbarrier.wait(bars.index(Q_READY + QI), tiles & 1)
+        mbarrier.wait(bars.index(K_READY + c0 % NUM_STAGES), (c0 // NUM_STAGES) & 1)
+        _take_turn(bars, r0, ROLE, PINGPONG)
+        s = _scores(q, qt, k_smem, kt_smem, c0 % NUM_STAGES, s_zero, DT)
+        _pass_turn(bars, ROLE, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        _release_k(bars, c0 % NUM_STAGES, last == 0, Q_FREE + QI)
+        n_full = full_end // BLOCK_N  # blocks 0 … n_full-1 are visible to every row: no masks
+        n_masked = n_blocks - n_full
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, _block_at(0, n_blocks, REVERSE) * BLOCK_N, end, limit, scale_log2,
+                                      (n_masked > 0) if REVERSE else (n_full == 0), BLOCK_N, CAUSAL, S_LAYOUT)
+        p = p.to(dtype)
+        # REVERSE: the masked blocks from the diagonal down, then the rest without masks; else the blocks left
+        # of the diagonal without masks, then the rest with them
+        split = n_masked if REVERSE else n_full
+        for j in range(1, split):
+            p, m_i, l_i, acc = _step(j, _block_at(j, n_blocks, REVERSE) * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q,
+                                     qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2, REVERSE, ROLE,
+                                     QI, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
+        for j in range(gl.maximum(split, 1), n_blocks):
+            p, m_i, l_i, acc = _step(j, _block_at(j, n_blocks, REVERSE) * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q,
+                                     qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2, not REVERSE,
+                                     ROLE, QI, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
+        c_last = c0 + last
+        mbarrier.wait(bars.index(V_READY + c_last % NUM_STAGES), (c_last // NUM_STAGES) & 1)
+        p_op = gl.convert_layout(p, P_OPERAND)
+        _take_turn(bars, r0 + n_blocks, ROLE, PINGPONG)
+        acc = warpgroup_mma(p_op, v_smem.index(c_last % NUM_STAGES), acc, is_async=True)
+        _pass_turn(bars, ROLE, PINGPONG)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        _release_v_tail(bars, c_last, last >= 1, NUM_STAGES)
+        return acc, m_i, l_i
+
+    @gluon.jit
+    def _store_rows(acc, m_i, l_i, O, LSE, q0, q_len, row0, h, stride_ot, stride_oh, stride_lt, scale_log2,
+                    WG_M: gl.constexpr, DV: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
+        """Normalise and store one warpgroup's rows of a tile (and their natural-log lse)."""
+        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+        has = l_i > 0
+        lse2 = gl.where(has, m_i * scale_log2 + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
+        out = acc * gl.expand_dims(inv_l, 1)
+        rows_o = row0 + gl.arange(0, WG_M, layout=ROW_O)
+        cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, O_LAYOUT))
+        o_ptrs = O + gl.expand_dims((q0 + rows_o).to(gl.int64) * stride_ot + h * stride_oh, 1) + \
+            gl.expand_dims(cols_o, 0)
+        o_ok = gl.expand_dims(rows_o < q_len, 1) & gl.expand_dims(cols_o < DV, 0)
+        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok)
+        rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, S_LAYOUT))
+        gl.store(LSE + (q0 + rows).to(gl.int64) * stride_lt + h, lse2 * 0.6931471805599453, mask=rows < q_len)
+
+    @gluon.jit
+    def _consumer(ROLE: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  NUM_STAGES: gl.constexpr, D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr,
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr,
+                  TIMELINE: gl.constexpr):
+        """Warpgroup ROLE: query rows ROLE·64 … +64 of each tile the producer hands over. The next tile's id
+        and bounds are read before this tile's rows are stored, so their loads overlap the stores."""
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
+         stride_ot, stride_oh, stride_lt, scale_log2,
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids, TIMES) = shared
+        WG_M: gl.constexpr = BLOCK_M // 2
+        S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DV, 16])
+        k = 0  # tile ids read
+        tiles = 0  # tiles run
+        c0 = 0  # key blocks so far (K/V ring position); matmul rounds so far (turn parity): c0 + tiles
+        t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H, N_M,
+                                                                          head_group, BLOCK_M, BLOCK_N, CAUSAL)
+        k += 1
+        if TIMELINE and ROLE == 0:
+            t_start = _timeline_clock()
+        while t < N_TILES:
+            t_done, n_done = t, n_blocks
+            if start_m < q_len:
+                acc, m_i, l_i = _attend(ROLE, shared, tiles, c0, c0 + tiles, q_len, k_len, start_m, end, n_blocks,
+                                        BLOCK_M, BLOCK_N, NUM_STAGES, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
+                                        S_LAYOUT, O_LAYOUT)
+                h_done, q0_done, q_len_done, row0 = h, q0, q_len, start_m + ROLE * WG_M
+                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H,
+                                                                                  N_M, head_group, BLOCK_M, BLOCK_N,
+                                                                                  CAUSAL)
+                _store_rows(acc, m_i, l_i, O, LSE, q0_done, q_len_done, row0, h_done, stride_ot, stride_oh,
+                            stride_lt, scale_log2, WG_M, DV, S_LAYOUT, O_LAYOUT)
+                tiles += 1
+                c0 += n_done
+            else:
+                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H,
+                                                                                  N_M, head_group, BLOCK_M, BLOCK_N,
+                                                                                  CAUSAL)
+            k += 1
+            if TIMELINE and ROLE == 0:
+                t_start = _timeline_record(TIMES, t_done, t_start, n_done)
+
+    @gluon.jit
+    def _timeline_clock():
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [gl.full([1], 0, gl.int32, ONE)],
+                                         dtype=gl.int64, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _timeline_record(TIMES, t, t_start, n_blocks):
+        """Probe (TIMELINE): tile t's start and end (ns, %globaltimer), its SM and its key blocks
+        (benchmarks/prefill_timeline.py). Returns the end, which is the next tile's start."""
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        t_end = _timeline_clock()
+        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [gl.full([1], 0, gl.int32, ONE)], dtype=gl.int32,
+                                       is_pure=False, pack=1)
+        at = TIMES + t.to(gl.int64) * 4 + gl.arange(0, 1, layout=ONE)
+        gl.store(at, t_start)
+        gl.store(at + 1, t_end)
+        gl.store(at + 2, sm.to(gl.int64))
+        gl.store(at + 3, gl.full([1], 0, gl.int64, ONE) + n_blocks)
+        return t_end
+
+    @gluon.jit
+    def _mla_prefill_ws_kernel(
+        q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
+        stride_ot, stride_oh, stride_lt, scale_log2,
+        D1: gl.constexpr, DT: gl.constexpr, TAIL: gl.constexpr, DV: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        TIMES, TIMELINE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], q_desc.layout)
+        qt_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, TAIL], qt_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D1], k_desc.layout)
+        kt_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, TAIL], kt_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
+        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for i in gl.static_range(NUM_BARRIERS):
+            # barriers that both consumer warpgroups arrive on count two
+            mbarrier.init(bars.index(i), count=2 if (i >= K_FREE and i < TURN) or (i == Q_FREE and not SPLIT_Q)
+                          or i >= TILE_FREE else 1)
+        fence_async_shared()
+
+        shared = (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
+                  stride_ot, stride_oh, stride_lt, scale_log2,
+                  q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids, TIMES)
+        gl.warp_specialize([
+            (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
+                         TIMELINE)),
+            (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
+                         TIMELINE)),
+            (_producer, (shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, DYNAMIC, SPLIT_Q, REVERSE)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+L2_SHARE = 0.25  # of the L2 cache that one group of heads' keys and values may fill (2 heads at 8k, H100)
+FAST_LAUNCH = True  # launch through the compiled kernel once it exists (see _launch); False: Triton's path
+
+
+def _device_facts(device: torch.device) -> tuple[int, int, int]:
+    """(compute capability major, L2 bytes, SMs) of a CUDA device: asked once, not on every call (about 10 µs)."""
+    return _device_facts_at(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts_at(index: int) -> tuple[int, int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.major, props.L2_cache_size, props.multi_processor_count
+
+
+_COUNTERS: dict = {}  # (device index, stream) → the persistent grid's tile counter
+# the current stream's handle without building a torch Stream (about 15 µs of host time per call otherwise)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+    (lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def _tile_counter(device: torch.device) -> torch.Tensor:
+    """Two int32 words (next tile, programs done) for the persistent grid's tile claims. The kernel leaves
+    them at zero when it ends; launches that may overlap (other streams) each get their own."""
+    key = (device.index, _raw_stream(device.index) if device.type == "cuda" else 0)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
+def head_group(H: int, kv_len: int, dim: int, elem: int, device) -> int:
+    """How many heads run side by side: few enough that their keys and values (kv_len × (d_qk + d_v)) fill
+    L2_SHARE of L2, in groups of equal size: the largest divisor of H that fits, unless that is under half
+    of what fits, then as equal as ceilings allow. A smaller last group runs its longest tiles alone at the
+    end (at H=16, 8k, groups of 7, 7, 2 measured 492 TFLOP/s against 512 for 6, 6, 4; a scheduling model
+    puts H=128, 4k at 2.7 % for 25 × 5 + 3 against 0.3 % for 32 × 4). With key blocks visited from the
+    diagonal down, 2 heads at 8k measured 607 TFLOP/s at H=128 against 599 for 1, 591 for 3 and 564 for 4
+    (H100, docs/benchmarks.md); from block 0 up, 7 heads had been best."""
+    l2 = _device_facts(device)[1] if device.type == "cuda" else 50 << 20
+    return _head_group(H, kv_len * dim * elem, l2)
+
+
+@functools.lru_cache(maxsize=None)
+def _head_group(H: int, head_bytes: int, l2: int) -> int:
+    fits = max(1, min(H, int(L2_SHARE * l2) // max(1, head_bytes)))
+    divisor = max(d for d in range(1, fits + 1) if H % d == 0)
+    if 2 * divisor >= fits:
+        return divisor
+    groups = -(-H // fits)
+    return -(-H // groups)
+
+
+def _smem_bytes(d1: int, dt: int, dv: int, elem: int) -> int:
+    return (BLOCK_M * (d1 + dt) + NUM_STAGES * BLOCK_N * (d1 + dt + dv)) * elem + 1024
+
+
+def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> bool:
+    """Whether the Gluon kernel takes this call: Hopper, bf16/fp16, each tensor's heads packed in its
+    rows (stride(1) = head dim, TMA-aligned rows), power-of-two dims that fit the tile ring."""
+    if not (G.HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and k.shape[0] > 0):
+        return False
+    if _device_facts(q.device)[0] != 9 or softmax_scale <= 0:
+        return False
+    dqk, dv = q.shape[-1], v.shape[-1]
+    d1, dt = head_dim_split(dqk)
+    pow2 = lambda x: x & (x - 1) == 0  # noqa: E731
+    if not (q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype and v.dtype == q.dtype):
+        return False
+    if not (d1 >= 64 and (dt == 0 or (dt >= 16 and pow2(dt))) and dv >= 64 and pow2(dv) and dv <= 128):
+        return False
+    for t in (q, k, v):
+        stride = t.stride()  # once: this check runs on every call (host time)
+        if stride[-1] != 1 or stride[1] != t.shape[-1] or (stride[0] * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return _smem_bytes(d1, dt, dv, q.element_size()) <= SMEM_LIMIT
+
+
+def _descriptor(t: torch.Tensor, rows: int, width: int):
+    """2-D TMA view [tokens, heads·dim] of t with [rows, width] boxes (the kernel picks the columns). Built
+    without TensorDescriptor's own checks (about 4 µs each, five per call): `gluon_prefill_supported` has
+    checked the same (16-byte aligned base and row stride, contiguous last dimension)."""
+    T, H, D = t.shape
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_descriptor_defaults())  # fields with defaults differ between Triton versions
+    desc.base, desc.shape, desc.strides = t, [T, H * D], [t.stride(0), 1]
+    desc.block_shape, desc.layout = [rows, width], G._smem_layout((rows, width), t.dtype)
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _descriptor_defaults() -> dict:
+    return {f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING}
+
+
+_COMPILED: dict = {}  # launch key (see _launch) → the compiled kernel
+
+
+def _int_key(x: int) -> tuple:
+    """What Triton specialises an integer argument on: the value 1, divisibility by 16, a 64-bit value."""
+    return x == 1, x % 16 == 0, not -2 ** 31 <= x < 2 ** 31
+
+
+def _launch(grid, named: dict, key: tuple):
+    """Run the kernel with the arguments `named`. Triton's launch path (binding, specialising every argument,
+    the cache lookup) took about 50 µs of host time per call, more than torch SDPA's whole call (26 µs, H100
+    host): once this specialisation (`key`: the constexprs, the integers' and pointers' properties that
+    Triton specialises on) has compiled, its launcher is called directly."""
+    compiled = _COMPILED.get(key) if FAST_LAUNCH else None
+    if compiled is None:
+        compiled = _mla_prefill_ws_kernel[grid](**named)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        if FAST_LAUNCH and hasattr(compiled, "packed_metadata"):
+            _COMPILED[key] = compiled
+        return
+    compiled[(grid[0], grid[1], 1)](*[named[name] for name in _mla_prefill_ws_kernel.arg_names])
+
+
+def mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, *,
+                      causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
+                      consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
+                      pingpong: bool | None = None, heads_per_group: int | None = None,
+                      persistent: bool | None = None, split_q: bool = SPLIT_Q, reverse: bool = REVERSE,
+                      timeline: torch.Tensor | None = None):
+    """Same contract as `mla_prefill_torch`; callers check `gluon_prefill_supported` first. The keywords
+    after `out` are probes (register split, turn-taking, head groups, the persistent grid (default: one
+    request), `timeline`: an int64 tensor [tiles, 4] that receives each tile's start, end, SM and key
+    blocks)."""
+    T, H, dqk = q.shape
+    dv = v.shape[-1]
+    B = cu_seqlens_q.shape[0] - 1
+    d1, dt = head_dim_split(dqk)
+    o = out if out is not None else q.new_empty(T, H, dv)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T and B and max_seqlen_q:
+        tail = max(dt, 16)  # a stand-in box when there is no tail (never loaded)
+        n_m = -(-max_seqlen_q // BLOCK_M)
+        n_tiles = n_m * H * B
+        persistent = B == 1 if persistent is None else persistent
+        sms = _device_facts(q.device)[2] if q.is_cuda else 132  # (CPU tensors: an offline sm_90 compile)
+        grid = (min(n_tiles, sms), 1) if persistent else (n_m * H, B)
+        counter = _tile_counter(q.device)
+        group = heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, q.element_size(), q.device)
+        pingpong = PINGPONG if pingpong is None else pingpong
+        times = lse if timeline is None else timeline
+        q_rows = BLOCK_M // 2 if split_q else BLOCK_M  # Q's TMA box: one warpgroup's rows, or the tile's
+        named = dict(
+            q_desc=_descriptor(q, q_rows, d1), qt_desc=_descriptor(q, q_rows, tail),
+            k_desc=_descriptor(k, BLOCK_N, d1), kt_desc=_descriptor(k, BLOCK_N, tail),
+            v_desc=_descriptor(v, BLOCK_N, dv), O=o, LSE=lse, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_kv, H=H,
+            N_M=n_m, N_TILES=n_tiles, head_group=group, COUNTER=counter, stride_ot=o.stride(0),
+            stride_oh=o.stride(1), stride_lt=lse.stride(0), scale_log2=softmax_scale * 1.4426950408889634,
+            D1=d1, DT=dt, TAIL=tail, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
+            PINGPONG=pingpong, DYNAMIC=persistent, SPLIT_Q=split_q, REVERSE=reverse, CONSUMER_REGS=consumer_regs,
+            PRODUCER_REGS=producer_regs, TIMES=times, TIMELINE=timeline is not None, SOURCE_KEY=_SOURCE_KEY,
+            num_warps=4)
+        pointers = (o, lse, cu_seqlens_q, cu_seqlens_kv, counter, times)
+        key = (q.device, q.dtype, d1, dt, dv, causal, pingpong, persistent, split_q, reverse, consumer_regs,
+               producer_regs, timeline is not None,
+               tuple(_int_key(x) for x in (H, n_m, n_tiles, group, o.stride(0), o.stride(1), lse.stride(0))),
+               tuple(t.data_ptr() % 16 == 0 for t in pointers))
+        _launch(grid, named, key)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,179 @@
+"""Triton MLA decode (contract C1) vs the fp64 torch reference.
+
+CPU: the kernel runs under TRITON_INTERPRET=1 on small shapes (fp16/fp32: the interpreter's bf16
+dot is unreliable). GPU (@gpu): bf16 over the full grid of the issue, and CUDA-graph capture.
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+from helpers.mla_cases import assert_matches_reference, make_decode_case, reference, rel_err
+
+from specmla.ops.decode import mla_decode, mla_decode_torch
+from specmla.ops.decode.triton import (combine_splits, combine_splits_torch, fold_factor, mla_decode_triton,
+                                          plan)
+
+
+def check(case, causal, dc, out_tol, lse_tol=1e-3):
+    q, kv, table, seq = case
+    got, got_lse = mla_decode(q, kv, table, seq, 0.0721, causal=causal, return_lse=True, backend="triton",
+                              head_dim_v=dc)
+    assert_matches_reference(case, causal, dc, got, got_lse, out_tol, lse_tol)
+
+
+CPU_CASES = [
+    # B, S, H, page, dc, dr, lens
+    (1, 1, 1, 16, 32, 16, [37]),
+    (2, 1, 16, 4, 64, 16, [1, 50]),
+    (3, 2, 3, 8, 32, 16, [2, 9, 33]),
+    (2, 4, 16, 64, 64, 16, [3, 70]),  # lengths < S·page, below S for one request
+    (2, 3, 5, 1, 32, 16, [20, 7]),  # page size 1, S not a power of two
+    (1, 8, 2, 128, 32, 32, [130]),
+    (2, 2, 8, 16, 128, 64, [2, 40]),  # seq_len == S
+    (2, 3, 5, 16, 48, 32, [7, 60]),  # Dc not a power of two
+    (1, 2, 16, 64, 80, 48, [100]),  # Dc and Dr not powers of two
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_matches_reference_in_interpreter(case, causal, dtype):
+    B, S, H, ps, dc, dr, lens = case
+    check(make_decode_case(B, S, H, ps, dc, dr, lens, dtype, seed=len(lens) + S), causal, dc,
+          out_tol=1e-2 if dtype == torch.float16 else 1e-4)
+
+
+def test_forced_split_counts_agree():
+    case = make_decode_case(2, 2, 4, 16, 32, 16, [150, 61], torch.float32, seed=5)
+    outs = [mla_decode_triton(*case, 0.0721, head_dim_v=32, num_splits=n) for n in (1, 3, 7)]
+    assert rel_err(outs[1], outs[0]) < 1e-5 and rel_err(outs[2], outs[0]) < 1e-5
+
+
+def test_fewer_rows_per_program_keeps_the_result():
+    case = make_decode_case(2, 4, 16, 64, 64, 16, [30, 150], torch.float32, seed=3)
+    want = reference(*case, True, 64)[0]
+    assert rel_err(mla_decode_triton(*case, 0.0721, head_dim_v=64, max_rows=32), want) <= 1e-5
+
+
+def test_out_parameter_is_written_in_place():
+    q, kv, table, seq = make_decode_case(2, 1, 4, 16, 32, 16, [10, 31], torch.float32, seed=9)
+    out = torch.full((2, 1, 4, 32), float("nan"))
+    res = mla_decode(q, kv, table, seq, 0.0721, out=out, backend="triton", head_dim_v=32)
+    assert res.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+
+
+def test_fold_rule_and_plan():
+    assert fold_factor(4, 16) == 4  # H=16, S=4: 64 rows, one pass serves all four tokens
+    assert fold_factor(8, 16) == 4  # two groups of four
+    assert fold_factor(3, 16) == 3
+    assert fold_factor(4, 64) == 1
+    assert fold_factor(6, 16) == 3
+    p = plan(1, 1, 16, 81920, torch.device("cpu"))
+    assert p["num_splits"] > 1  # B=1 must be split to fill the GPU
+    big = plan(128, 1, 16, 4096, torch.device("cpu"))
+    assert big["num_splits"] <= p["num_splits"]
+
+
+@pytest.mark.parametrize("B,S,H,ns,dc", [(3, 1, 5, 4, 96), (2, 4, 16, 3, 64), (1, 1, 16, 2, 512)])
+def test_combine_adds_the_helper_partials(B, S, H, ns, dc):
+    """Stage 2 with helper partials (the fp8 kernel's STEAL): a split's helper partial joins its row where its lse is
+    finite and is not read where it is −inf (NaN there stays out), splits that saw no keys weigh nothing, and a row
+    whose splits and helpers are all empty comes out zero with lse −inf."""
+    g = torch.Generator().manual_seed(B * 100 + ns)
+    mid_o = torch.randn(B, S, H, ns, dc, generator=g)
+    mid_lse = torch.randn(B, S, H, ns, generator=g) * 4
+    mid_lse[0, 0, 0, 1] = float("-inf")  # a split past its request's end (its partial is zeros, as the kernels write)
+    mid_o[0, 0, 0, 1] = 0.0
+    help_o = torch.randn(B, S, H, ns, dc, generator=g)
+    help_lse = torch.randn(B, S, H, ns, generator=g) * 4
+    no_helper = torch.rand(B, S, H, ns, generator=g) < 0.6
+    help_lse[no_helper] = float("-inf")
+    help_o[no_helper] = float("nan")  # never written: must not be read
+    help_lse[0, 0, 0, 0], help_o[0, 0, 0, 0] = 3.0, 1.5  # row (0, 0, 0) has a helper
+    mid_lse[-1, -1, -1], mid_o[-1, -1, -1] = float("-inf"), 0.0  # a row with no keys …
+    help_lse[-1, -1, -1] = float("-inf")  # … and no helper
+    got_o, got_lse = torch.empty(B, S, H, dc), torch.empty(B, S, H)
+    want_o, want_lse = torch.empty(B, S, H, dc), torch.empty(B, S, H)
+    combine_splits(mid_o, mid_lse, got_o, got_lse, (help_o, help_lse))
+    combine_splits_torch(mid_o, mid_lse, want_o, want_lse, (help_o, help_lse))
+    assert torch.isfinite(got_o).all()
+    assert rel_err(got_o, want_o) < 1e-5
+    assert torch.allclose(got_lse, want_lse, atol=1e-5)
+    assert torch.equal(got_o[-1, -1, -1], torch.zeros(dc)) and got_lse[-1, -1, -1] == float("-inf")
+    # the helpers changed the rows they are in: without them the result differs there
+    combine_splits(mid_o, mid_lse, want_o, want_lse)
+    assert not torch.allclose(got_o[0, 0, 0], want_o[0, 0, 0])
+    with pytest.raises(ValueError, match="shaped as the workspace"):
+        combine_splits(mid_o, mid_lse, got_o, got_lse, (help_o[..., :1, :], help_lse[..., :1]))
+
+def test_dims_not_multiple_of_16_are_rejected():
+    q, kv, table, seq = make_decode_case(1, 1, 2, 16, 40, 24, [5], torch.float32)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        mla_decode_triton(q, kv, table, seq, 0.1, head_dim_v=40)
+
+
+def test_bad_shapes_raise():
+    q, kv, table, seq = make_decode_case(1, 1, 2, 16, 32, 16, [5], torch.float32)
+    with pytest.raises(ValueError):
+        mla_decode(q[0], kv, table, seq, 0.1, backend="triton", head_dim_v=32)
+    with pytest.raises(ValueError):
+        mla_decode(q, kv[..., :40], table, seq, 0.1, backend="triton", head_dim_v=32)
+
+
+# ---------------------------------------------------------------- GPU -------------------------------------
+GPU_GRID = list(itertools.product([1, 2, 6, 64], [1, 2, 4], [1, 3, 16, 64, 128], [True, False]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S,H,causal", GPU_GRID)
+def test_gpu_bf16_full_grid(B, S, H, causal):
+    rng = random.Random(B * 1000 + S * 100 + H + causal)
+    choices = [1, 2, 3, 63, 64, 65, 127, 200, 1000, 4095, 4096]
+    lens = [rng.choice(choices) if b < 4 else rng.randint(1, 4096) for b in range(B)]
+    case = make_decode_case(B, S, H, 64, 512, 64, lens, torch.bfloat16, device="cuda", seed=B + S + H)
+    check(case, causal, 512, out_tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("dc,dr", [(256, 32), (80, 48)])
+def test_gpu_page_sizes_and_odd_dims(page_size, dc, dr):
+    case = make_decode_case(5, 2, 16, page_size, dc, dr, [1, 77, 300, 1025, 2000], torch.bfloat16, device="cuda")
+    check(case, True, dc, out_tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    B, S, H, T = 8, 2, 16, 700
+    q, kv, table, seq = make_decode_case(B, S, H, 64, 512, 64, [T] * B, torch.bfloat16, device="cuda", seed=1)
+    cfg = plan(B, S, H, table.shape[1] * 64, q.device)
+    ws = (torch.empty(B, S, H, cfg["num_splits"], 512, device="cuda"),
+          torch.empty(B, S, H, cfg["num_splits"], device="cuda"))
+    out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+    mla_decode_triton(q, kv, table, seq, 0.0721, out=out, workspace=ws)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode_triton(q, kv, table, seq, 0.0721, out=out, workspace=ws)
+    previous = None
+    for step in range(3):  # new lengths and queries each replay, as a decode loop would bring
+        seq.copy_(torch.randint(S, T + 1, (B,), dtype=torch.int32, device="cuda"))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        want = mla_decode_torch(q.double(), kv.double(), table, seq, 0.0721, head_dim_v=512)
+        assert rel_err(out, want) <= 1e-2
+        assert previous is None or not torch.equal(previous, out)
+        previous = out.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("H,S", [(4, 1), (16, 4), (128, 1), (64, 2)])
+def test_gpu_default_tiles_fit_every_dtype(dtype, H, S):
+    """The default tile choice must compile (shared memory) and be right for fp32/fp16/bf16 caches."""
+    case = make_decode_case(3, S, H, 64, 512, 64, [S, 300, 2049], dtype, device="cuda", seed=H + S)
+    check(case, True, 512, out_tol=1e-2 if dtype != torch.float32 else 1e-4)
+
