@@ -1,4 +1,5 @@
-"""MLA decode benchmark (H100): ours (Triton) vs naive torch vs the copy-bandwidth roofline.
+"""MLA decode benchmark (H100): `mla_decode` as the engine calls it, and the Triton kernel's tile variants, vs naive
+torch and the copy-bandwidth roofline.
 
 GB/s are counted as FlashMLA does: (Σ seq_len·576 + B·S·H·(576+512))·2 bytes / time, and compared
 with the device-to-device copy bandwidth measured in the same run (bytes read + written). TFLOP/s =
@@ -28,9 +29,11 @@ import statistics
 import torch
 from limits import copy_bandwidth, gemm_rate
 
+from specmla.ops import mla_decode
+from specmla.ops.decode import dispatch, mla_decode_torch, route
+from specmla.ops.decode import triton as triton_kernel
+from specmla.ops.decode.dispatch import decode_bytes, decode_flops
 from specmla.ops.kv_cache import QUANTIZED, row_spec, write_kv_cache
-from specmla.ops.decode import mla_decode_torch
-from specmla.ops.decode.triton import decode_bytes, decode_flops, mla_decode_triton, plan
 
 CASES = [  # (H, B, T, S)
     (16, 128, 4096, 1), (16, 32, 32768, 1), (16, 1, 8192, 1), (16, 4, 81920, 1),
@@ -41,6 +44,7 @@ CASES = [  # (H, B, T, S)
 FORMATS = ("bf16",) + QUANTIZED
 PAGE = 64
 SCALE = 0.1352
+SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
 
 
 def row_bytes(kv: str) -> int:
@@ -118,19 +122,25 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
     # correctness on this very problem (a slice of the batch against the fp32 reference on the
     # same, dequantised, cache)
     ref = mla_decode_torch(qs[0][:2].float(), caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
-    got = mla_decode_triton(qs[0][:2], caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
+    got = mla_decode(qs[0][:2], caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
     err = ((got.float() - ref).norm() / ref.norm()).item()
     del ref, got
     row = {"H": H, "B": B, "T": T, "S": S, "kv": kv, "bytes": nbytes, "flops": flops, "rel_err": err,
-           "plan": plan(B, S, H, T, torch.device("cuda"))}
+           "plan": dispatch.plan(B, S, H, T, SMS)}
+    chosen = route(qs[0], caches[0], table, kv_format=kv, head_dim_v=512)
+    row["kernel"], row["route_plan"] = chosen.kernel, chosen.plan
+
     def timed(v):
+        """The Triton kernel with tiles v (Options fields) and optionally num_splits."""
+        v = dict(v)
+        ns = v.pop("num_splits", None) or dispatch.plan(B, S, H, T, SMS, v["block_n"],
+                                                        v.get("max_rows", 64))["num_splits"]
         out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
-        ns = v.get("num_splits") or plan(B, S, H, T, torch.device("cuda"), v["block_n"],
-                                         v.get("max_rows", 64))["num_splits"]
         ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
+        opts = triton_kernel.Options(**v)
         try:
-            t = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
-                                                    head_dim_v=512, kv_format=kv, **v), copies, graph=True)
+            t = time_fn(lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out, workspace=ws,
+                                             head_dim_v=512, kv_format=kv, opts=opts), copies, graph=True)
         except Exception as e:  # a variant that does not compile (e.g. out of shared memory)
             row[f"ours{v}"] = str(e)[:200]
             return None
@@ -139,8 +149,8 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
 
     # the default call, as the engine makes it: no tile, split or workspace arguments
     out_default = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
-    row["default_s"] = time_fn(lambda i: mla_decode_triton(qs[i], caches[i], table, seq, SCALE, out=out_default,
-                                                           head_dim_v=512, kv_format=kv), copies, graph=True)
+    row["default_s"] = time_fn(lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default,
+                                                    head_dim_v=512, kv_format=kv), copies, graph=True)
     best = None
     if S > 1:  # also try folding fewer tokens per pass (more passes, each lighter on the tensor cores)
         variants = variants + [dict(num_warps=4, num_stages=5, block_n=32, max_rows=32),
@@ -157,7 +167,7 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
             raise RuntimeError(f"no variant ran for {row['kv']} H={H} B={B} T={T} S={S}: {row}")
         best = (t, fallback)
     row["planned_s"] = best[0]
-    ns = plan(B, S, H, T, torch.device("cuda"), best[1]["block_n"], best[1].get("max_rows", 64))["num_splits"]
+    ns = dispatch.plan(B, S, H, T, SMS, best[1]["block_n"], best[1].get("max_rows", 64))["num_splits"]
     for f in (0.25, 0.5, 2, 4):  # then the split count around the plan, best tiles
         n = max(1, min(256, int(ns * f)))
         if n == ns:
@@ -167,8 +177,10 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
         if t is not None and t < best[0]:
             best = (t, v)
     row["ours_s"], row["ours_variant"] = best
-    if row["plan"]["BLOCK_M"] == 64 and kv == "bf16":  # 64-row tiles run the Gluon kernel: time Triton's too
-        row["triton_only_s"] = timed(dict(num_warps=8, num_stages=2, block_n=64, gluon=False))
+    if row["kernel"] != "triton":  # a Hopper kernel runs the call: time the Triton kernel's default tiles too
+        row["triton_only_s"] = time_fn(lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default,
+                                                            head_dim_v=512, kv_format=kv, backend="triton"),
+                                       copies, graph=True)
     row["ours_GBps"] = nbytes / best[0] / 1e9
     row["ours_pct_copy"] = 100 * nbytes / best[0] / copy_bw
     row["ours_TFLOPs"] = flops / best[0] / 1e12
@@ -192,7 +204,8 @@ def parse_case(text: str) -> tuple[int, int, int, int]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="MLA decode: µs per call, GB/s against the copy rate, per cache format "
+                                             "(docs/benchmarks.md, MLA decode sections)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="first variant only, no naive torch")
     ap.add_argument("--kv", action="append", default=None,
@@ -249,7 +262,7 @@ def main():
                   f"naive {naive}  err {row['rel_err']:.1e}  default {row['default_s'] * 1e3:.4f} ms "
                   f"({100 * row['bytes'] / row['default_s'] / copy_bw:.1f}% copy)  "
                   f"planned {row['planned_s'] * 1e3:.4f} ms  "
-                  f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}"
+                  f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}  kernel {row['kernel']}"
                   + (f"  triton-only {row['triton_only_s'] * 1e3:.4f} ms" if row.get("triton_only_s") else ""),
                   flush=True)
     result = {"device": props.name, "copy_GBps": copy_bw / 1e9, "gemm_TFLOPs": gemm / 1e12, "torch": torch.__version__,

@@ -32,19 +32,10 @@ def online_softmax_finish(acc, m_i, l_i):
 def split_merge_weights(lse2, AXIS: tl.constexpr):
     """Splits' partial log2-sum-exps along AXIS → (m_safe, 1 / total, the merged rows' log2-sum-exp): split i's
     partial output weighs exp2(lse2_i − m_safe) / total. Rows whose splits all saw no keys get weight 0 and
-    lse2 −inf. Shared by the decode combines (`mla_decode_triton`, `tbq4_rotate.combine_rotate`)."""
+    lse2 −inf. Shared by the decode combines (`decode.triton.combine_splits`, `kv_cache.rotation.combine_rotate`)."""
     m = tl.max(lse2, AXIS)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     return _merge_total(m_safe, tl.sum(tl.exp2(lse2 - tl.expand_dims(m_safe, AXIS)), AXIS))
-
-
-@triton.jit
-def split_merge_weights_two(lse_a, lse_b):
-    """`split_merge_weights` along axis 0 of two sets of partials at once: the splits' and those of the programs
-    that helped with them (`mla_decode_gluon_fp8reg`'s STEAL)."""
-    m = tl.maximum(tl.max(lse_a, 0), tl.max(lse_b, 0))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    return _merge_total(m_safe, tl.sum(tl.exp2(lse_a - m_safe), 0) + tl.sum(tl.exp2(lse_b - m_safe), 0))
 
 
 @triton.jit

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_mla_decode as bm  # noqa: E402
 
 from specmla.ops.kv_cache import decode_rows  # noqa: E402
-from specmla.ops.decode.triton import decode_bytes  # noqa: E402
+from specmla.ops.decode.dispatch import decode_bytes  # noqa: E402
 
 
 def test_args():

@@ -1,77 +1,79 @@
 """MLA decode attention over a paged latent cache (contract C1).
 
-q [B, S, H, Dc+Dr] is the absorbed query (q_nope·W_UK ‖ roped q_pe); every head attends to the same
-cached latent rows [c_kv | k_pe], and the values are the c_kv part. This file holds the public
-entry point and the torch reference; the Triton kernel plugs in as backend="triton".
+q [B, S, H, Dc+Dr] is the absorbed query (q_nope·W_UK ‖ roped q_pe); every head attends to the same cached
+latent rows [c_kv | k_pe], and the values are the c_kv part. `mla_decode` checks the arguments, asks
+`dispatch.select_kernel` for a kernel and plan, runs it (stage 1: split-KV partials, or the output itself
+with one split) and merges the splits (stage 2). Kernels: `triton.py` (portable) and `hopper/` (Gluon).
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+
 import torch
 
-from specmla.ops.kv_cache import decode_rows, row_spec
+from specmla.ops.decode import dispatch
+from specmla.ops.decode.reference import check_args, mla_decode_torch
+from specmla.ops.decode.triton import combine_splits
+from specmla.ops.kv_cache.rotation import combine_rotate, rotate_rows
+
+__all__ = ["mla_decode", "mla_decode_torch"]
+
+LOG2E = 1.4426950408889634
+_MODULES = {"triton": "specmla.ops.decode.triton", "bf16": "specmla.ops.decode.hopper.bf16",
+            "bf16_seesaw": "specmla.ops.decode.hopper.bf16_seesaw", "dequant": "specmla.ops.decode.hopper.dequant",
+            "fp8": "specmla.ops.decode.hopper.fp8", "tbq4": "specmla.ops.decode.hopper.tbq4"}
 
 
-def _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format="bf16"):
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, S, H, D], got shape {tuple(q.shape)}")
-    if not 0 < head_dim_v <= q.shape[-1]:
-        raise ValueError(f"head_dim_v={head_dim_v} must be in (0, {q.shape[-1]}]")
-    width = row_spec(kv_format, head_dim_v, q.shape[-1] - head_dim_v, kv_cache.dtype)[0]
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
-        raise ValueError(f"kv_cache must be [num_pages, page_size, {width}] for kv_format {kv_format!r}, "
-                         f"got {tuple(kv_cache.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
-        raise ValueError(f"block_table must be [B={q.shape[0]}, max_pages], got {tuple(block_table.shape)}")
-    if seq_lens.shape != (q.shape[0],):
-        raise ValueError(f"seq_lens must be [B={q.shape[0]}], got {tuple(seq_lens.shape)}")
+def kernel_module(name: str):
+    """The module of a decode kernel ("triton", "bf16", "bf16_seesaw", "dequant", "fp8", "tbq4")."""
+    return importlib.import_module(_MODULES[name])
 
 
-def mla_decode_torch(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    *,
-    causal: bool = True,
-    kv_format: str = "bf16",
-    kv_scale=None,
-    out: torch.Tensor | None = None,
-    return_lse: bool = False,
-    head_dim_v: int | None = None,
-):
-    """Reference: gather each request's pages, mask, softmax in fp32 (fp64 if q is fp64)."""
-    head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
-    _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
+def _kernel_of(opts) -> str:
+    for name, module in _MODULES.items():
+        if type(opts).__module__ == module:
+            return name
+    raise TypeError(f"opts must be the Options of a decode kernel module, got {type(opts).__name__}")
+
+
+def _hopper_available(q: torch.Tensor) -> bool:
+    """A Hopper GPU outside the interpreter, with Gluon: where the kernels in `hopper/` can run."""
+    if not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    from specmla.ops.decode.hopper import common
+    return common.HAVE_GLUON and torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def route(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, *, kv_format: str = "bf16",
+          head_dim_v: int | None = None, backend: str = "auto", opts=None) -> dispatch.Route:
+    """The kernel and plan `mla_decode` takes for these tensors (see `dispatch.select_kernel`)."""
     B, S, H, D = q.shape
-    page_size = kv_cache.shape[1]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    max_pages = block_table.shape[1]
-    L = max_pages * page_size
-    # [B, L, D]: every page the table names (pages beyond a request's length may hold anything)
-    pages = kv_cache[block_table.long().clamp(0, kv_cache.shape[0] - 1)].reshape(B, L, kv_cache.shape[-1])
-    kv = decode_rows(kv_format, pages, head_dim_v, D - head_dim_v, acc)  # dequantised for fp8 / tbq4
-    pos = torch.arange(L, device=q.device)
-    seq = seq_lens.long().to(q.device)
-    valid = pos[None, :] < seq[:, None]  # [B, L]
-    kv = torch.where(valid[..., None], kv, torch.zeros((), dtype=acc, device=q.device))  # NaN-safe
-    scores = torch.einsum("bshd,bld->bshl", q.to(acc), kv) * softmax_scale
-    mask = valid[:, None, None, :]
-    if causal:  # query s sees j < seq_len - S + s + 1
-        limit = seq[:, None] - S + torch.arange(S, device=q.device)[None, :] + 1  # [B, S]
-        mask = mask & (pos[None, None, :] < limit[:, :, None])[:, :, None, :]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, S, H]; -inf for rows with no visible key
-    p = torch.exp(scores - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
-    o = torch.einsum("bshl,blc->bshc", p, kv[..., :head_dim_v])
-    o = o.to(q.dtype)
-    if out is not None:
-        out.copy_(o)
-        o = out
-    if return_lse:
-        return o, lse.float()
-    return o
+    dc = D - 64 if head_dim_v is None else head_dim_v
+    kernel = None if opts is None else _kernel_of(opts)
+    topts = opts if kernel == "triton" else None
+    hopper = backend != "triton" and _hopper_available(q)
+
+    def supports(name: str, block_m: int) -> bool:
+        module = kernel_module(name)
+        chosen = opts if kernel == name else module.Options()
+        return module.supported(q, kv_cache, kv_format, block_m, chosen)
+
+    # the table's width grows with the longest request in eager steps; a power-of-two bucket keeps the split
+    # count (and the compiled combine) stable instead of changing every few pages
+    max_seq = dispatch.next_power_of_2(block_table.shape[1]) * kv_cache.shape[1]
+    block_n = topts.block_n if topts else getattr(opts, "block_n", None)
+    return dispatch.select_kernel(
+        B, S, H, D, kv_format, hopper=hopper, sm_count=_sm_count(q.device), max_seq=max_seq,
+        elem=max(q.element_size(), kv_cache.element_size()), supports=supports, backend=backend, kernel=kernel,
+        block_n=block_n, max_rows=topts.max_rows if topts else dispatch.MAX_ROWS)
 
 
 def mla_decode(
@@ -88,25 +90,68 @@ def mla_decode(
     return_lse: bool = False,
     backend: str = "auto",
     head_dim_v: int | None = None,
+    opts=None,
+    num_splits: int | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Contract C1. Returns out [B, S, H, Dc] (q's dtype) and, if return_lse, lse [B, S, H] fp32.
 
-    `head_dim_v` (Dc, the value width) defaults to D - 64 (DeepSeek's 512 + 64 layout).
+    `head_dim_v` (Dc, the value width) defaults to D - 64 (DeepSeek's 512 + 64 layout). backend: "auto" (the
+    route table of `dispatch` on CUDA, the torch reference on CPU), "torch", "triton" (the portable kernel; also
+    under TRITON_INTERPRET=1 on CPU tensors) or "hopper" (a Gluon kernel, ValueError where none takes the call).
+    `opts`: the `Options` of one kernel module, which then runs the call. `num_splits` overrides the planned
+    split count; `workspace` = (mid_o [B, S, H, splits, Dc], mid_lse [B, S, H, splits]) fp32, preallocated (its
+    split count wins). kv_format "fp8" / "fp8_ds_mla" / "tbq4": uint8 rows of `ops.kv_cache`'s layouts.
     """
-    if backend == "auto":
-        backend = "triton" if q.is_cuda else "torch"
+    if backend not in ("auto", "torch", "triton", "hopper"):
+        raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
+    if backend == "auto" and opts is None and not q.is_cuda:
+        backend = "torch"
     if backend == "torch":
         return mla_decode_torch(
             q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
             kv_scale=kv_scale, out=out, return_lse=return_lse, head_dim_v=head_dim_v,
         )
-    if backend == "triton":
-        head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
-        _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
-        from specmla.ops.decode.triton import mla_decode_triton
-
-        return mla_decode_triton(
-            q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, out=out, return_lse=return_lse,
-            head_dim_v=head_dim_v, kv_format=kv_format,
-        )
-    raise ValueError(f"unknown backend {backend!r} (auto | triton | torch)")
+    head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+    check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
+    if head_dim_v % 16 or (q.shape[-1] - head_dim_v) % 16:
+        raise ValueError(f"Dc={head_dim_v} and Dr={q.shape[-1] - head_dim_v} must be multiples of 16")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache must be contiguous in their last dimension")
+    chosen = route(q, kv_cache, block_table, kv_format=kv_format, head_dim_v=head_dim_v, backend=backend, opts=opts)
+    module = kernel_module(chosen.kernel)
+    kernel_opts = opts if opts is not None else module.Options()
+    plan = dict(chosen.plan)
+    B, S, H, _ = q.shape
+    dc = head_dim_v
+    ns = num_splits or plan["num_splits"]
+    if workspace is not None:
+        mid_o, mid_lse = workspace
+        ns = mid_o.shape[3]
+    plan["num_splits"] = ns
+    if out is None:
+        out = torch.empty(B, S, H, dc, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
+    direct = ns == 1  # stage 1 writes the result itself: no workspace, no combine
+    if direct:
+        mid_o, mid_lse = out, lse
+    elif workspace is None:
+        mid_o = torch.empty(B, S, H, ns, dc, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device=q.device)
+    tbq = kv_format == "tbq4"
+    if tbq:  # attention runs in the rotated domain: q's latent part rotated once, the output back once
+        q = rotate_rows(q, dc)
+    extra = dict(tiles=chosen.tiles) if chosen.kernel == "triton" else {}
+    module.launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, plan,
+                  causal=causal, num_splits=ns, kv_format=kv_format, opts=kernel_opts, **extra)
+    sms = _sm_count(q.device)
+    if not direct:
+        # tbq4: the combine rotates the output back as it merges, when its programs (16 heads × 128 columns
+        # each) fill half the SMs; fewer programs run faster as a plain combine and a rotation
+        if tbq and out.stride(-1) == 1 and B * S * -(-H // 16) * (dc // 128) >= sms // 2:
+            combine_rotate(mid_o, mid_lse, out, lse)
+            return (out, lse) if return_lse else out
+        combine_splits(mid_o, mid_lse, out, lse, sms)
+    if tbq:
+        rotate_rows(out, dc, out=out)
+    return (out, lse) if return_lse else out

@@ -16,6 +16,7 @@ the request's actual length on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -23,20 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops.decode.hopper import common as mla_decode_gluon
-from specmla.ops.decode.hopper import fp8fold as mla_decode_gluon_fp8fold
-from specmla.ops.decode.hopper import fp8mma as mla_decode_gluon_fp8mma
-from specmla.ops.decode.hopper import fp8 as mla_decode_gluon_fp8reg
-from specmla.ops.decode.hopper import dequant as mla_decode_gluon_quant
-from specmla.ops.decode.hopper import tbq4 as mla_decode_gluon_tbq4reg
-from specmla.ops.kv_cache import tbq4
-from specmla.ops.kv_cache import FP8_FORMATS, rope_offset, rope_scales_offset
-from specmla.ops.online_softmax import (online_softmax_finish, online_softmax_step, split_merge_weights,
-                                        split_merge_weights_two)
-from specmla.ops.kv_cache.rotation import combine_rotate, rotate_rows
+from specmla.ops.kv_cache import FP8_FORMATS, rope_offset, rope_scales_offset, tbq4
+from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step, split_merge_weights
 
 LOG2E = 1.4426950408889634
-MAX_ROWS = 64  # rows (folded tokens × heads) per program
 
 
 @triton.jit
@@ -372,19 +363,16 @@ def _mla_decode_split_tbq4_kernel(
 
 @triton.jit
 def _mla_decode_combine_kernel(
-    MID_O, MID_LSE, OUT, LSE, HELP_O, HELP_LSE,
+    MID_O, MID_LSE, OUT, LSE,
     stride_mob, stride_mos, stride_moh, stride_mosp,
     stride_mlb, stride_mls, stride_mlh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_ls,
     S, H, NUM_SPLITS,
     DC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    HELPERS: tl.constexpr = False,
 ):
     """One program per (request·token, head, BLOCK_D columns). Columns are split only when B·S·H
-    alone would leave SMs idle (B=1 decodes split the most); otherwise one program per row.
-    HELPERS (`mla_decode_gluon_fp8reg`'s STEAL): each split may also have a helper's partial, HELP_O / HELP_LSE
-    shaped as a contiguous workspace; −inf where none (those partials are not read)."""
+    alone would leave SMs idle (B=1 decodes split the most); otherwise one program per row."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -393,12 +381,7 @@ def _mla_decode_combine_kernel(
     lse_base = MID_LSE + b * stride_mlb + s * stride_mls + h * stride_mlh
     offs_sp = tl.arange(0, BLOCK_SPLITS)
     lse = tl.load(lse_base + offs_sp, mask=offs_sp < NUM_SPLITS, other=float("-inf"))
-    help_row = ((b * S + s) * H + h) * NUM_SPLITS
-    if HELPERS:
-        lse_h = tl.load(HELP_LSE + help_row + offs_sp, mask=offs_sp < NUM_SPLITS, other=float("-inf"))
-        m_safe, inv_total, lse2 = split_merge_weights_two(lse, lse_h)
-    else:
-        m_safe, inv_total, lse2 = split_merge_weights(lse, 0)
+    m_safe, inv_total, lse2 = split_merge_weights(lse, 0)
     base = MID_O + b * stride_mob + s * stride_mos + h * stride_moh
     offs_d = d0 + tl.arange(0, BLOCK_D)
     d_ok = offs_d < DC
@@ -410,203 +393,46 @@ def _mla_decode_combine_kernel(
         w = tl.exp2(tl.load(lse_base + sp, mask=ok, other=float("-inf")) - m_safe) * inv_total
         o = tl.load(base + sp[:, None] * stride_mosp + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(o * w[:, None], 0)
-        if HELPERS:  # the helpers' partials, where there are any
-            lse_h = tl.load(HELP_LSE + help_row + sp, mask=ok, other=float("-inf"))
-            has = lse_h > float("-inf")
-            o = tl.load(HELP_O + (help_row + sp)[:, None] * DC + offs_d[None, :], mask=has[:, None] & d_ok[None, :],
-                        other=0.0)
-            acc += tl.sum(o * (tl.exp2(lse_h - m_safe) * inv_total)[:, None], 0)
     tl.store(OUT + b * stride_ob + s * stride_os + h * stride_oh + offs_d, acc.to(OUT.dtype.element_ty), mask=d_ok)
     if d0 == 0:
         tl.store(LSE + b * stride_lb + s * stride_ls + h, lse2 / 1.4426950408889634)  # natural log
 
 
-def _e4m3_kernel_takes(q, kv_cache, dc: int, block_m: int, kv_format: str) -> bool:
-    """Whether the 16-row e4m3 Gluon kernel of `kv_format` (fp8 / fp8_ds_mla: `mla_decode_gluon_fp8reg`, tbq4:
-    `mla_decode_gluon_tbq4reg`) is on and takes this call."""
-    if kv_format in FP8_FORMATS:
-        return mla_decode_gluon_fp8reg.USE and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, block_m,
-                                                                                        kv_format)
-    return (kv_format == "tbq4" and mla_decode_gluon_tbq4reg.USE
-            and mla_decode_gluon_tbq4reg.tbq4reg_supported(q, kv_cache, dc, block_m))
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Triton kernel's tiles. None takes the planned value (`dispatch.default_tiles`); `max_rows` caps the
+    rows (folded tokens × heads) of a program; `prefetch` (default: on under 64 rows) loads the next key block's
+    bytes of a quantised cache while this one computes; `kv_align` caps the vector width of the codes' loads."""
+
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    max_rows: int = 64
+    prefetch: bool | None = None
+    kv_align: int | None = None
 
 
-def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:
-    """Largest F dividing S with F·block_h ≤ max_rows (TokenSpeed's rule)."""
-    for f in range(S, 0, -1):
-        if S % f == 0 and f * block_h <= max_rows:
-            return f
-    return 1
+def supported(q, kv_cache, kv_format: str, block_m: int, opts: Options = Options()) -> bool:
+    """The Triton kernel takes every call that passes the argument checks (any device, the interpreter too)."""
+    return True
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
-
-
-# quantised formats whose S > 1 calls (H ≤ 16) run one query token per program on the 16-row e4m3 Gluon kernels
-UNFOLDED_FORMATS = ("fp8", "fp8_ds_mla", "tbq4")
-# fp8 formats whose S > 1 calls fold into 17 to 64 rows on the 64-row e4m3 Gluon kernel (`mla_decode_gluon_fp8fold`):
-# none, because it is correct but slower than one token per program (H100, B=32 T=32k, fp8: S=4 0.51× bf16 against
-# 0.58×, S=2 0.52× against 1.12×; docs/benchmarks.md, issue 7, twenty-first session)
-FOLDED_E4M3_FORMATS: tuple = ()
-TBQ4_COMBINE_ROTATE = True  # tbq4: the split combine also rotates the output back (else a kernel of its own)
-SMEM_BUDGET = 224 * 1024  # estimate (stages·block_n·d + block_m·d)·elem overcounts Triton's use a little
-
-
-def _fold64_takes(q, kv_cache, dc: int, S: int, H: int, kv_format: str) -> bool:
-    """Whether the 64-row e4m3 kernel (`mla_decode_gluon_fp8fold`) takes an S > 1 call's folded rows."""
-    if S == 1 or kv_format not in FOLDED_E4M3_FORMATS:
-        return False
-    block_h = min(MAX_ROWS, triton.next_power_of_2(H))
-    block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h) * block_h))
-    return mla_decode_gluon_fp8fold.fp8fold_supported(q, kv_cache, dc, block_m, kv_format)
-
-
-def default_tiles(block_m: int, d: int, elem: int, kv_format: str = "auto") -> dict:
-    """Tile/pipeline choice measured best on H100 (docs/benchmarks.md), shrunk until the K-tile
-    pipeline (stages × block_n × d) plus the query tile fits the shared-memory budget. tbq4's
-    small tiles (≤ 32 rows) do best unpipelined: only the rope part rides the pipeline, and the
-    stages' shared memory costs occupancy (benchmarks/quant_probe.py)."""
-    if block_m >= 64:
-        block_n, warps, stages = 64, 8, 2
-    elif kv_format == "tbq4":
-        block_n, warps, stages = 32, 4, 1
-    else:
-        block_n, warps, stages = 32, 4, 5
-    while stages * block_n * d * elem + block_m * d * elem > SMEM_BUDGET and (stages > 1 or block_n > 16):
-        if stages > 2:
-            stages -= 1
-        elif block_n > 16:
-            block_n //= 2
-        else:
-            stages -= 1
-    return dict(block_n=block_n, num_warps=warps, num_stages=stages)
-
-
-def plan(B: int, S: int, H: int, max_seq_len: int, device: torch.device, block_n: int = 32,
-         max_rows: int = MAX_ROWS, waves: int | None = None) -> dict:
-    """Tile shapes and the split count, from shapes only (no device data read). `waves`: how many
-    waves of programs to fill (default: the Triton kernel's measured rule below)."""
-    block_h = min(max_rows, triton.next_power_of_2(H))
-    fold = fold_factor(S, block_h, max_rows)
-    block_m = max(16, triton.next_power_of_2(fold * block_h))
-    head_blocks = triton.cdiv(H, block_h)
-    programs = B * (S // fold) * head_blocks
-    # One program per SM at a time (a program's K pipeline takes most of the shared memory), so
-    # split only as far as one wave allows: more splits would add a tail wave and partial traffic.
-    sms = _sm_count(device)
-    max_useful = max(1, triton.cdiv(max_seq_len, block_n))  # at least one KV block per split
-    # measured (docs/benchmarks.md): a second wave balances large batches of small (≤ 32-row) tiles;
-    # 64-row tiles are compute-heavy and do best in one wave, written directly
-    if waves is None:
-        waves = 2 if programs >= 32 and block_m < 64 else 1
-    splits = max(1, min(waves * sms // programs, max_useful, 128))
-    return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
-                BLOCK_N=block_n, keys_per_split=triton.cdiv(triton.cdiv(max_seq_len, block_n), splits) * block_n)
-
-
-def mla_decode_triton(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    *,
-    causal: bool = True,
-    out: torch.Tensor | None = None,
-    return_lse: bool = False,
-    head_dim_v: int | None = None,
-    num_splits: int | None = None,
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    block_n: int | None = None,
-    max_rows: int = MAX_ROWS,
-    kv_format: str = "auto",
-    prefetch: bool | None = None,
-    kv_align: int | None = None,
-    gluon: bool | None = None,
-):
-    """Same contract as `mla_decode_torch`; `workspace` = (mid_o, mid_lse) preallocated for graphs.
-    kv_format "fp8" / "fp8_ds_mla" / "tbq4": uint8 rows (`ops.kv_cache`), dequantised in registers inside the
-    kernel's loop; `prefetch` (default: on for tiles under 64 rows) loads the next key block's bytes
-    while this one computes, since a register-dequantised tile cannot ride the dot's shared-memory
-    pipeline. `kv_align` caps the codes' load vector (fp8: 8 bytes by default; 16-byte vectors made
-    a register layout whose shared-memory stores conflict). `gluon`: run stage 1 through the Hopper
-    Gluon kernels (`ops.mla_decode_gluon`, `ops.mla_decode_seesaw`, fp8 / tbq4: `ops.mla_decode_gluon_quant`);
-    None takes them where supported (fp8 / tbq4: where measured faster, `mla_decode_gluon_quant.auto_takes`)."""
+def launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2: float, plan: dict, *,
+           causal: bool, num_splits: int, kv_format: str, opts: Options = Options(), tiles: dict | None = None):
+    """Stage 1: one program per (request, query-token group, head block, split); writes out / lse itself when
+    num_splits == 1, else the partials mid_o / mid_lse. tbq4: q is already rotated. `tiles`: the planned
+    block_n / num_warps / num_stages, which `opts` overrides."""
     B, S, H, D = q.shape
-    dc = D - 64 if head_dim_v is None else head_dim_v
+    dc = out.shape[-1]
     dr = D - dc
-    if dc % 16 or dr % 16:
-        raise ValueError(f"Dc={dc} and Dr={dr} must be multiples of 16")
-    page_size = kv_cache.shape[1]
-    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("q and kv_cache must be contiguous in their last dimension")
-    # the table's width grows with the longest request in eager steps; a power-of-two bucket keeps
-    # the split count (and the compiled combine variant) stable instead of changing every few pages
-    max_seq = triton.next_power_of_2(block_table.shape[1]) * page_size
-    fold64 = gluon is not False and _fold64_takes(q, kv_cache, dc, S, H, kv_format)
-    if S > 1 and H <= 16 and not fold64 and gluon is not False and kv_format in UNFOLDED_FORMATS and (
-            _e4m3_kernel_takes(q, kv_cache, dc, 16, kv_format)):
-        # one query token per program, in the e4m3 kernels' 16 rows: each token's program reads the keys again, and
-        # yet it beats the folded rows (H100, B=32 T=32k, S=2: 1.03-1.19× bf16 against 0.35-0.83×; S=4: 0.54-0.62×
-        # against 0.45-0.59×; docs/benchmarks.md, issue 7, twentieth session)
-        unfolded = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N, 16, waves=1)
-        if gluon or mla_decode_gluon_quant.auto_takes(unfolded, B, S):  # else the folded rows on Triton
-            max_rows = 16
-    block_h = min(max_rows, triton.next_power_of_2(H))
-    block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
-    tiles = default_tiles(block_m, D, max(q.element_size(), kv_cache.element_size()), kv_format)
-    gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
-    block_n = block_n or tiles["block_n"]
-    cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
-    if fold64:
-        gluon_quant = True
-    elif kv_format == "fp8":  # only the fp8 e4m3 kernel reads these rows
-        gluon_quant = _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
-    else:
-        gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
-    supported = gluon_quant or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
-                                                                     cfg["BLOCK_M"])
-    if gluon and not supported:
-        raise ValueError("the Gluon decode kernels take Hopper only: a 16-bit cache with Dc a multiple of 64 up to "
-                         "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 "
-                         "rows (fp8: 16 rows)")
-    gluon_cfg = None
-    helpers = None  # (partials, lse) of the programs that helped with other splits' keys (fp8 STEAL)
-    if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
-        gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N if gluon_quant else gluon_block_n,
-                         max_rows, waves=1)
-    if gluon is None:
-        run_gluon = supported and (mla_decode_gluon_quant.auto_takes(gluon_cfg, B, S) if gluon_quant
-                                   else mla_decode_gluon.AUTO)
-    else:
-        run_gluon = supported and gluon
-    if run_gluon:
-        cfg = gluon_cfg
-    if num_splits is not None:
-        cfg["num_splits"] = num_splits
-    ns = cfg["num_splits"]
-    if workspace is not None:
-        mid_o, mid_lse = workspace
-        ns = mid_o.shape[3]
-    if out is None:
-        out = torch.empty(B, S, H, dc, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
-    direct = ns == 1  # stage 1 writes the result itself; no workspace, no combine
-    if direct:
-        mid_o, mid_lse = out, lse
-    elif workspace is None:
-        mid_o = torch.empty(B, S, H, ns, dc, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device=q.device)
-    grid = (B * (S // cfg["FOLD"]), cfg["head_blocks"], ns)
+    tiles = dict(tiles or {})
+    warps = opts.num_warps or tiles.get("num_warps", 4)
+    stages = opts.num_stages or tiles.get("num_stages", 1)
+    direct = num_splits == 1
+    grid = (B * (S // plan["FOLD"]), plan["head_blocks"], num_splits)
     mo_strides = (0, 0, 0, 0) if direct else mid_o.stride()[:4]
     ml_strides = (0, 0, 0) if direct else mid_lse.stride()[:3]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
     fp8, tbq, i8 = kv_format in FP8_FORMATS, kv_format == "tbq4", kv_format == "fp8"
     kv, quant = kv_cache, {}
     if fp8 or tbq:
@@ -622,99 +448,52 @@ def mla_decode_triton(
             quant = dict(ROPE_I8=True, RS_AT=rope_scales_offset(dc) // 4)
         quant.update(
             # prefetching pays for small row tiles; 64-row tiles have no registers to spare for it
-            PREFETCH=block_m < 64 if prefetch is None else prefetch, ROPE_AT=rope_at if i8 else rope_at // 2,
-            # kv_align may only lower the hint: the register layout of the loaded codes follows the
-            # vector width, and narrower vectors can store the dequantised tile with fewer bank conflicts
-            KV_ALIGN=min(kv_align or (8 if fp8 else 16), _aligned_elements(kv, 0)),
+            PREFETCH=plan["BLOCK_M"] < 64 if opts.prefetch is None else opts.prefetch,
+            ROPE_AT=rope_at if i8 else rope_at // 2,
+            # kv_align may only lower the hint: narrower vectors store the dequantised tile with fewer bank conflicts
+            KV_ALIGN=min(opts.kv_align or (8 if fp8 else 16), _aligned_elements(kv, 0)),
             S_ALIGN=_aligned_elements(scales, dc),
             R_ALIGN=_aligned_elements(rope, rope_at))
     elif kv_format not in ("auto", "native", "bf16", "fp16", "fp32"):
         raise ValueError(f"unknown kv_format {kv_format!r}")
     else:
         scales = rope = kv_cache
-    if tbq:  # attention runs in the rotated domain: rotate q's latent part once (and the output back)
-        q = rotate_rows(q, dc)
-        cent = tbq4.centroids(q.device)
+    if tbq:
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
-    if run_gluon and fold64:
-        mla_decode_gluon_fp8fold.launch_fp8fold_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                      softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
-                                                      num_splits=ns, kv_format=kv_format)
-    elif run_gluon and gluon_quant and fp8 and _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format):
-        helpers = mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
-                                                              lse, softmax_scale * LOG2E, cfg, causal=causal,
-                                                              direct=direct, num_splits=ns, kv_format=kv_format)
-    elif run_gluon and gluon_quant and tbq and _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format):
-        mla_decode_gluon_tbq4reg.launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                      softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
-                                                      num_splits=ns)
-    elif (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8mma.USE
-            and mla_decode_gluon_fp8mma.fp8mma_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
-        mla_decode_gluon_fp8mma.launch_fp8mma_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                    softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
-                                                    num_splits=ns)
-    elif run_gluon and gluon_quant:
-        mla_decode_gluon_quant.launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns,
-                                                kv_format=kv_format)
-    elif run_gluon:
-        mla_decode_gluon.launch_gluon_split(
-            q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
-            causal=causal, direct=direct, num_splits=ns, block_n=gluon_block_n,
-            num_stages=num_stages or 2)
+        kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (tbq4.centroids(q.device),), {}
     else:
-        if tbq:
-            kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (cent,), {}
-        else:
-            kernel, fmt_args, fmt_flags = _mla_decode_split_kernel, (), dict(FP8=fp8)
-        kernel[grid](
-            q, kv, scales, rope, *fmt_args, block_table, seq_lens, mid_o, mid_lse, out, lse,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv.stride(0), kv.stride(1),
-            scales.stride(0), scales.stride(1), rope.stride(0), rope.stride(1),
-            block_table.stride(0),
-            *mo_strides,
-            *ml_strides,
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            softmax_scale * LOG2E,
-            S, H, ns,
-            PAGE_SIZE=page_size, DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc), DR_PAD=triton.next_power_of_2(dr),
-            BLOCK_H=cfg["BLOCK_H"], FOLD=cfg["FOLD"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n,
-            CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps, num_stages=stages,
-            **fmt_flags, **quant,
-        )
-    if direct:
-        return _finish(out, lse, return_lse, tbq)
-    # tbq4: the combine rotates the output back as it merges (one kernel fewer), when its programs (16 heads ×
-    # 128 columns each) fill half the SMs: B=32 saves 2.9 µs, while B=4's 16 programs took 9 µs longer
-    if (tbq and TBQ4_COMBINE_ROTATE and out.stride(-1) == 1
-            and B * S * triton.cdiv(H, 16) * (dc // 128) >= _sm_count(q.device) // 2):
-        combine_rotate(mid_o, mid_lse, out, lse)
-        return (out, lse) if return_lse else out
-    combine_splits(mid_o, mid_lse, out, lse, helpers)
-    return _finish(out, lse, return_lse, tbq)
+        kernel, fmt_args, fmt_flags = _mla_decode_split_kernel, (), dict(FP8=fp8)
+    kernel[grid](
+        q, kv, scales, rope, *fmt_args, block_table, seq_lens, mid_o, mid_lse, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        scales.stride(0), scales.stride(1), rope.stride(0), rope.stride(1),
+        block_table.stride(0),
+        *mo_strides,
+        *ml_strides,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        scale_log2,
+        S, H, num_splits,
+        PAGE_SIZE=kv_cache.shape[1], DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc),
+        DR_PAD=triton.next_power_of_2(dr), BLOCK_H=plan["BLOCK_H"], FOLD=plan["FOLD"], BLOCK_M=plan["BLOCK_M"],
+        BLOCK_N=plan["BLOCK_N"], CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps,
+        num_stages=stages, **fmt_flags, **quant,
+    )
 
 
 def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   helpers: tuple | None = None) -> None:
+                   sm_count: int) -> None:
     """Stage 2: merge the splits' partials mid_o [B, S, H, splits, Dc] (log2-sum-exps mid_lse [B, S, H, splits])
-    into out [B, S, H, Dc] and its natural-log lse [B, S, H]; `helpers` = (partials, log2-sum-exps) of the same
-    shapes, contiguous, −inf where a split had no helper: the programs that helped with other splits' keys
-    (`mla_decode_gluon_fp8reg`'s STEAL) add theirs."""
+    into out [B, S, H, Dc] and its natural-log lse [B, S, H]."""
     B, S, H, ns, dc = mid_o.shape
-    # one program per row, unless rows are too few for the SMs: B=1 merges 4 MB of partials, which
-    # 64 programs of 128 columns read at half the copy rate (5.7 µs measured); 32 columns give 256
+    # one program per row, unless the rows are too few to fill the SMs: then narrower column blocks
     block_d = triton.next_power_of_2(dc)
-    while block_d > 32 and B * S * H * (dc // block_d) < 4 * _sm_count(mid_o.device) and dc % (block_d // 2) == 0:
+    while block_d > 32 and B * S * H * (dc // block_d) < 4 * sm_count and dc % (block_d // 2) == 0:
         block_d //= 2
-    help_o, help_lse = helpers or (mid_o, mid_lse)
-    if helpers is not None and not (help_o.is_contiguous() and help_lse.is_contiguous()
-                                    and help_o.shape == mid_o.shape and help_lse.shape == mid_lse.shape):
-        raise ValueError("the helpers' partials must be contiguous and shaped as the workspace")
     _mla_decode_combine_kernel[(B * S, H, triton.cdiv(dc, block_d))](
-        mid_o, mid_lse, out, lse, help_o, help_lse,
+        mid_o, mid_lse, out, lse,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_o.stride(3),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -722,23 +501,8 @@ def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
         S, H, ns,
         DC=dc, BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)),
         SPLIT_CHUNK=max(2, min(triton.next_power_of_2(ns), 4096 // block_d)),  # few, wide steps
-        HELPERS=helpers is not None, num_warps=4,
+        num_warps=4,
     )
-
-
-def combine_splits_torch(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                         helpers: tuple | None = None) -> None:
-    """Reference for `combine_splits` (same arguments): each row's partials weighed by exp2 of their log2-sum-exps."""
-    parts, lses = mid_o.float(), mid_lse.float()
-    if helpers is not None:
-        help_o, help_lse = helpers
-        has = help_lse > float("-inf")
-        parts = torch.cat([parts, torch.where(has[..., None], help_o.float(), 0.0)], 3)
-        lses = torch.cat([lses, help_lse.float()], 3)
-    merged = torch.logsumexp(lses * math.log(2), dim=3)  # natural log
-    w = torch.exp(lses * math.log(2) - torch.where(torch.isinf(merged), 0.0, merged)[..., None])
-    out.copy_(torch.einsum("bshp,bshpd->bshd", w, parts).to(out.dtype))
-    lse.copy_(merged)
 
 
 def _aligned_elements(view: torch.Tensor, offset_bytes: int, cap: int = 16) -> int:
@@ -746,20 +510,3 @@ def _aligned_elements(view: torch.Tensor, offset_bytes: int, cap: int = 16) -> i
     a hint that lets Triton vectorise loads of rows whose stride is not a multiple of 16."""
     g = math.gcd(view.data_ptr() + offset_bytes, *(st * view.element_size() for st in view.stride()[:2]))
     return max(1, min(cap, g & -g) // view.element_size())
-
-
-def _finish(out, lse, return_lse, rotated):
-    if rotated:  # tbq4: the output was accumulated in the rotated domain
-        rotate_rows(out, out.shape[-1], out=out)
-    return (out, lse) if return_lse else out
-
-
-def decode_bytes(seq_lens_sum: int, B: int, S: int, H: int, D: int = 576, dv: int = 512, elem: int = 2) -> int:
-    """FlashMLA's byte count: every cached row once, q in, out back."""
-    return (seq_lens_sum * D + B * S * H * (D + dv)) * elem
-
-
-def decode_flops(seq_lens_sum: int, S: int, H: int, D: int = 576, dv: int = 512) -> float:
-    return 2.0 * S * seq_lens_sum * H * (D + dv)
-
-

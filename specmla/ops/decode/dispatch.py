@@ -1,0 +1,175 @@
+"""The decode route: which kernel runs a call, and its plan (row tiles, key blocks, splits).
+
+Pure functions of shapes and device facts, so the route table is testable on a CPU. The caller answers
+tensor-level questions (contiguity, alignment, dtypes) through `supports(kernel, block_m)`.
+
+Kernels (module names under `specmla.ops.decode`):
+- "triton": the portable split-KV kernel (`triton.py`), every format, every device, the interpreter too.
+- "bf16" / "bf16_seesaw": Hopper wgmma kernels for 16-bit caches (`hopper/bf16.py`, `hopper/bf16_seesaw.py`).
+- "fp8" / "tbq4": Hopper 16-row e4m3 kernels for quantised caches (`hopper/fp8.py`, `hopper/tbq4.py`).
+- "dequant": Hopper kernel that dequantises fp8_ds_mla / tbq4 blocks to bf16 tiles, up to 32 rows.
+
+The split count comes from shapes only (B, S, H, SM count, the block table's capacity), never from the
+device-side lengths: no host synchronisation, a fixed workspace, and graph-capturable launches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+KERNELS = ("triton", "bf16", "bf16_seesaw", "dequant", "fp8", "tbq4")
+HOPPER_KERNELS = KERNELS[1:]
+QUANTIZED = ("fp8", "fp8_ds_mla", "tbq4")
+E4M3_KERNEL = {"fp8": "fp8", "fp8_ds_mla": "fp8", "tbq4": "tbq4"}  # the 16-row Hopper kernel of each format
+E4M3_ROWS = 16
+MAX_ROWS = 64  # rows (folded tokens × heads) per program
+HOPPER_BLOCK_N = 64  # keys per block of the Hopper kernels for quantised caches
+MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: quantised Hopper kernels take splits of two blocks or more
+SEESAW_MIN_PROGRAMS = 32  # padded bf16 row tiles take the seesaw kernel from this many programs
+SMEM_BUDGET = 224 * 1024  # the Triton kernel's K pipeline plus its query tile must fit this
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A call's kernel, its plan (`plan()`'s dict) and, for "triton", the tiles (`default_tiles()`)."""
+
+    kernel: str
+    plan: dict
+    tiles: dict
+
+
+def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:
+    """Largest F dividing S with F·block_h ≤ max_rows: F query tokens share one pass over the keys."""
+    for f in range(S, 0, -1):
+        if S % f == 0 and f * block_h <= max_rows:
+            return f
+    return 1
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_tile(S: int, H: int, max_rows: int = MAX_ROWS) -> int:
+    """Rows of one program: F folded query tokens × the head block, padded to a power of two ≥ 16."""
+    block_h = min(max_rows, next_power_of_2(H))
+    return max(16, next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
+
+
+def default_tiles(block_m: int, d: int, elem: int, kv_format: str = "auto") -> dict:
+    """The Triton kernel's key block, warps and pipeline stages, shrunk until the K-tile pipeline
+    (stages × block_n × d) plus the query tile fits the shared-memory budget. tbq4's small tiles run
+    unpipelined: only the rope part would ride the pipeline, and its stages cost occupancy."""
+    if block_m >= 64:
+        block_n, warps, stages = 64, 8, 2
+    elif kv_format == "tbq4":
+        block_n, warps, stages = 32, 4, 1
+    else:
+        block_n, warps, stages = 32, 4, 5
+    while stages * block_n * d * elem + block_m * d * elem > SMEM_BUDGET and (stages > 1 or block_n > 16):
+        if stages > 2:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            stages -= 1
+    return dict(block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+def plan(B: int, S: int, H: int, max_seq_len: int, sm_count: int, block_n: int = 32, max_rows: int = MAX_ROWS,
+         waves: int | None = None) -> dict:
+    """Tile shapes and the split count, from shapes only. `waves`: how many waves of programs to fill
+    (default: two for large batches of tiles under 64 rows, which balances them; else one)."""
+    block_h = min(max_rows, next_power_of_2(H))
+    fold = fold_factor(S, block_h, max_rows)
+    block_m = max(16, next_power_of_2(fold * block_h))
+    head_blocks = cdiv(H, block_h)
+    programs = B * (S // fold) * head_blocks
+    # one program per SM at a time (the K pipeline takes most of the shared memory): split only as far
+    # as the waves allow, at least one key block per split
+    max_useful = max(1, cdiv(max_seq_len, block_n))
+    if waves is None:
+        waves = 2 if programs >= 32 and block_m < 64 else 1
+    splits = max(1, min(waves * sm_count // programs, max_useful, 128))
+    return dict(BLOCK_H=block_h, FOLD=fold, BLOCK_M=block_m, head_blocks=head_blocks, num_splits=splits,
+                BLOCK_N=block_n, keys_per_split=cdiv(cdiv(max_seq_len, block_n), splits) * block_n)
+
+
+def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: bool, sm_count: int, max_seq: int,
+                  elem: int, supports: Callable[[str, int], bool], backend: str = "auto",
+                  kernel: str | None = None, block_n: int | None = None, max_rows: int = MAX_ROWS) -> Route:
+    """The kernel and plan for a call of q [B, S, H, D] on a `kv_format` cache addressing up to `max_seq`
+    keys. `hopper`: a Hopper GPU outside the interpreter with Gluon; `elem`: the larger element size of q
+    and the cache; `supports(kernel, block_m)`: whether that Hopper kernel takes these tensors with
+    `block_m` rows. backend "auto" takes the table below, "triton" the portable kernel, "hopper" a Hopper
+    kernel wherever one takes the call (ValueError if none); `kernel` names one kernel to run.
+
+    The table (auto): 16-bit caches → bf16_seesaw when its tile is 64 rows or the programs are at least
+    SEESAW_MIN_PROGRAMS, else bf16. Quantised caches → the format's 16-row e4m3 kernel when the rows fit
+    16 (S > 1 at H ≤ 16 runs one query token per program there), else dequant (fp8_ds_mla, tbq4 up to 32
+    rows), else triton; a quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else triton."""
+    if backend not in ("auto", "triton", "hopper"):
+        raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r} ({' | '.join(KERNELS)})")
+    if kernel == "triton":
+        backend = "triton"
+    elif kernel is not None:
+        backend = "hopper"
+    quant = kv_format in QUANTIZED
+    on_hopper = hopper and backend != "triton"
+    forced = backend == "hopper"
+    e4m3 = E4M3_KERNEL.get(kv_format)
+    if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and kernel in (None, e4m3)
+            and supports(e4m3, E4M3_ROWS)):
+        # one query token per program on the 16-row kernel: each token reads the keys again, and still
+        # beats folding the tokens into more rows
+        unfolded = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, E4M3_ROWS, waves=1)
+        if forced or unfolded["keys_per_split"] >= MIN_HOPPER_KEYS:
+            max_rows = E4M3_ROWS
+    block_m = row_tile(S, H, max_rows)
+    tiles = default_tiles(block_m, D, elem, kv_format)
+    hopper_block_n = block_n if block_n in (32, 64) else 64
+    triton_plan = plan(B, S, H, max_seq, sm_count, block_n or tiles["block_n"], max_rows)
+    tiles = dict(tiles, block_n=block_n or tiles["block_n"])
+    choice = None
+    if on_hopper:
+        candidates = ((e4m3,) + (("dequant",) if kv_format != "fp8" else ())) if quant else ("bf16",)
+        if kernel is not None:
+            candidates = (kernel,) if kernel in candidates or kernel == "bf16_seesaw" and not quant else ()
+        for name in candidates:
+            if supports("bf16" if name == "bf16_seesaw" else name, block_m):
+                choice = name
+                break
+    if choice is None:
+        if forced:
+            raise ValueError(f"no Hopper decode kernel{' ' + repr(kernel) if kernel else ''} takes this call: "
+                             "a 16-bit cache with Dc a multiple of 64 up to 512 and Dr a multiple of 16 up to 64, "
+                             "or an fp8 / fp8_ds_mla / tbq4 cache with Dc=512, Dr=64 and at most 32 rows "
+                             "(fp8: 16 rows), on a Hopper GPU")
+        return Route("triton", triton_plan, tiles)
+    hopper_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N if quant else hopper_block_n, max_rows, waves=1)
+    if quant and not forced and hopper_plan["keys_per_split"] < MIN_HOPPER_KEYS:
+        return Route("triton", triton_plan, tiles)
+    if choice == "bf16" and kernel is None:
+        programs = B * (S // hopper_plan["FOLD"]) * hopper_plan["head_blocks"]
+        if (hopper_plan["BLOCK_N"] == 64 and supports("bf16_seesaw", hopper_plan["BLOCK_M"])
+                and (hopper_plan["BLOCK_M"] >= 64 or programs >= SEESAW_MIN_PROGRAMS)):
+            choice = "bf16_seesaw"
+    elif choice == "bf16_seesaw" and not (hopper_plan["BLOCK_N"] == 64 and supports("bf16_seesaw", block_m)):
+        raise ValueError("the seesaw kernel takes 64-key blocks with Dr = 64 and Dc a multiple of 128 up to 512")
+    return Route(choice, hopper_plan, tiles)
+
+
+def decode_bytes(seq_lens_sum: int, B: int, S: int, H: int, D: int = 576, dv: int = 512, elem: int = 2) -> int:
+    """FlashMLA's byte count of a call: every cached row once, q in, out back."""
+    return (seq_lens_sum * D + B * S * H * (D + dv)) * elem
+
+
+def decode_flops(seq_lens_sum: int, S: int, H: int, D: int = 576, dv: int = 512) -> float:
+    return 2.0 * S * seq_lens_sum * H * (D + dv)

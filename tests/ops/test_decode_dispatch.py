@@ -1,0 +1,106 @@
+"""The decode route table (`ops.decode.dispatch`), on the CPU: which kernel takes which call."""
+
+import pytest
+
+from specmla.ops.decode import dispatch
+from specmla.ops.decode.dispatch import KERNELS, plan, row_tile, select_kernel
+
+SMS = 132  # an H100
+
+
+def hopper_supports(kv_format: str):
+    """What the Hopper kernels take for a standard call (bf16 q, Dc = 512, Dr = 64, pages of 64, contiguous)."""
+    def supports(kernel: str, block_m: int) -> bool:
+        if kernel in ("bf16", "bf16_seesaw"):
+            return kv_format in ("bf16", "fp16") and block_m <= 64
+        if kernel == "fp8":
+            return kv_format in ("fp8", "fp8_ds_mla") and block_m <= 16
+        if kernel == "tbq4":
+            return kv_format == "tbq4" and block_m <= 16
+        assert kernel == "dequant"
+        return kv_format in ("fp8_ds_mla", "tbq4") and block_m <= 32
+    return supports
+
+
+def pick(B, S, H, T, kv_format, hopper=True, **kw):
+    return select_kernel(B, S, H, 576, kv_format, hopper=hopper, sm_count=SMS, max_seq=T, elem=2,
+                         supports=hopper_supports(kv_format), **kw)
+
+
+@pytest.mark.parametrize("B,S,H,T,kv_format,kernel", [
+    (1, 1, 16, 8192, "bf16", "bf16"),  # one program: the one-stream kernel
+    (32, 1, 16, 32768, "bf16", "bf16_seesaw"),  # 32 programs of padded 16-row tiles
+    (1, 1, 128, 8192, "bf16", "bf16_seesaw"),  # 64-row tiles
+    (64, 4, 16, 8192, "fp16", "bf16_seesaw"),  # four tokens folded into 64 rows
+    (32, 1, 16, 32768, "fp8", "fp8"),
+    (32, 1, 16, 32768, "fp8_ds_mla", "fp8"),
+    (32, 1, 16, 32768, "tbq4", "tbq4"),
+    (32, 4, 16, 32768, "tbq4", "tbq4"),  # S > 1: one query token per program on the 16-row kernel
+    (32, 2, 16, 32768, "fp8", "fp8"),
+    (8, 1, 32, 16384, "fp8_ds_mla", "dequant"),  # 32 rows
+    (8, 1, 32, 16384, "tbq4", "dequant"),
+    (8, 1, 32, 16384, "fp8", "triton"),  # the fp8 kernel takes 16 rows only, and dequant no 608-byte rows
+    (128, 1, 16, 64, "fp8", "triton"),  # one-block splits: the Triton kernel
+    (1, 4, 16, 256, "tbq4", "triton"),  # short splits even one token per program: folded rows on Triton
+    (4, 1, 16, 4096, "fp32", "triton"),
+])
+def test_route_table(B, S, H, T, kv_format, kernel):
+    route = pick(B, S, H, T, kv_format)
+    assert route.kernel == kernel
+    assert route.plan["BLOCK_M"] <= 64 and route.plan["num_splits"] >= 1
+    if kernel in ("fp8", "tbq4"):
+        assert route.plan["BLOCK_M"] == 16 and route.plan["BLOCK_N"] == 64
+    if kernel != "triton":  # Hopper kernels run one wave of programs
+        assert route.plan["num_splits"] == plan(B, S, H, T, SMS, route.plan["BLOCK_N"],
+                                                16 if kernel in ("fp8", "tbq4") else 64, waves=1)["num_splits"]
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8", "fp8_ds_mla", "tbq4"])
+def test_no_hopper_or_triton_backend_takes_the_triton_kernel(kv_format):
+    assert pick(32, 1, 16, 32768, kv_format, hopper=False).kernel == "triton"
+    assert pick(32, 1, 16, 32768, kv_format, backend="triton").kernel == "triton"
+    route = pick(32, 1, 16, 32768, kv_format, backend="triton")
+    assert route.tiles == dict(dispatch.default_tiles(16, 576, 2, kv_format))
+
+
+def test_hopper_backend_forces_a_hopper_kernel_or_raises():
+    # short splits: auto leaves them to Triton, "hopper" takes the Hopper kernel (one token per program)
+    assert pick(1, 4, 16, 256, "tbq4").kernel == "triton"
+    route = pick(1, 4, 16, 256, "tbq4", backend="hopper")
+    assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
+    with pytest.raises(ValueError, match="no Hopper decode kernel"):
+        pick(8, 1, 32, 16384, "fp8", backend="hopper")
+    with pytest.raises(ValueError, match="no Hopper decode kernel"):
+        pick(8, 1, 16, 16384, "bf16", hopper=False, backend="hopper")
+
+
+def test_a_named_kernel_runs_or_raises():
+    route = pick(32, 2, 16, 32768, "fp8_ds_mla", kernel="dequant")  # two tokens folded into 32 rows
+    assert route.kernel == "dequant" and route.plan["BLOCK_M"] == 32
+    assert pick(1, 1, 16, 8192, "bf16", kernel="bf16_seesaw").kernel == "bf16_seesaw"
+    assert pick(32, 1, 16, 32768, "bf16", kernel="bf16").kernel == "bf16"
+    assert pick(32, 1, 16, 32768, "bf16", kernel="triton").kernel == "triton"
+    with pytest.raises(ValueError, match="no Hopper decode kernel 'fp8'"):
+        pick(32, 1, 16, 32768, "bf16", kernel="fp8")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        pick(32, 1, 16, 32768, "bf16", kernel="flashmla")
+    with pytest.raises(ValueError, match="unknown backend"):
+        pick(32, 1, 16, 32768, "bf16", backend="cuda")
+
+
+def test_every_kernel_is_reachable():
+    seen = {pick(B, S, H, T, fmt).kernel for B, S, H, T, fmt in [
+        (1, 1, 16, 8192, "bf16"), (32, 1, 16, 32768, "bf16"), (8, 1, 32, 16384, "tbq4"),
+        (32, 1, 16, 32768, "fp8"), (32, 1, 16, 32768, "tbq4"), (4, 1, 16, 4096, "fp32")]}
+    assert seen == set(KERNELS)
+
+
+def test_plan_and_tiles():
+    assert row_tile(4, 16) == 64 and row_tile(4, 16, 16) == 16 and row_tile(1, 3) == 16 and row_tile(2, 128) == 64
+    p1 = plan(1, 1, 16, 81920, SMS)
+    assert p1["num_splits"] > 1  # B=1 is split to fill the GPU
+    assert plan(128, 1, 16, 4096, SMS)["num_splits"] <= p1["num_splits"]
+    assert plan(1, 1, 16, 64, SMS, block_n=64)["num_splits"] == 1  # at least one key block per split
+    # the Triton kernel's pipeline shrinks to the shared-memory budget: fp32 rows of 576
+    t = dispatch.default_tiles(64, 576, 4)
+    assert t["num_stages"] * t["block_n"] * 576 * 4 + 64 * 576 * 4 <= dispatch.SMEM_BUDGET
