@@ -86,9 +86,8 @@ def _tbq4_values(words, norms, CENT, BLOCK_N: tl.constexpr, DC_PAD: tl.constexpr
                  OUT_DTYPE: tl.constexpr):
     """Eight [BLOCK_N, DC_PAD/8] tiles: tile k holds coordinate 8w + k of every word w, as
     centroid · block norm in the rotated domain — the PTX table lookup on the GPU (bf16), a centroid
-    gather elsewhere. They stay eight tiles: interleaving them back into column order made a
-    register layout whose shared-memory stores conflicted (measured: 50 M of 68 M store wavefronts
-    at B=32, T=32k); the kernel reads q's columns 8w + k instead."""
+    gather elsewhere. They stay eight tiles: interleaved back into column order they take a register
+    layout whose shared-memory stores conflict; the kernel reads q's columns 8w + k instead."""
     NW: tl.constexpr = DC_PAD // 8
     norm = tl.reshape(tl.broadcast_to(tl.expand_dims(norms, 2), (BLOCK_N, DC_PAD // 128, 16)), (BLOCK_N, NW))
     if LUT_ASM:

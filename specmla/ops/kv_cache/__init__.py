@@ -4,15 +4,12 @@ One cache row per token holds [c_kv (Dc) | k_pe (Dr)] (after kv_a_layernorm and 
 - "native" (bf16 / fp16 / fp32): the values themselves, width Dc + Dr;
 - "fp8": Dc e4m3 bytes with one fp32 scale per 128 values (amax / 448), as in FlashMLA's layout, then the
   rope in int8 with one fp16 scale per 8 values (amax / 127): Dr/8 scales, then Dr int8 values — 608 bytes
-  for Dc=512, Dr=64, 7 % fewer than FlashMLA's 656 (the decode reads them at the copy rate, so 7 % less time:
-  1.75× bf16 against 1.61× at H=16 B=32 T=32k on an H100). The rope needs the per-8 scales: with one e4m3 or
-  int8 scale per token the embedded model's worst attention row falls to cosine 0.981 / 0.998, under issue
-  7's 0.999 bar; per 8 it stays at 0.9994 (docs/benchmarks.md, issue 7, nineteenth session, where it was
-  called "fp8_rope_int8");
+  for Dc=512, Dr=64, 7 % fewer than FlashMLA's 656 (the decode reads them at the copy rate). One scale per 8
+  rope values keeps the attention at the exact fp8 path's quality, where one scale per token does not;
 - "fp8_ds_mla": FlashMLA's 656-byte layout for Dc=512, Dr=64 (vLLM's name for it): the same codes and scales,
   then Dr bf16 values; uint8 rows of Dc + 4·Dc/128 + 2·Dr bytes;
 - "tbq4": c_kv in 128-blocks rotated by the FWHT and coded on 16 Lloyd–Max centroids (see
-  `ops.tbq4`: all codes, then the blocks' fp16 norms), then Dr bf16 values, each field starting
+  `kv_cache.tbq4`: all codes, then the blocks' fp16 norms), then Dr bf16 values, each field starting
   16-byte aligned and the row padded to a multiple of 16 bytes (`tbq4.cache_row_bytes`: 400 for
   Dc=512, Dr=64 — 256 of codes, 8 of norms, 8 of padding, 128 of rope), so that TMA can copy it.
 `slot_mapping` holds page * page_size + offset for each new token.

@@ -1,9 +1,8 @@
 """The tbq4 decode's rotations, one Triton kernel each: q's latent part before attention, the output after.
 
-Why: attention over a tbq4 cache runs in the FWHT-rotated domain, so `mla_decode_triton` rotates q's latent part
-once before its kernel and the output back once after it. In torch that was a slice, a cast, a matmul, a cast and
-a cat for q and four kernels more for the output: 30 µs of a 254 µs call at B=32 T=32k, H=16 (H100,
-docs/benchmarks.md issue 7). Here each rotation is one kernel: a [rows, 128] tile times the ±1 Sylvester Hadamard
+Attention over a tbq4 cache runs in the FWHT-rotated domain, so `mla_decode` rotates q's latent part once before
+its kernel and the output back once after it, each in one kernel (in torch a rotation is several small kernels):
+a [rows, 128] tile times the ±1 Sylvester Hadamard
 matrix on the tensor cores (bf16 / fp16 values and ±1 are exact in tf32, so the products are exact and the sums
 fp32), times 1/√128; the columns past `width` (q's rope part) are copied.
 """
@@ -107,7 +106,7 @@ def _combine_rotate_kernel(
     S, H, NUM_SPLITS,
     BLOCK_SPLITS: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """`mla_decode_triton`'s combine for a tbq4 cache with the output's rotation folded in. Program (request·token,
+    """`mla_decode`'s combine for a tbq4 cache with the output's rotation folded in. Program (request·token,
     ROWS heads, 128 columns): the splits' partials (log2-sum-exp weights) merged into a [ROWS, 128] tile in the
     rotated domain, rotated back as acc_hi·signs + acc_lo·signs (acc_hi: acc rounded to bf16, exact in tf32; the
     residual's tf32 rounding is 2⁻²⁰ of acc) and stored; the first column block stores the natural-log lse."""

@@ -169,9 +169,8 @@ def hadamard(device=None) -> torch.Tensor:
 
 
 def rotate_blocks(x: torch.Tensor) -> torch.Tensor:
-    """FWHT on each 128-wide block of the last dim, in fp32, as one matmul by the Hadamard matrix: the
-    butterflies of `fwht` are ~25 small kernels, which cost a tbq4 decode call ~85 µs on the H100 for q and
-    the output (docs/benchmarks.md)."""
+    """FWHT on each 128-wide block of the last dim, in fp32, as one matmul by the Hadamard matrix (the
+    butterflies of `fwht` are about 25 small kernels)."""
     *lead, d = x.shape
     if d % BLOCK:
         raise ValueError(f"width {d} is not a multiple of {BLOCK}")
