@@ -10,8 +10,9 @@ from helpers.mla_cases import rel_err
 
 from specmla import LLM, SamplingParams
 from specmla.ops.kv_cache import tbq4
-from specmla.ops.kv_cache import (_bf16_rne, _e4m3_rne, decode_rows, encode_rows, rope_int8, rope_offset,
-                                  rope_scales_offset, row_spec, write_kv_cache)
+from specmla.ops.kv_cache import (decode_rows, encode_rows, rope_int8, rope_offset, rope_scales_offset, row_spec,
+                                  write_kv_cache)
+from specmla.ops.kv_cache.triton import _bf16_rne, _e4m3_rne
 from specmla.ops.decode import mla_decode
 
 
@@ -199,15 +200,15 @@ def test_triton_decode_quantised_other_latent_widths(fmt, dc, dr, page):
     """Other latent widths: 1 or 3 blocks of 128 (a block count that is not a power of two is
     padded and masked), padded tbq4 rows, rows whose stride allows no vector loads; with and
     without the next-block prefetch, both equal to the reference."""
-    from specmla.ops.decode.triton import mla_decode_triton
+    from specmla.ops.decode import triton as T
 
     q, cache, table, seq = decode_case(fmt, seed=dc + page, B=3, S=2, H=4, T=45, page=page, dc=dc, dr=dr)
     seq = torch.tensor([45, 1, 17], dtype=torch.int32)
     want, want_lse = mla_decode(q, cache, table, seq, 0.09, backend="torch", head_dim_v=dc, kv_format=fmt,
                                 return_lse=True)
     for prefetch in (True, False):
-        got, got_lse = mla_decode_triton(q, cache, table, seq, 0.09, head_dim_v=dc, kv_format=fmt,
-                                         return_lse=True, prefetch=prefetch)
+        got, got_lse = mla_decode(q, cache, table, seq, 0.09, head_dim_v=dc, kv_format=fmt, return_lse=True,
+                                  opts=T.Options(prefetch=prefetch))
         assert rel_err(got, want) < 1e-4
         seen = torch.isfinite(want_lse)  # a 1-token request's first query token sees no key: lse −inf
         assert torch.equal(seen, torch.isfinite(got_lse)) and not seen.all()
@@ -218,15 +219,16 @@ def test_triton_decode_quantised_other_latent_widths(fmt, dc, dr, page):
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 @pytest.mark.parametrize("dc,dr,page,S", [(512, 64, 64, 1), (512, 64, 16, 4), (384, 64, 8, 2), (128, 32, 5, 1)])
 def test_gpu_quantised_decode_shapes(fmt, dc, dr, page, S):
-    """bf16 on the GPU (tbq4: the PTX table lookup) against the fp32 reference, prefetch on and off."""
-    from specmla.ops.decode.triton import mla_decode_triton
+    """The Triton kernel in bf16 on the GPU (tbq4: the PTX table lookup) against the fp32 reference, prefetch on
+    and off."""
+    from specmla.ops.decode import triton as T
 
     q, cache, table, seq = decode_case(fmt, seed=dc + S, B=5, S=S, H=16, T=333, page=page, dc=dc, dr=dr)
     seq = torch.tensor([333, 1, 64, 65, 200], dtype=torch.int32)
     want = mla_decode(q, cache, table, seq, 0.09, backend="torch", head_dim_v=dc, kv_format=fmt)
     for prefetch in (True, False):
-        got = mla_decode_triton(q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.09, head_dim_v=dc,
-                                kv_format=fmt, prefetch=prefetch)
+        got = mla_decode(q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.09, head_dim_v=dc,
+                         kv_format=fmt, opts=T.Options(prefetch=prefetch))
         assert rel_err(got.float().cpu(), want) < 1e-2
 
 
