@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops.decode.hopper import common as mla_decode_gluon
+from specmla.ops.decode.hopper import bf16 as hopper_bf16
+from specmla.ops.decode.hopper import bf16_seesaw as hopper_bf16_seesaw
 from specmla.ops.decode.hopper import fp8fold as mla_decode_gluon_fp8fold
 from specmla.ops.decode.hopper import fp8mma as mla_decode_gluon_fp8mma
 from specmla.ops.decode.hopper import fp8 as mla_decode_gluon_fp8reg
@@ -569,8 +570,7 @@ def mla_decode_triton(
         gluon_quant = _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     else:
         gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
-    supported = gluon_quant or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
-                                                                     cfg["BLOCK_M"])
+    supported = gluon_quant or hopper_bf16.supported(q, kv_cache, kv_format, cfg["BLOCK_M"], head_dim_v=head_dim_v)
     if gluon and not supported:
         raise ValueError("the Gluon decode kernels take Hopper only: a 16-bit cache with Dc a multiple of 64 up to "
                          "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 "
@@ -581,8 +581,7 @@ def mla_decode_triton(
         gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N if gluon_quant else gluon_block_n,
                          max_rows, waves=1)
     if gluon is None:
-        run_gluon = supported and (mla_decode_gluon_quant.auto_takes(gluon_cfg, B, S) if gluon_quant
-                                   else mla_decode_gluon.AUTO)
+        run_gluon = supported and (mla_decode_gluon_quant.auto_takes(gluon_cfg, B, S) if gluon_quant else True)
     else:
         run_gluon = supported and gluon
     if run_gluon:
@@ -658,11 +657,14 @@ def mla_decode_triton(
         mla_decode_gluon_quant.launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                 softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns,
                                                 kv_format=kv_format)
+    elif run_gluon and gluon_block_n == 64 and dr == 64 and dc % 128 == 0 and 128 <= dc <= 512 and (
+            cfg["BLOCK_M"] >= 64 or B * (S // cfg["FOLD"]) * cfg["head_blocks"] >= 32):  # bf16_seesaw.supported
+        hopper_bf16_seesaw.launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E,
+                                  cfg, causal=causal, num_splits=ns, kv_format=kv_format)
     elif run_gluon:
-        mla_decode_gluon.launch_gluon_split(
-            q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
-            causal=causal, direct=direct, num_splits=ns, block_n=gluon_block_n,
-            num_stages=num_stages or 2)
+        hopper_bf16.launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg,
+                           causal=causal, num_splits=ns, kv_format=kv_format,
+                           opts=hopper_bf16.Options(num_stages=num_stages or 2))
     else:
         if tbq:
             kernel, fmt_args, fmt_flags = _mla_decode_split_tbq4_kernel, (cent,), {}
