@@ -180,7 +180,7 @@ def bf16_decode_usage(kernel: str, cases) -> list[dict]:
 
 
 def gluon_prefill_usage(cases) -> list[dict]:
-    """Compile the Gluon prefill kernel (`ops.mla_prefill_gluon`) for each (H, dqk, dv, dtype name,
+    """Compile the Gluon prefill kernel (`specmla.ops.prefill.hopper`) for each (H, dqk, dv, dtype name,
     causal) and report its resources."""
     import torch
 
@@ -194,7 +194,7 @@ def gluon_prefill_usage(cases) -> list[dict]:
         v = torch.randn(T, H, dv, dtype=dtype)
         cu = torch.tensor([0, 100, T], dtype=torch.int32)
         with offline_sm90() as kernels:
-            P.mla_prefill_gluon(q, k, v, cu, cu, 200, 200, 0.07, causal=causal)
+            P.mla_prefill_hopper(q, k, v, cu, cu, 200, 200, 0.07, causal=causal)
         rows.append(dict(case=[H, dqk, dv, dtype_name, causal], kernels=[resource_usage(k) for k in kernels]))
     return rows
 
