@@ -94,7 +94,7 @@ def single_sequence(H, S, dev, dtype):
     q, k, v, cu, flops, (qs, ks, vs) = causal_problem(H, S, dev, dtype)
     ours, triton_only, sdpa = interleaved([
         lambda: prefill_ops.mla_prefill(q, k, v, cu, cu, S, S, 0.072),
-        lambda: prefill_ops.mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, gluon=False),
+        lambda: prefill_ops.mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072),
         lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=0.072)])
     row = {"H": H, "S": S, "ours_TFLOPs": flops / ours / 1e12, "sdpa_TFLOPs": flops / sdpa / 1e12,
            "ratio": sdpa / ours, "triton_TFLOPs": flops / triton_only / 1e12}
@@ -104,7 +104,7 @@ def single_sequence(H, S, dev, dtype):
             try:
                 t = timeit(lambda: prefill_ops.mla_prefill_triton(q, k, v, cu, cu, S, S, 0.072, block_m=bm,
                                                                   block_n=bn, num_warps=w, num_stages=st,
-                                                                  warp_specialize=bool(ws), gluon=False))
+                                                                  warp_specialize=bool(ws)))
                 row[name] = flops / t / 1e12
             except Exception as e:  # out of shared memory / registers, or no warp specialisation here
                 row[name] = str(e)[:80]
@@ -132,7 +132,7 @@ def ragged_batch(H, lens, dev, dtype):
     mask = causal[None, None] & valid[:, None, None, :]
     ours, triton_only, sdpa = interleaved([
         lambda: prefill_ops.mla_prefill(q, k, v, cu, cu, L, L, 0.072),
-        lambda: prefill_ops.mla_prefill_triton(q, k, v, cu, cu, L, L, 0.072, gluon=False),
+        lambda: prefill_ops.mla_prefill_triton(q, k, v, cu, cu, L, L, 0.072),
         lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=0.072)], rounds=3)
     return {"H": H, "lens": lens, "ours_s": ours, "triton_s": triton_only, "sdpa_padded_s": sdpa, "ratio": sdpa / ours}
 

@@ -2,7 +2,7 @@
 registers, spills and shared memory — so kernel variants can be triaged before spending device time.
 
     PYTHONPATH=/path/to/triton-3.6:. python3 scripts/offline_sm90.py  # the Triton decode kernel's tiles
-    PYTHONPATH=. python3 scripts/offline_sm90.py '[[128, 1, 512, 64, "bfloat16", true]]'  # the Gluon one
+    PYTHONPATH=. python3 scripts/offline_sm90.py bf16_seesaw '[[128, 1, 512, 64, "bfloat16", true]]'  # a Gluon one
 
 Use `offline_sm90()` as a context manager around ordinary wrapper calls on CPU tensors: every
 `kernel[grid](...)` inside compiles (ptxas included, from the Triton wheel) instead of launching, and
@@ -89,7 +89,6 @@ def gluon_decode_usage(cases) -> list[dict]:
     "fp8reg_rope_int8": on 608-byte fp8 rows); "tbq4reg": its tbq4 sibling (`ops.mla_decode_gluon_tbq4reg`)."""
     import torch
 
-    from specmla.ops.decode.hopper import common as G
     from specmla.ops.decode.hopper import fp8mma as M
     from specmla.ops.decode.hopper import dequant as F
     from specmla.ops.kv_cache import row_spec
@@ -97,7 +96,6 @@ def gluon_decode_usage(cases) -> list[dict]:
 
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
-        block_n = rest[0] if rest else 64
         settings = rest[1] if len(rest) > 1 else {}  # module constants of the fp8reg / tbq4reg kernel to set
         mma, treg, fold = dtype_name == "fp8mma", dtype_name == "tbq4reg", dtype_name.startswith("fp8fold")
         reg, kv_format = dtype_name.startswith("fp8reg"), "fp8" if dtype_name.endswith("rope_int8") else "fp8_ds_mla"
@@ -143,16 +141,46 @@ def gluon_decode_usage(cases) -> list[dict]:
                 F.launch_quant_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                      direct=direct, num_splits=1 if direct else 2, kv_format=dtype_name)
             else:
-                G.launch_gluon_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, dc=dc, causal=True,
-                                     direct=direct, num_splits=1 if direct else 2, block_n=block_n)
+                raise ValueError(f"{dtype_name}: 16-bit caches take `offline_sm90.py bf16|bf16_seesaw CASES`")
         for name, value in saved.items():
             setattr(module, name, value)
         rows.append(dict(case=[H, S, dc, dr, dtype_name, direct, *rest], kernels=[resource_usage(k) for k in kernels]))
     return rows
 
 
+def bf16_decode_usage(kernel: str, cases) -> list[dict]:
+    """Compile a Hopper decode kernel for 16-bit caches (`kernel`: "bf16", the one-stream kernel, or "bf16_seesaw",
+    modules of `specmla.ops.decode.hopper`) for each (H, S, dc, dr, dtype name, direct[, block_n[, options]]) and
+    report its resources; options: fields of the kernel's `Options`."""
+    import importlib
+
+    import torch
+
+    from specmla.ops.decode.triton import plan
+
+    module = importlib.import_module("specmla.ops.decode.hopper." + kernel)
+    rows = []
+    for H, S, dc, dr, dtype_name, direct, *rest in cases:
+        block_n = rest[0] if rest else 64
+        opts = module.Options(**(rest[1] if len(rest) > 1 else {}))
+        dtype = getattr(torch, dtype_name)
+        B = 2
+        q = torch.randn(B, S, H, dc + dr, dtype=dtype)
+        kv = torch.randn(8, 64, dc + dr, dtype=dtype)
+        table = torch.zeros(B, 4, dtype=torch.int32)
+        lens = torch.full((B,), 200, dtype=torch.int32)
+        cfg = plan(B, S, H, 256, q.device, block_n)
+        out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
+        mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
+        with offline_sm90() as kernels:
+            module.launch(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
+                          num_splits=1 if direct else 2, kv_format="bf16", opts=opts)
+        rows.append(dict(case=[H, S, dc, dr, dtype_name, direct, *rest], kernels=[resource_usage(k) for k in kernels]))
+    return rows
+
+
 def gluon_prefill_usage(cases) -> list[dict]:
-    """Compile the Gluon prefill kernel (`ops.mla_prefill_gluon`) for each (H, dqk, dv, dtype name,
+    """Compile the Gluon prefill kernel (`specmla.ops.prefill.hopper`) for each (H, dqk, dv, dtype name,
     causal) and report its resources."""
     import torch
 
@@ -166,7 +194,7 @@ def gluon_prefill_usage(cases) -> list[dict]:
         v = torch.randn(T, H, dv, dtype=dtype)
         cu = torch.tensor([0, 100, T], dtype=torch.int32)
         with offline_sm90() as kernels:
-            P.mla_prefill_gluon(q, k, v, cu, cu, 200, 200, 0.07, causal=causal)
+            P.mla_prefill_hopper(q, k, v, cu, cu, 200, 200, 0.07, causal=causal)
         rows.append(dict(case=[H, dqk, dv, dtype_name, causal], kernels=[resource_usage(k) for k in kernels]))
     return rows
 
@@ -177,6 +205,9 @@ if __name__ == "__main__":
 
     if len(sys.argv) > 2 and sys.argv[1] == "prefill":  # JSON list of gluon prefill cases
         print(json.dumps(gluon_prefill_usage(json.loads(sys.argv[2]))))
+        sys.exit(0)
+    if len(sys.argv) > 2 and sys.argv[1] in ("bf16", "bf16_seesaw"):  # JSON list of 16-bit-cache decode cases
+        print(json.dumps(bf16_decode_usage(sys.argv[1], json.loads(sys.argv[2]))))
         sys.exit(0)
     if len(sys.argv) > 1:  # JSON list of gluon decode cases → JSON resource report on stdout
         print(json.dumps(gluon_decode_usage(json.loads(sys.argv[1]))))

@@ -1,8 +1,12 @@
-"""MLA prefill attention in its MHA form over ragged packs (contract C2), torch reference.
+"""MLA prefill attention in its MHA form over ragged packs (contract C2).
 
 q [Σq, H, Dqk], k [Σkv, H, Dqk], v [Σkv, H, Dv]; request i owns q rows cu_q[i]:cu_q[i+1] and kv
 rows cu_kv[i]:cu_kv[i+1]. Causal masking is bottom-right aligned: when q_len < kv_len (a prefill
 chunk after a cached prefix) query t sees kv positions j <= kv_len - q_len + t.
+
+Backends: "torch" (`reference.mla_prefill_torch`), "triton" (`triton.mla_prefill_triton`, portable),
+"hopper" (`hopper.mla_prefill_hopper`, the Gluon kernel for Hopper); "auto" takes the Hopper kernel where it
+takes the call, else the Triton kernel, on CUDA tensors that need no gradient, and the reference otherwise.
 """
 
 from __future__ import annotations
@@ -10,36 +14,20 @@ from __future__ import annotations
 import torch
 
 from specmla.ops.backend import pick_backend
+from specmla.ops.prefill import hopper
+from specmla.ops.prefill.reference import mla_prefill_torch
+from specmla.ops.prefill.triton import mla_prefill_triton
+
+BACKENDS = ("auto", "torch", "triton", "hopper")
 
 
-def mla_prefill_torch(
-    q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
-    *, causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
-):
-    """Reference: one SDPA-style computation per request, fp32 softmax (fp64 for fp64 inputs)."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    H, Dv = q.shape[1], v.shape[-1]
-    o = out if out is not None else q.new_empty(q.shape[0], H, Dv)
-    lse = torch.full((q.shape[0], H), float("-inf"), dtype=torch.float32, device=q.device)
-    cq, ckv = cu_seqlens_q.tolist(), cu_seqlens_kv.tolist()
-    for i in range(len(cq) - 1):
-        q0, q1, k0, k1 = cq[i], cq[i + 1], ckv[i], ckv[i + 1]
-        lq, lk = q1 - q0, k1 - k0
-        if lq == 0:
-            continue
-        if lk == 0:
-            o[q0:q1] = 0
-            continue
-        qi, ki, vi = q[q0:q1].to(acc), k[k0:k1].to(acc), v[k0:k1].to(acc)
-        s = torch.einsum("qhd,khd->hqk", qi, ki) * softmax_scale
-        if causal:
-            allowed = torch.arange(lk, device=q.device)[None, :] <= (torch.arange(lq, device=q.device)[:, None] + lk - lq)
-            s = s.masked_fill(~allowed[None], float("-inf"))
-        l = torch.logsumexp(s, dim=-1)  # [H, lq]
-        p = torch.exp(s - l.masked_fill(torch.isinf(l), 0.0)[..., None])
-        o[q0:q1] = torch.einsum("hqk,khd->qhd", p, vi).to(o.dtype)
-        lse[q0:q1] = l.transpose(0, 1).float()
-    return (o, lse) if return_lse else o
+def _check_args(q, k, v):
+    """What the kernels need: q, k, v of one head count and q·k width, contiguous in their last dimension."""
+    H, dqk = q.shape[1], q.shape[-1]
+    if k.shape[1] != H or v.shape[1] != H or k.shape[-1] != dqk:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if min(q.stride(-1), k.stride(-1), v.stride(-1)) != 1:
+        raise ValueError("q, k, v must be contiguous in their last dimension")
 
 
 def mla_prefill(
@@ -47,181 +35,24 @@ def mla_prefill(
     *, causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None, backend: str = "auto",
 ):
     """Contract C2. Returns out [Σq, H, Dv] (and lse [Σq, H] fp32 when return_lse)."""
-    fn = {"torch": mla_prefill_torch, "triton": mla_prefill_triton}[pick_backend(backend, q, k, v)]
-    return fn(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
-              causal=causal, return_lse=return_lse, out=out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Triton: ragged (varlen) flash attention, bottom-right causal, LSE
-# ---------------------------------------------------------------------------------------------
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step  # noqa: E402
-
-
-@triton.jit
-def _attend_block(q, q_t, acc, m_i, l_i, K, V, k_base, v_base, n0, k_len, limit, rows_ok, scale_log2,
-                  stride_kt, stride_vt, D1: tl.constexpr, DT: tl.constexpr, DT_PAD: tl.constexpr,
-                  DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """One BLOCK_N block of keys into the online softmax. MASKED=False: every key of the block is
-    visible to every row (the blocks left of the causal diagonal), so no compare/select is spent."""
-    cols = n0 + tl.arange(0, BLOCK_N)
-    d1 = tl.arange(0, D1)
-    dv = tl.arange(0, DV_PAD)
-    if MASKED:
-        col_ok = cols < k_len
-        k = tl.load(K + k_base + cols[:, None] * stride_kt + d1[None, :], mask=col_ok[:, None], other=0.0)
-    else:
-        k = tl.load(K + k_base + cols[:, None] * stride_kt + d1[None, :])
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if DT > 0:  # the head dim's tail (e.g. the 64 rope dims of 192): a second dot, no padding to 256
-        dt = tl.arange(0, DT_PAD)
-        kt_mask = (dt < DT)[None, :]
-        if MASKED:
-            kt_mask = kt_mask & col_ok[:, None]
-        k_t = tl.load(K + k_base + cols[:, None] * stride_kt + D1 + dt[None, :], mask=kt_mask, other=0.0)
-        s = tl.dot(q_t, tl.trans(k_t), s, input_precision=PRECISION)
-    s = s * scale_log2
-    if MASKED:
-        visible = col_ok[None, :] & rows_ok[:, None]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= limit[:, None])
-        s = tl.where(visible, s, float("-inf"))
-    # (folding the scale into the exponent's FMA and dropping the −inf guards on unmasked blocks
-    # measured no different on H100: 491 vs 494 TFLOP/s at H=128)
-    p, alpha, m_new, l_i = online_softmax_step(s, m_i, l_i)
-    if MASKED or DV_PAD != DV:
-        v_mask = (dv < DV)[None, :]
-        if MASKED:
-            v_mask = v_mask & col_ok[:, None]
-        v = tl.load(V + v_base + cols[:, None] * stride_vt + dv[None, :], mask=v_mask, other=0.0)
-    else:
-        v = tl.load(V + v_base + cols[:, None] * stride_vt + dv[None, :])
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _prefill_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
-    scale_log2,
-    D1: tl.constexpr, DT: tl.constexpr, DT_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    WARP_SPEC: tl.constexpr = False,
-):
-    """One program per (query block, request, head): online softmax over the request's keys up to
-    each row's bottom-right causal limit (kv_len − q_len + t). Query blocks run last-first (the
-    longest causal rows start first). Keys left of the diagonal take the unmasked path."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    q0 = tl.load(CU_Q + b)
-    q_len = tl.load(CU_Q + b + 1) - q0
-    k0 = tl.load(CU_K + b)
-    k_len = tl.load(CU_K + b + 1) - k0
-    start_m = pid_m * BLOCK_M
-    if start_m < q_len:
-        rows = start_m + tl.arange(0, BLOCK_M)
-        rows_ok = rows < q_len
-        d1 = tl.arange(0, D1)
-        dv = tl.arange(0, DV_PAD)
-        q_ptr = Q + (q0 + rows)[:, None] * stride_qt + h * stride_qh
-        q = tl.load(q_ptr + d1[None, :], mask=rows_ok[:, None], other=0.0)
-        q_t = q  # unused unless DT > 0
-        if DT > 0:
-            dt = tl.arange(0, DT_PAD)
-            q_t = tl.load(q_ptr + D1 + dt[None, :], mask=rows_ok[:, None] & (dt < DT)[None, :], other=0.0)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
-        limit = k_len - q_len + rows  # row t sees keys j <= limit
-        k_base = k0.to(tl.int64) * stride_kt + h * stride_kh
-        v_base = k0.to(tl.int64) * stride_vt + h * stride_vh
-        end = k_len
-        full_end = k_len  # keys every row of this block sees
-        if CAUSAL:
-            end = tl.minimum(k_len, k_len - q_len + start_m + BLOCK_M)
-            full_end = tl.maximum(k_len - q_len + start_m + 1, 0)
-        full_end = tl.minimum(full_end, end) // BLOCK_N * BLOCK_N
-        for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
-            acc, m_i, l_i = _attend_block(q, q_t, acc, m_i, l_i, K, V, k_base, v_base, n0, k_len, limit, rows_ok,
-                                          scale_log2, stride_kt, stride_vt, D1, DT, DT_PAD, DV, DV_PAD, BLOCK_N,
-                                          False, CAUSAL, PRECISION)
-        for n0 in range(full_end, end, BLOCK_N):
-            acc, m_i, l_i = _attend_block(q, q_t, acc, m_i, l_i, K, V, k_base, v_base, n0, k_len, limit, rows_ok,
-                                          scale_log2, stride_kt, stride_vt, D1, DT, DT_PAD, DV, DV_PAD, BLOCK_N,
-                                          True, CAUSAL, PRECISION)
-        out, lse2 = online_softmax_finish(acc, m_i, l_i)
-        tl.store(O + (q0 + rows)[:, None] * stride_ot + h * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
-                 mask=rows_ok[:, None] & (dv < DV)[None, :])
-        tl.store(LSE + (q0 + rows) * stride_lt + h, lse2 / 1.4426950408889634, mask=rows_ok)
-
-
-def head_dim_split(dqk: int) -> tuple[int, int]:
-    """dqk = D1 + DT with D1 the largest power of two ≤ dqk (192 → 128 + 64, 576 → 512 + 64)."""
-    d1 = 1 << (dqk.bit_length() - 1)
-    return d1, dqk - d1
-
-
-def default_prefill_config(dqk: int, dv: int, elem: int, cuda: bool) -> dict:
-    """Tiles measured on H100 for bf16 (docs/benchmarks.md); small tiles elsewhere (the interpreter)."""
-    if not cuda:
-        return dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
-    cfg = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
-    while cfg["num_stages"] > 1 and (cfg["num_stages"] * cfg["block_n"] * (dqk + dv) + cfg["block_m"] * dqk) * elem \
-            > 200 * 1024:
-        cfg["num_stages"] -= 1
-    return cfg
-
-
-def mla_prefill_triton(
-    q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
-    *, causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
-    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, warp_specialize: bool = False, gluon: bool | None = None,
-):
-    """Same contract as `mla_prefill_torch`. Grid: (query blocks of the longest request, B, H).
-    `warp_specialize` asks Triton to split the unmasked key loop into producer / consumer warps.
-    gluon=None runs Hopper calls the Gluon kernel supports on it (`ops.mla_prefill_gluon`, FlashAttention-3's
-    schedule); True requires it, False keeps this Triton kernel."""
-    T, H, dqk = q.shape
-    dv = v.shape[-1]
-    B = cu_seqlens_q.shape[0] - 1
-    if k.shape[1] != H or v.shape[1] != H or k.shape[-1] != dqk:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
-    if min(q.stride(-1), k.stride(-1), v.stride(-1)) != 1:
-        raise ValueError("q, k, v must be contiguous in their last dimension")
-    if gluon is not False:
-        from specmla.ops.prefill import hopper as mla_prefill_gluon
-
-        if mla_prefill_gluon.gluon_prefill_supported(q, k, v, softmax_scale):
-            return mla_prefill_gluon.mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                                                       max_seqlen_kv, softmax_scale, causal=causal,
-                                                       return_lse=return_lse, out=out)
-        if gluon:
-            raise ValueError("the Gluon prefill kernel does not take this call (Hopper, bf16/fp16, heads packed "
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} ({' | '.join(BACKENDS)})")
+    auto = backend == "auto"
+    if auto:
+        backend = pick_backend("auto", q, k, v)
+    if backend == "torch":
+        return mla_prefill_torch(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                                 causal=causal, return_lse=return_lse, out=out)
+    _check_args(q, k, v)
+    if backend == "hopper" or auto:
+        if hopper.supported(q, k, v, softmax_scale):
+            return hopper.mla_prefill_hopper(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                                             softmax_scale, causal=causal, return_lse=return_lse, out=out)
+        if backend == "hopper":
+            raise ValueError("the Hopper prefill kernel does not take this call (Hopper, bf16/fp16, heads packed "
                              "in TMA-aligned rows, power-of-two head dims that fit shared memory)")
-    o = out if out is not None else q.new_empty(T, H, dv)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    if T and B and max_seqlen_q:
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        cfg = default_prefill_config(dqk, dv, q.element_size(), q.is_cuda)
-        block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
-        num_warps, num_stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
-        d1, dt = head_dim_split(dqk)
-        grid = (triton.cdiv(max_seqlen_q, block_m), B, H)
-        _prefill_kernel[grid](
-            q, k, v, o, lse, cu_seqlens_q, cu_seqlens_kv,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), lse.stride(0),
-            softmax_scale * 1.4426950408889634,
-            D1=d1, DT=dt, DT_PAD=triton.next_power_of_2(dt) if dt else 1, DV=dv, DV_PAD=triton.next_power_of_2(dv),
-            BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PRECISION=precision,
-            num_warps=num_warps, num_stages=num_stages, WARP_SPEC=warp_specialize,
-        )
-    return (o, lse) if return_lse else o
+    return mla_prefill_triton(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                              causal=causal, return_lse=return_lse, out=out)
 
+
+__all__ = ["mla_prefill", "mla_prefill_torch", "mla_prefill_triton"]

@@ -1,23 +1,17 @@
-"""Hopper MLA prefill (contract C2) in Gluon: FlashAttention-3's warp-specialised schedule.
-
-Why: the Triton kernel (`mla_prefill._prefill_kernel`) reaches about 0.8× torch SDPA at d_qk 192 /
-d_v 128 on H100. Triton 3.6 runs its dots and its softmax as one instruction stream that waits for
-every wgmma, so the tensor cores idle during the softmax. Here the schedule is written out after
-FlashAttention-3's for this head size (tile 128 × 128, P·V from registers; Shah et al. 2024):
+"""Hopper MLA prefill (contract C2) in Gluon: FlashAttention-3's warp-specialised schedule (Shah et al. 2024)
+for tiles of 128 query rows × 128 keys, P·V from registers.
 
 - Three partitions (`gl.warp_specialize`): one producer warp issues TMA loads (per tile Q, each
   warpgroup's 64 rows once that warpgroup is done with its last tile's, then K_j and V_{j-1} into rings
   of NUM_STAGES stages, each with its own "landed" mbarrier); two consumer warpgroups each own 64 of the
   tile's 128 query rows and read the same stages.
 - K and V stages are released separately (one arrival per warpgroup on the stage's "free"
-  barrier): K as soon as both warpgroups' S_j has read it, V after their P·V, about a block later.
-  With one "free" barrier per K+V stage the producer could load K_{j+2} only after P_j·V_j, and the
-  tensor cores waited for keys (497 against 575 TFLOP/s at H=128).
-- A consumer issues S_j = Q·K_jᵀ, then P_{j-1}·V_{j-1}, both async, and waits for S_j first, meaning
-  the softmax of block j to run under that P·V. ptxas defeats this: its register allocator treats
-  the P registers that the P·V reads asynchronously as free after the issue, writes the next P (or
-  a loop-carried value) into them and so must wait for the P·V before the exponentials. What
-  overlaps the softmax is the other warpgroup's matmuls (PINGPONG makes the two take turns).
+  barrier): K as soon as both warpgroups' S_j has read it, V after their P·V, about a block later, so
+  the producer loads K_{j+2} without waiting for P_j·V_j.
+- A consumer issues S_j = Q·K_jᵀ, then P_{j-1}·V_{j-1}, both async, and waits for S_j first. ptxas
+  treats the P registers that the P·V reads asynchronously as free after the issue and writes the next P
+  (or a loop-carried value) into them, so it waits for the P·V before the exponentials: what overlaps
+  the softmax is the other warpgroup's matmuls (`Options.pingpong` makes the two take turns).
 - The softmax scale is folded into the exponent: p = 2^(s·c − m·c) with m the raw row max (one FMA
   per score). Only key blocks that cross the causal diagonal or the end of the keys are masked.
 - Ragged packs go through 2-D descriptors over [tokens, heads·dim]: a tile's rows past its request
@@ -29,15 +23,12 @@ group's keys and values to stay in L2 while its tiles read them, the longest cau
 first. One request (B=1) runs on a persistent grid, one program per SM: the producer claims tiles from
 a counter in global memory (the longest first, so the shortest fill the end) and hands their ids to the
 consumers through shared memory, and the rings and barrier phases run on from tile to tile, so the next
-tile's Q and keys load while the last one finishes (the gap between two programs on an SM was 2.6 µs, 3.5 %
-of the call at H=128). Ragged batches keep one program per tile (the persistent loop would visit every
-empty tile of the short requests). Each tile visits its key blocks from the causal diagonal down, as
-FlashAttention-3 does: tiles that start together then read different blocks of their head rather than
-all reading block 0, then 1, … at once, and with 2 heads per group at 8k (keys and values 10 MB) the call
-ran at 607 against 541 TFLOP/s from block 0 up (H100, H=128, docs/benchmarks.md).
+tile's Q and keys load while the last one finishes. Ragged batches keep one program per tile (the
+persistent loop would visit every empty tile of the short requests). Each tile visits its key blocks from
+the causal diagonal down, as FlashAttention-3 does: tiles that start together then read different blocks
+of their head rather than all reading block 0, then 1, … at once.
 Host side: after the first call of a specialisation the compiled kernel's launcher is called directly, and
-the TMA descriptors are built without re-checking what `gluon_prefill_supported` checked (a call went from
-about 87–130 to 41–76 µs of host time on the H100 host; torch SDPA takes 19–36, `benchmarks/prefill_host.py`).
+the TMA descriptors are built without re-checking what `supported` checked.
 Head dims: Dqk = D1 + DT (D1 a power of two ≥ 64, DT 0 or a power of two ≥ 16), Dv a power of two up
 to 128 (256 spills); the tile ring must fit in shared memory. Gluon does not run in the Triton
 interpreter: GPU tests check this kernel against the fp64 reference, and a CPU test compiles it
@@ -53,7 +44,7 @@ import os
 import torch
 
 from specmla.ops.decode.hopper import common as G
-from specmla.ops.prefill import head_dim_split
+from specmla.ops.prefill.triton import head_dim_split
 
 if G.HAVE_GLUON:
     from triton.experimental import gluon
@@ -69,8 +60,6 @@ BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64 (wgmma's 
 BLOCK_N = 128  # keys per stage
 NUM_STAGES = 2
 SMEM_LIMIT = 227 * 1024  # H100's shared memory per block
-CONSUMER_REGS = 240  # FlashAttention-3's split of the register file: 2 × 128 threads × 240 + the producer
-PRODUCER_REGS = 24
 
 _SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
@@ -82,15 +71,24 @@ K_READY = _c(2)
 V_READY = _c(2 + NUM_STAGES)
 K_FREE = _c(2 + 2 * NUM_STAGES)
 V_FREE = _c(2 + 3 * NUM_STAGES)
-TURN = _c(2 + 4 * NUM_STAGES)  # +w: warpgroup w may issue its matmuls (PINGPONG)
+TURN = _c(2 + 4 * NUM_STAGES)  # +w: warpgroup w may issue its matmuls (pingpong)
 Q_FREE = _c(4 + 4 * NUM_STAGES)  # +w
 TILE_READY = _c(6 + 4 * NUM_STAGES)  # +slot
 TILE_FREE = _c(8 + 4 * NUM_STAGES)  # +slot
 NUM_BARRIERS = _c(10 + 4 * NUM_STAGES)
-PINGPONG = True  # the warpgroups take turns issuing their matmuls (FlashAttention-3's scheduler barrier):
-# H100, 8k causal, H=128 582 against 576 TFLOP/s without, H=16 447 against 430 (docs/benchmarks.md)
-SPLIT_Q = True  # Q loaded per warpgroup, each half once that warpgroup's last S of the tile is done
-REVERSE = True  # key blocks from the causal diagonal down (FlashAttention-3's order) instead of from 0 up
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The Gluon prefill kernel's tuning knobs; the defaults are the measured best."""
+    pingpong: bool = True  # the warpgroups take turns issuing their matmuls (FlashAttention-3's scheduler barrier)
+    split_q: bool = True  # Q loaded per warpgroup, each half once that warpgroup's last S of a tile is done
+    reverse: bool = True  # key blocks from the causal diagonal down (FlashAttention-3's order), else from 0 up
+    persistent: bool | None = None  # the persistent grid; None: for one request
+    heads_per_group: int | None = None  # heads that run side by side; None: `head_group`
+    consumer_regs: int = 240  # FlashAttention-3's split of the register file: 2 × 128 threads × 240 + the producer
+    producer_regs: int = 24
+    fast_launch: bool = True  # call the compiled kernel's launcher directly once it exists (see `_launch`)
 
 
 if G.HAVE_GLUON:
@@ -169,7 +167,7 @@ if G.HAVE_GLUON:
         warpgroups freed it."""
         (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
          stride_ot, stride_oh, stride_lt, scale_log2,
-         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids, TIMES) = shared
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
         DQK: gl.constexpr = D1 + DT
         ELEM: gl.constexpr = q_desc.dtype.primitive_bitwidth // 8
         k_bytes: gl.constexpr = BLOCK_N * DQK * ELEM
@@ -222,8 +220,8 @@ if G.HAVE_GLUON:
                 tiles += 1
                 c0 += n_blocks
             # claimed once this tile's loads are issued, about NUM_STAGES blocks before its consumers finish: the
-            # atomic's latency hides there, and a tile claimed earlier (at this tile's start) waited behind a
-            # whole tile while other programs ran dry at the end (H=16 8k: 5.6 % of the span with no tile)
+            # atomic's latency hides there, and a tile claimed at this tile's start would wait behind a whole
+            # tile while other programs run dry at the end
             t = _claim(COUNTER, N_TILES, DYNAMIC)
         _publish(tile_ids, bars, k, t)  # t >= N_TILES: the consumers stop
         if DYNAMIC:  # the last program to finish leaves the counter at zero for the next launch
@@ -313,7 +311,7 @@ if G.HAVE_GLUON:
         """The tile's j-th key block (keys from n0; block c0 + j of this program, matmul round r0 + j): issue S_j and
         P_{j-1}·V_{j-1}, then the softmax of block j, O rescaled to block j's max and P_j in 16 bits. K_j
         (and Q after the tile's last block) is released once S_j is done; V_{j-2} here, after the issue (its
-        P·V completed in the previous step; a release right after that wait pulled the wait earlier still)."""
+        P·V completed in the previous step; a release right after that wait would pull the wait earlier)."""
         c = c0 + j
         st = c % NUM_STAGES
         prev = (c - 1) % NUM_STAGES
@@ -342,7 +340,7 @@ if G.HAVE_GLUON:
         row sums (the program's `tiles`-th tile; its blocks start at c0 and its matmul rounds at r0)."""
         (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
          stride_ot, stride_oh, stride_lt, scale_log2,
-         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids, TIMES) = shared
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
         dtype: gl.constexpr = q_smem.dtype
         WG_M: gl.constexpr = BLOCK_M // 2
         P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -418,13 +416,12 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr,
-                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr,
-                  TIMELINE: gl.constexpr):
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr):
         """Warpgroup ROLE: query rows ROLE·64 … +64 of each tile the producer hands over. The next tile's id
         and bounds are read before this tile's rows are stored, so their loads overlap the stores."""
         (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
          stride_ot, stride_oh, stride_lt, scale_log2,
-         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids, TIMES) = shared
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
         WG_M: gl.constexpr = BLOCK_M // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -436,10 +433,8 @@ if G.HAVE_GLUON:
         t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H, N_M,
                                                                           head_group, BLOCK_M, BLOCK_N, CAUSAL)
         k += 1
-        if TIMELINE and ROLE == 0:
-            t_start = _timeline_clock()
         while t < N_TILES:
-            t_done, n_done = t, n_blocks
+            n_done = n_blocks
             if start_m < q_len:
                 acc, m_i, l_i = _attend(ROLE, shared, tiles, c0, c0 + tiles, q_len, k_len, start_m, end, n_blocks,
                                         BLOCK_M, BLOCK_N, NUM_STAGES, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
@@ -457,29 +452,6 @@ if G.HAVE_GLUON:
                                                                                   N_M, head_group, BLOCK_M, BLOCK_N,
                                                                                   CAUSAL)
             k += 1
-            if TIMELINE and ROLE == 0:
-                t_start = _timeline_record(TIMES, t_done, t_start, n_done)
-
-    @gluon.jit
-    def _timeline_clock():
-        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [gl.full([1], 0, gl.int32, ONE)],
-                                         dtype=gl.int64, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _timeline_record(TIMES, t, t_start, n_blocks):
-        """Probe (TIMELINE): tile t's start and end (ns, %globaltimer), its SM and its key blocks
-        (benchmarks/prefill_timeline.py). Returns the end, which is the next tile's start."""
-        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        t_end = _timeline_clock()
-        sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [gl.full([1], 0, gl.int32, ONE)], dtype=gl.int32,
-                                       is_pure=False, pack=1)
-        at = TIMES + t.to(gl.int64) * 4 + gl.arange(0, 1, layout=ONE)
-        gl.store(at, t_start)
-        gl.store(at + 1, t_end)
-        gl.store(at + 2, sm.to(gl.int64))
-        gl.store(at + 3, gl.full([1], 0, gl.int64, ONE) + n_blocks)
-        return t_end
 
     @gluon.jit
     def _mla_prefill_ws_kernel(
@@ -488,8 +460,7 @@ if G.HAVE_GLUON:
         D1: gl.constexpr, DT: gl.constexpr, TAIL: gl.constexpr, DV: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-        TIMES, TIMELINE: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D1], q_desc.layout)
@@ -507,22 +478,19 @@ if G.HAVE_GLUON:
 
         shared = (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
                   stride_ot, stride_oh, stride_lt, scale_log2,
-                  q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids, TIMES)
+                  q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids)
         gl.warp_specialize([
-            (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
-                         TIMELINE)),
-            (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
-                         TIMELINE)),
+            (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE)),
+            (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE)),
             (_producer, (shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, DYNAMIC, SPLIT_Q, REVERSE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 L2_SHARE = 0.25  # of the L2 cache that one group of heads' keys and values may fill (2 heads at 8k, H100)
-FAST_LAUNCH = True  # launch through the compiled kernel once it exists (see _launch); False: Triton's path
 
 
 def _device_facts(device: torch.device) -> tuple[int, int, int]:
-    """(compute capability major, L2 bytes, SMs) of a CUDA device: asked once, not on every call (about 10 µs)."""
+    """(compute capability major, L2 bytes, SMs) of a CUDA device: asked once, not on every call."""
     return _device_facts_at(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -533,7 +501,7 @@ def _device_facts_at(index: int) -> tuple[int, int, int]:
 
 
 _COUNTERS: dict = {}  # (device index, stream) → the persistent grid's tile counter
-# the current stream's handle without building a torch Stream (about 15 µs of host time per call otherwise)
+# the current stream's handle, read without building a torch Stream (slow host work on every call)
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
     (lambda index: torch.cuda.current_stream(index).cuda_stream)
 
@@ -551,11 +519,8 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 def head_group(H: int, kv_len: int, dim: int, elem: int, device) -> int:
     """How many heads run side by side: few enough that their keys and values (kv_len × (d_qk + d_v)) fill
     L2_SHARE of L2, in groups of equal size: the largest divisor of H that fits, unless that is under half
-    of what fits, then as equal as ceilings allow. A smaller last group runs its longest tiles alone at the
-    end (at H=16, 8k, groups of 7, 7, 2 measured 492 TFLOP/s against 512 for 6, 6, 4; a scheduling model
-    puts H=128, 4k at 2.7 % for 25 × 5 + 3 against 0.3 % for 32 × 4). With key blocks visited from the
-    diagonal down, 2 heads at 8k measured 607 TFLOP/s at H=128 against 599 for 1, 591 for 3 and 564 for 4
-    (H100, docs/benchmarks.md); from block 0 up, 7 heads had been best."""
+    of what fits, then as equal as ceilings allow (a smaller last group runs its longest tiles alone at the
+    end)."""
     l2 = _device_facts(device)[1] if device.type == "cuda" else 50 << 20
     return _head_group(H, kv_len * dim * elem, l2)
 
@@ -574,7 +539,8 @@ def _smem_bytes(d1: int, dt: int, dv: int, elem: int) -> int:
     return (BLOCK_M * (d1 + dt) + NUM_STAGES * BLOCK_N * (d1 + dt + dv)) * elem + 1024
 
 
-def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> bool:
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+              opts: Options = Options()) -> bool:
     """Whether the Gluon kernel takes this call: Hopper, bf16/fp16, each tensor's heads packed in its
     rows (stride(1) = head dim, TMA-aligned rows), power-of-two dims that fit the tile ring."""
     if not (G.HAVE_GLUON and q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1" and k.shape[0] > 0):
@@ -597,8 +563,8 @@ def gluon_prefill_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def _descriptor(t: torch.Tensor, rows: int, width: int):
     """2-D TMA view [tokens, heads·dim] of t with [rows, width] boxes (the kernel picks the columns). Built
-    without TensorDescriptor's own checks (about 4 µs each, five per call): `gluon_prefill_supported` has
-    checked the same (16-byte aligned base and row stride, contiguous last dimension)."""
+    without TensorDescriptor's own checks (host time, five per call): `supported` has checked the same
+    (16-byte aligned base and row stride, contiguous last dimension)."""
     T, H, D = t.shape
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(_descriptor_defaults())  # fields with defaults differ between Triton versions
@@ -620,31 +586,25 @@ def _int_key(x: int) -> tuple:
     return x == 1, x % 16 == 0, not -2 ** 31 <= x < 2 ** 31
 
 
-def _launch(grid, named: dict, key: tuple):
+def _launch(grid, named: dict, key: tuple, fast: bool):
     """Run the kernel with the arguments `named`. Triton's launch path (binding, specialising every argument,
-    the cache lookup) took about 50 µs of host time per call, more than torch SDPA's whole call (26 µs, H100
-    host): once this specialisation (`key`: the constexprs, the integers' and pointers' properties that
-    Triton specialises on) has compiled, its launcher is called directly."""
-    compiled = _COMPILED.get(key) if FAST_LAUNCH else None
+    the cache lookup) costs more host time than the rest of the call: with `fast`, once this specialisation
+    (`key`: the constexprs, the integers' and pointers' properties that Triton specialises on) has compiled,
+    its launcher is called directly."""
+    compiled = _COMPILED.get(key) if fast else None
     if compiled is None:
         compiled = _mla_prefill_ws_kernel[grid](**named)
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        if FAST_LAUNCH and hasattr(compiled, "packed_metadata"):
+        if fast and hasattr(compiled, "packed_metadata"):
             _COMPILED[key] = compiled
         return
     compiled[(grid[0], grid[1], 1)](*[named[name] for name in _mla_prefill_ws_kernel.arg_names])
 
 
-def mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, *,
-                      causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
-                      consumer_regs: int = CONSUMER_REGS, producer_regs: int = PRODUCER_REGS,
-                      pingpong: bool | None = None, heads_per_group: int | None = None,
-                      persistent: bool | None = None, split_q: bool = SPLIT_Q, reverse: bool = REVERSE,
-                      timeline: torch.Tensor | None = None):
-    """Same contract as `mla_prefill_torch`; callers check `gluon_prefill_supported` first. The keywords
-    after `out` are probes (register split, turn-taking, head groups, the persistent grid (default: one
-    request), `timeline`: an int64 tensor [tiles, 4] that receives each tile's start, end, SM and key
-    blocks)."""
+def mla_prefill_hopper(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, *,
+                       causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
+                       opts: Options = Options()):
+    """Same contract as `mla_prefill_torch`; callers check `supported` first."""
     T, H, dqk = q.shape
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
@@ -655,14 +615,12 @@ def mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_se
         tail = max(dt, 16)  # a stand-in box when there is no tail (never loaded)
         n_m = -(-max_seqlen_q // BLOCK_M)
         n_tiles = n_m * H * B
-        persistent = B == 1 if persistent is None else persistent
+        persistent = B == 1 if opts.persistent is None else opts.persistent
         sms = _device_facts(q.device)[2] if q.is_cuda else 132  # (CPU tensors: an offline sm_90 compile)
         grid = (min(n_tiles, sms), 1) if persistent else (n_m * H, B)
         counter = _tile_counter(q.device)
-        group = heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, q.element_size(), q.device)
-        pingpong = PINGPONG if pingpong is None else pingpong
-        times = lse if timeline is None else timeline
-        q_rows = BLOCK_M // 2 if split_q else BLOCK_M  # Q's TMA box: one warpgroup's rows, or the tile's
+        group = opts.heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, q.element_size(), q.device)
+        q_rows = BLOCK_M // 2 if opts.split_q else BLOCK_M  # Q's TMA box: one warpgroup's rows, or the tile's
         named = dict(
             q_desc=_descriptor(q, q_rows, d1), qt_desc=_descriptor(q, q_rows, tail),
             k_desc=_descriptor(k, BLOCK_N, d1), kt_desc=_descriptor(k, BLOCK_N, tail),
@@ -670,13 +628,13 @@ def mla_prefill_gluon(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_se
             N_M=n_m, N_TILES=n_tiles, head_group=group, COUNTER=counter, stride_ot=o.stride(0),
             stride_oh=o.stride(1), stride_lt=lse.stride(0), scale_log2=softmax_scale * 1.4426950408889634,
             D1=d1, DT=dt, TAIL=tail, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
-            PINGPONG=pingpong, DYNAMIC=persistent, SPLIT_Q=split_q, REVERSE=reverse, CONSUMER_REGS=consumer_regs,
-            PRODUCER_REGS=producer_regs, TIMES=times, TIMELINE=timeline is not None, SOURCE_KEY=_SOURCE_KEY,
+            PINGPONG=opts.pingpong, DYNAMIC=persistent, SPLIT_Q=opts.split_q, REVERSE=opts.reverse,
+            CONSUMER_REGS=opts.consumer_regs, PRODUCER_REGS=opts.producer_regs, SOURCE_KEY=_SOURCE_KEY,
             num_warps=4)
-        pointers = (o, lse, cu_seqlens_q, cu_seqlens_kv, counter, times)
-        key = (q.device, q.dtype, d1, dt, dv, causal, pingpong, persistent, split_q, reverse, consumer_regs,
-               producer_regs, timeline is not None,
+        pointers = (o, lse, cu_seqlens_q, cu_seqlens_kv, counter)
+        key = (q.device, q.dtype, d1, dt, dv, causal, opts.pingpong, persistent, opts.split_q, opts.reverse,
+               opts.consumer_regs, opts.producer_regs,
                tuple(_int_key(x) for x in (H, n_m, n_tiles, group, o.stride(0), o.stride(1), lse.stride(0))),
                tuple(t.data_ptr() % 16 == 0 for t in pointers))
-        _launch(grid, named, key)
+        _launch(grid, named, key, opts.fast_launch)
     return (o, lse) if return_lse else o

@@ -1,14 +1,11 @@
-"""Hopper MLA decode for 64-row tiles with two warp-specialised warpgroups ("seesaw" schedule).
+"""Hopper MLA decode for 16-bit caches with two warp-specialised warpgroups (FlashMLA's "seesaw" schedule).
 
-Why: in `mla_decode_gluon`'s kernel both warpgroups run one instruction stream, so the softmax
-(CUDA cores) and the matmuls (tensor cores) take turns, and splitting S by key columns makes each
-warpgroup read all of Q from shared memory for every block. Here each warpgroup runs its own
-program (`gl.warp_specialize`) and owns alternate key blocks, FlashMLA's seesaw schedule
-(docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA): warpgroup w computes
-S = Q·K_jᵀ for its block j (all 64 keys, N = 64), does that block's softmax while the other
-warpgroup's matmuls run, and multiplies P_j by its half of V_j's 512 columns straight from
-registers; P_j also goes through shared memory so the other warpgroup multiplies it by the other
-half. O stays split by columns (128 fp32 registers per thread for each half).
+Each warpgroup runs its own program (`gl.warp_specialize`) and owns alternate 64-key blocks
+(docs/20250422-new-kernel-deep-dive.md in deepseek-ai/FlashMLA): warpgroup w computes S = Q·K_jᵀ for its
+block j (all 64 keys, N = 64), runs that block's softmax while the other warpgroup's matmuls run, and
+multiplies P_j by its half of V_j's Dc columns straight from registers; P_j also goes through shared memory
+so the other warpgroup multiplies it by the other half. O stays split by columns. Both warpgroups read Q
+once per block, and the softmax of one overlaps the tensor-core work of the other.
 
 Online softmax across the two instruction streams: the running row max m passes between them
 through shared memory, in block order. Warpgroup 0's block 2r takes m from block 2r-1, warpgroup 1's
@@ -24,12 +21,17 @@ which only S_j reads. The next S consumes the chunks in that order, each as it l
 (one arrival per warpgroup) order the hand-offs; each completes once per round of two blocks, so
 every wait uses the round's parity.
 
-Same contract, split rule and partial layout as `mla_decode_gluon` (the Triton combine merges
-splits); Dr must be 64 and Dc a multiple of 128 up to 512, with 64-key blocks.
+Grid, split rule and partial layout are the Triton split kernel's (its combine merges the splits); Dr must be
+64 and Dc a multiple of 128 up to 512.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
+
+from specmla.ops.decode.hopper import bf16
 from specmla.ops.decode.hopper import common as G
 
 if G.HAVE_GLUON:
@@ -51,44 +53,48 @@ KV_FREE = _c(4)  # +w: the other warpgroup is done reading stage w
 L_READY = _c(6)  # +w: warpgroup w's row sums are in shared memory (after the last round)
 Q_READY = _c(8)  # Q has landed (loaded by warpgroup 0)
 NUM_BARRIERS = _c(9)
-FINE_WAITS = True  # S waits for each 64-column chunk as it lands (else for each half)
-PROBE = 0  # timing probe (wrong results): 1 no refills in the loop (the consumers alone, each on its first block)
+BLOCK_N = 64  # keys per block: P_j [64 rows, BLOCK_N] lives in block j's rope buffer, so Dr = BLOCK_N
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The seesaw kernel's tuning knobs; the defaults are the measured best."""
+    worker_regs: int = 240  # registers per thread of each warpgroup's partition
 
 
 if G.HAVE_GLUON:
 
     @gluon.jit
     def _load_chunks(KV, stage_c, stage_r, page_rows, n_ok, C0: gl.constexpr, NC: gl.constexpr,
-                     ROPE: gl.constexpr, DC: gl.constexpr, CHUNK: gl.constexpr, FINE: gl.constexpr):
+                     ROPE: gl.constexpr, DC: gl.constexpr, CHUNK: gl.constexpr, PER_CHUNK: gl.constexpr):
         """cp.async 64-column chunks C0 .. C0+NC-1 of one key block (then its rope part when ROPE)
-        into a stage, rows not n_ok zero-filled; FINE: one cp.async group per chunk (else one group)."""
+        into a stage, rows not n_ok zero-filled; PER_CHUNK: one cp.async group per chunk (else one group)."""
         cols = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, CHUNK)), 0)
         rows = KV + gl.expand_dims(page_rows, 1) + cols
         ok = gl.expand_dims(n_ok, 1)
         for c in gl.static_range(NC):
             _cp_async(stage_c.slice((C0 + c) * 64, 64, dim=1), rows + (C0 + c) * 64, mask=ok)
-            if FINE:
+            if PER_CHUNK:
                 cp.commit_group()
         if ROPE:
             _cp_async(stage_r, rows + DC, mask=ok)
-            if FINE:
+            if PER_CHUNK:
                 cp.commit_group()
-        if not FINE:
+        if not PER_CHUNK:
             cp.commit_group()
 
     @gluon.jit
-    def _issue_own_half(KV, stage_c, page_rows, n_ok, ROLE: gl.constexpr, DC: gl.constexpr, CHUNK: gl.constexpr,
-                        FINE: gl.constexpr):
+    def _issue_own_half(KV, stage_c, page_rows, n_ok, ROLE: gl.constexpr, DC: gl.constexpr, CHUNK: gl.constexpr):
         """The block's columns this warpgroup multiplies by its own P (free once that P·V is done)."""
         NH: gl.constexpr = DC // 128
-        _load_chunks(KV, stage_c, stage_c, page_rows, n_ok, ROLE * NH, NH, False, DC, CHUNK, FINE)
+        _load_chunks(KV, stage_c, stage_c, page_rows, n_ok, ROLE * NH, NH, False, DC, CHUNK, True)
 
     @gluon.jit
     def _issue_rest(KV, stage_c, stage_r, page_rows, n_ok, ROLE: gl.constexpr, DC: gl.constexpr,
-                    CHUNK: gl.constexpr, FINE: gl.constexpr):
+                    CHUNK: gl.constexpr):
         """The other warpgroup's half and the rope part (free once the other warpgroup's P·V is done)."""
         NH: gl.constexpr = DC // 128
-        _load_chunks(KV, stage_c, stage_r, page_rows, n_ok, (1 - ROLE) * NH, NH, True, DC, CHUNK, FINE)
+        _load_chunks(KV, stage_c, stage_r, page_rows, n_ok, (1 - ROLE) * NH, NH, True, DC, CHUNK, True)
 
     @gluon.jit
     def _landed(num_outstanding: gl.constexpr):
@@ -103,7 +109,7 @@ if G.HAVE_GLUON:
         ROLE: gl.constexpr, shared,
         PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FINE: gl.constexpr, PROBE: gl.constexpr,
+        CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
     ):
         """One warpgroup's program; `shared` = the kernel's pointers, strides, scalars and shared memory."""
         (Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
@@ -114,7 +120,7 @@ if G.HAVE_GLUON:
         dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = DC // 2
         NH: gl.constexpr = DC // 128  # 64-column chunks per half
-        GROUPS: gl.constexpr = 2 * NH + 1 if FINE else 2  # cp.async groups per key block
+        GROUPS: gl.constexpr = 2 * NH + 1  # cp.async groups per key block: one per chunk, one for the rope part
         OTHER: gl.constexpr = 1 - ROLE
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -138,8 +144,8 @@ if G.HAVE_GLUON:
                          DC // 64, True, DC, CHUNK, False)
         rows_j, ok_j = G._block_page_rows(BT, b, stride_btb, start + ROLE * BLOCK_N, end, stride_kvp, stride_kvt,
                                           PAGE_SIZE, BLOCK_N, CHUNK)
-        _issue_own_half(KV, own_c, rows_j, ok_j, ROLE, DC, CHUNK, FINE)
-        _issue_rest(KV, own_c, own_r, rows_j, ok_j, ROLE, DC, CHUNK, FINE)
+        _issue_own_half(KV, own_c, rows_j, ok_j, ROLE, DC, CHUNK)
+        _issue_rest(KV, own_c, own_r, rows_j, ok_j, ROLE, DC, CHUNK)
         if ROLE == 0:
             _landed(GROUPS)
             mbarrier.arrive(bars.index(Q_READY))
@@ -164,25 +170,18 @@ if G.HAVE_GLUON:
         for r in range(n_rounds):
             phase = r & 1
             # ---- S = Q·K_jᵀ for this warpgroup's block j = 2r + ROLE (own half of the columns first) ----
-            # chunks in the order they were issued: own half, other half, rope (FINE: each once it lands)
+            # chunks in the order they were issued, each once it lands: own half, other half, rope
             s = s_zero
             for c in gl.static_range(NH):
-                if FINE:
-                    _landed(GROUPS - 1 - c)
-                elif c == 0:
-                    _landed(1)
+                _landed(GROUPS - 1 - c)
                 s = warpgroup_mma(q_c_smem.slice(ROLE * HALF + c * 64, 64, dim=1),
                                   own_c.slice(ROLE * HALF + c * 64, 64, dim=1).permute((1, 0)), s, use_acc=c > 0,
                                   is_async=True)
             for c in gl.static_range(NH):
-                if FINE:
-                    _landed(NH - c)
-                elif c == 0:
-                    _landed(0)
+                _landed(NH - c)
                 s = warpgroup_mma(q_c_smem.slice(OTHER * HALF + c * 64, 64, dim=1),
                                   own_c.slice(OTHER * HALF + c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
-            if FINE:
-                _landed(0)
+            _landed(0)
             s = warpgroup_mma(q_r_smem, own_r.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
@@ -236,13 +235,11 @@ if G.HAVE_GLUON:
 
             # ---- refill: own half as soon as this warpgroup's P_j·V_j is done, the rest once the other's is ----
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if PROBE != 1:
-                _issue_own_half(KV, own_c, nx_rows, nx_ok, ROLE, DC, CHUNK, FINE)
+            _issue_own_half(KV, own_c, nx_rows, nx_ok, ROLE, DC, CHUNK)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(bars.index(KV_FREE + OTHER))
             mbarrier.wait(bars.index(KV_FREE + ROLE), phase)
-            if PROBE != 1:
-                _issue_rest(KV, own_c, own_r, nx_rows, nx_ok, ROLE, DC, CHUNK, FINE)
+            _issue_rest(KV, own_c, own_r, nx_rows, nx_ok, ROLE, DC, CHUNK)
             nx_rows, nx_ok = G._block_page_rows(BT, b, stride_btb, start + (2 * r + ROLE + 4) * BLOCK_N, end,
                                                 stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, CHUNK)
         cp.wait_group(0)
@@ -277,8 +274,7 @@ if G.HAVE_GLUON:
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
-        WORKER_REGS: gl.constexpr, FINE: gl.constexpr, PROBE: gl.constexpr, SOURCE_KEY: gl.constexpr,
-        num_warps: gl.constexpr,
+        WORKER_REGS: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
@@ -302,24 +298,27 @@ if G.HAVE_GLUON:
                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
                   n_rounds, q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars)
         gl.warp_specialize([(_seesaw_warpgroup, (0, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
-                                                 DIRECT, FINE, PROBE)),
+                                                 DIRECT)),
                             (_seesaw_warpgroup, (1, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
-                                                 DIRECT, FINE, PROBE))], [4], [WORKER_REGS])
+                                                 DIRECT))], [4], [WORKER_REGS])
 
 
-def seesaw_supported(dc: int, dr: int, block_n: int) -> bool:
-    """The seesaw kernel's shapes: P lives in a stage's rope buffer (Dr = block_n = 64), and each
-    warpgroup's half of the latent columns is whole 64-column chunks."""
-    return G.HAVE_GLUON and dr == 64 and block_n == 64 and dc % 128 == 0 and 128 <= dc <= 512
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, block_m: int, opts: Options = Options(), *,
+              head_dim_v: int | None = None) -> bool:
+    """Whether this kernel can take the call: what the one-stream kernel takes (`bf16.supported`), with Dr = 64
+    (P lives in a stage's rope buffer: Dr = BLOCK_N) and Dc a multiple of 128 up to 512 (each warpgroup's half of
+    the latent columns is whole 64-column chunks). Its key blocks are BLOCK_N = 64 rows whatever the plan says."""
+    if not bf16.supported(q, kv_cache, kv_format, block_m, head_dim_v=head_dim_v):
+        return False
+    dc = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+    return q.shape[-1] - dc == BLOCK_N and dc % 128 == 0 and 128 <= dc <= 512
 
 
-def launch_seesaw_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
-                        dc: int, causal: bool, direct: bool, num_splits: int, worker_regs: int = 240,
-                        fine: bool | None = None):
-    """Stage 1 of `mla_decode_triton` through the seesaw kernel (arguments as `G.launch_gluon_split`)."""
+def launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2: float, plan: dict, *,
+           causal: bool, num_splits: int, kv_format: str, opts: Options = Options()) -> None:
+    """Stage 1 of the split-KV decode; writes out/lse itself when num_splits == 1, else mid_o/mid_lse."""
     grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
-                                             cfg, dc=dc, causal=causal, direct=direct, num_splits=num_splits,
-                                             block_n=64)
-    _mla_decode_seesaw_kernel[grid](*args, **consts, WORKER_REGS=worker_regs,
-                                    FINE=FINE_WAITS if fine is None else fine, PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY,
+                                             plan, dc=out.shape[-1], causal=causal, direct=num_splits == 1,
+                                             num_splits=num_splits, block_n=BLOCK_N)
+    _mla_decode_seesaw_kernel[grid](*args, **consts, WORKER_REGS=opts.worker_regs, SOURCE_KEY=_SOURCE_KEY,
                                     num_warps=4)

@@ -522,8 +522,6 @@ def auto_takes(cfg: dict, B: int, S: int) -> bool:
     kernel / Triton's, docs/benchmarks.md): fp8 B=32 T=32k 1.11 / 0.95, B=4 T=80k 1.09 / 0.72, B=128 T=4k
     1.10 / 0.93, two folded tokens 0.85 / 0.35, one-block splits (B=1 T=8k) 0.86 / 0.94; tbq4 1.01 / 0.96,
     0.90 / 0.64, 0.89 / 0.80, 0.75 / 0.65, and at B=1 T=8k 0.30 / 0.25 (left to Triton by the same rule)."""
-    if not G.AUTO:
-        return False
     return cfg["keys_per_split"] >= 2 * BLOCK_N
 
 

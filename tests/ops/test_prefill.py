@@ -1,11 +1,14 @@
-"""Triton varlen prefill (contract C2) vs the fp64 reference: ragged batches, prefixes, empty requests."""
+"""MLA prefill (contract C2), its Triton and Hopper kernels vs the fp64 reference: ragged batches, prefixes, empty
+requests."""
 
 import pytest
 import torch
 from helpers.mla_cases import rel_err
 from helpers.offline_compile import offline_sm90_rows
 
-from specmla.ops.prefill import mla_prefill, mla_prefill_torch, mla_prefill_triton
+from specmla.ops.decode.hopper import common as G
+from specmla.ops.prefill import hopper as P
+from specmla.ops.prefill import mla_prefill, mla_prefill_torch
 
 
 def ragged(q_lens, kv_lens, H, dqk, dv, dtype, device="cpu", seed=0):
@@ -47,6 +50,8 @@ def test_bad_shapes_raise():
     q, k, v, cu_q, cu_k = ragged([3], [3], 2, 32, 16, torch.float32)
     with pytest.raises(ValueError):
         mla_prefill(q, k[:, :1], v, cu_q, cu_k, 3, 3, 0.1, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend"):
+        mla_prefill(q, k, v, cu_q, cu_k, 3, 3, 0.1, backend="gluon")
 
 
 @pytest.mark.gpu
@@ -63,12 +68,13 @@ def test_gpu_prefill_bf16_ragged(H):
     assert (lse - want_lse).abs().max().item() <= 1e-3
 
 
-def test_gluon_required_but_unsupported_raises():
-    """gluon=True on a call the Hopper kernel cannot take (here: a CPU tensor) is a clear error, not a
+def test_hopper_required_but_unsupported_raises():
+    """backend="hopper" on a call the Hopper kernel cannot take (here: a CPU tensor) is a clear error, not a
     silent fallback."""
     q, k, v, cu_q, cu_k = ragged([3], [3], 2, 192, 128, torch.float32)
-    with pytest.raises(ValueError, match="Gluon prefill"):
-        mla_prefill_triton(q, k, v, cu_q, cu_k, 3, 3, 0.1, gluon=True)
+    assert not P.supported(q, k, v, 0.1)
+    with pytest.raises(ValueError, match="Hopper prefill"):
+        mla_prefill(q, k, v, cu_q, cu_k, 3, 3, 0.1, backend="hopper")
 
 
 # the Gluon kernel compiled for sm_90 without a GPU: resources within H100's limits
@@ -80,7 +86,7 @@ GLUON_COMPILE_CASES = [  # H, dqk, dv, dtype, causal
 GLUON_STACK_BYTES = 32  # 24 B with Triton 3.6 (the GPU machine's), 0 B with 3.9 at 192 / 128 causal
 
 
-def test_gluon_prefill_compiles_for_sm90():
+def test_hopper_prefill_compiles_for_sm90():
     rows = offline_sm90_rows(GLUON_COMPILE_CASES, "prefill")
     assert [r["case"] for r in rows] == GLUON_COMPILE_CASES
     for r in rows:
@@ -92,12 +98,9 @@ def test_gluon_prefill_compiles_for_sm90():
         assert 0 < use["shared"] <= 227 * 1024, r
 
 
-def test_gluon_prefill_descriptor_equals_checked_construction():
-    """`mla_prefill_gluon._descriptor` builds the TMA descriptor without TensorDescriptor's checks (host
-    time); it must hold exactly what the checked constructor holds, in this Triton version's fields."""
-    from specmla.ops.decode.hopper import common as G
-    from specmla.ops.prefill import hopper as P
-
+def test_hopper_prefill_descriptor_equals_checked_construction():
+    """`hopper._descriptor` builds the TMA descriptor without TensorDescriptor's checks (host time); it must hold
+    exactly what the checked constructor holds, in this Triton version's fields."""
     if not G.HAVE_GLUON:
         pytest.fail("this Triton has no Gluon")
     t = torch.randn(37, 3, 192, dtype=torch.float16)
@@ -122,24 +125,22 @@ GLUON_CASES = [  # q_lens, kv_lens, H, dqk, dv
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GLUON_CASES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_gluon_prefill_matches_reference(case, causal):
-    from specmla.ops.prefill import hopper as mla_prefill_gluon
-
+def test_gpu_hopper_prefill_matches_reference(case, causal):
     q_lens, kv_lens, H, dqk, dv = case
     q, k, v, cu_q, cu_k = ragged(q_lens, kv_lens, H, dqk, dv, torch.bfloat16, device="cuda", seed=H)
-    assert mla_prefill_gluon.gluon_prefill_supported(q, k, v, 0.09)
+    assert P.supported(q, k, v, 0.09)
     want, want_lse = mla_prefill_torch(q.double(), k.double(), v.double(), cu_q, cu_k, max(q_lens), max(kv_lens), 0.09,
                                        causal=causal, return_lse=True)
     out = torch.full((q.shape[0], H, dv), float("nan"), dtype=q.dtype, device="cuda")  # every row is written
-    got, lse = mla_prefill_triton(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09, causal=causal,
-                                  return_lse=True, out=out, gluon=True)
+    got, lse = mla_prefill(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09, causal=causal, return_lse=True,
+                           out=out, backend="hopper")
     assert got.data_ptr() == out.data_ptr() and not torch.isnan(got).any()
     assert rel_err(got.double(), want) <= 1e-2
     fin = torch.isfinite(want_lse)
     assert torch.equal(fin, torch.isfinite(lse))
     assert (lse[fin].double() - want_lse[fin]).abs().max().item() <= 1e-3
     # the Triton kernel on the same call agrees too (the two paths the engine may take)
-    tri = mla_prefill_triton(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09, causal=causal, gluon=False)
+    tri = mla_prefill(q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09, causal=causal, backend="triton")
     assert rel_err(got.float(), tri.float()) <= 1e-2
 
 
@@ -154,19 +155,19 @@ PERSISTENT_CASES = GLUON_CASES + [  # one request: the default for the persisten
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", PERSISTENT_CASES)
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_gluon_prefill_persistent_grid_agrees(case, causal):
+def test_gpu_hopper_prefill_persistent_grid_agrees(case, causal):
     """The persistent grid (programs claim tiles from a counter, K/V rings and barrier phases run on across
     tiles) gives what one program per tile gives and what the fp64 reference gives, on ragged batches too
     (tiles of empty or short requests are skipped); it leaves its tile counter at zero for the next call."""
-    from specmla.ops.prefill import hopper as P
-
     q_lens, kv_lens, H, dqk, dv = case
     q, k, v, cu_q, cu_k = ragged(q_lens, kv_lens, H, dqk, dv, torch.bfloat16, device="cuda", seed=H + 1)
     args = (q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09)
     want, want_lse = mla_prefill_torch(*(t.double() for t in args[:3]), *args[3:], causal=causal, return_lse=True)
     for reverse in (False, True):  # the second call finds the counter the first left; key blocks either way
-        grid, grid_lse = P.mla_prefill_gluon(*args, causal=causal, return_lse=True, persistent=False, reverse=reverse)
-        got, lse = P.mla_prefill_gluon(*args, causal=causal, return_lse=True, persistent=True, reverse=reverse)
+        grid, grid_lse = P.mla_prefill_hopper(*args, causal=causal, return_lse=True,
+                                              opts=P.Options(persistent=False, reverse=reverse))
+        got, lse = P.mla_prefill_hopper(*args, causal=causal, return_lse=True,
+                                        opts=P.Options(persistent=True, reverse=reverse))
         err, err_grid = rel_err(got.double(), want), rel_err(got.float(), grid.float())
         fin = torch.isfinite(want_lse)
         assert torch.equal(fin, torch.isfinite(lse)) and torch.equal(fin, torch.isfinite(grid_lse))
@@ -179,33 +180,30 @@ def test_gpu_gluon_prefill_persistent_grid_agrees(case, causal):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_prefill_persistent_streams_keep_their_own_counter():
+def test_gpu_hopper_prefill_persistent_streams_keep_their_own_counter():
     """Two persistent launches that may overlap (two streams) claim tiles from counters of their own."""
-    from specmla.ops.prefill import hopper as P
-
     q, k, v, cu_q, cu_k = ragged([2000], [2000], 32, 192, 128, torch.bfloat16, device="cuda", seed=5)
     q2, k2, v2 = (t.flip(0).contiguous() for t in (q, k, v))
-    want = P.mla_prefill_gluon(q, k, v, cu_q, cu_k, 2000, 2000, 0.09, persistent=False)
-    want2 = P.mla_prefill_gluon(q2, k2, v2, cu_q, cu_k, 2000, 2000, 0.09, persistent=False)
+    grid, persistent = P.Options(persistent=False), P.Options(persistent=True)
+    want = P.mla_prefill_hopper(q, k, v, cu_q, cu_k, 2000, 2000, 0.09, opts=grid)
+    want2 = P.mla_prefill_hopper(q2, k2, v2, cu_q, cu_k, 2000, 2000, 0.09, opts=grid)
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
     for _ in range(3):
-        got = P.mla_prefill_gluon(q, k, v, cu_q, cu_k, 2000, 2000, 0.09, persistent=True)
+        got = P.mla_prefill_hopper(q, k, v, cu_q, cu_k, 2000, 2000, 0.09, opts=persistent)
         with torch.cuda.stream(side):
-            got2 = P.mla_prefill_gluon(q2, k2, v2, cu_q, cu_k, 2000, 2000, 0.09, persistent=True)
+            got2 = P.mla_prefill_hopper(q2, k2, v2, cu_q, cu_k, 2000, 2000, 0.09, opts=persistent)
         torch.cuda.synchronize()
         assert rel_err(got.float(), want.float()) <= 1e-3 and rel_err(got2.float(), want2.float()) <= 1e-3
     assert P._tile_counter(q.device) is not P._COUNTERS[(q.device.index, side.cuda_stream)]
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_prefill_direct_launch_respecialises():
-    """Later calls of a compiled specialisation go straight to its launcher (`mla_prefill_gluon._launch`) and
+def test_gpu_hopper_prefill_direct_launch_respecialises():
+    """Later calls of a compiled specialisation go straight to its launcher (`hopper._launch`) and
     give the same answers as the first; calls that Triton specialises differently (H = 1, cu_seqlens at an
     address that is not 16-byte aligned, another head count) compile and keep their own kernel."""
-    from specmla.ops.prefill import hopper as P
-
-    assert P.FAST_LAUNCH
+    assert P.Options().fast_launch
     P._COMPILED.clear()
     for H, unaligned in ((16, False), (1, False), (16, True), (3, False), (16, False), (1, True)):
         q, k, v, cu_q, cu_k = ragged([300, 77], [300, 200], H, 192, 128, torch.bfloat16, device="cuda", seed=H)
@@ -213,8 +211,8 @@ def test_gpu_gluon_prefill_direct_launch_respecialises():
             cu_q, cu_k = (torch.cat([c.new_zeros(1), c])[1:] for c in (cu_q, cu_k))
             assert cu_q.data_ptr() % 16 and cu_k.data_ptr() % 16
         want = mla_prefill_torch(q.double(), k.double(), v.double(), cu_q, cu_k, 300, 300, 0.09, causal=True)
-        first = P.mla_prefill_gluon(q, k, v, cu_q, cu_k, 300, 300, 0.09)
-        again = P.mla_prefill_gluon(q, k, v, cu_q, cu_k, 300, 300, 0.09)
+        first = P.mla_prefill_hopper(q, k, v, cu_q, cu_k, 300, 300, 0.09)
+        again = P.mla_prefill_hopper(q, k, v, cu_q, cu_k, 300, 300, 0.09)
         assert rel_err(first.double(), want) <= 1e-2
         assert torch.equal(first, again)
     assert len(P._COMPILED) == 5  # (16), (1), (16, unaligned), (3), (1, unaligned)
