@@ -64,7 +64,7 @@ def route(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, *,
     def supports(name: str, block_m: int) -> bool:
         module = kernel_module(name)
         chosen = opts if kernel == name else module.Options()
-        return module.supported(q, kv_cache, kv_format, block_m, chosen)
+        return module.supported(q, kv_cache, kv_format, block_m, chosen, head_dim_v=dc)
 
     # the table's width grows with the longest request in eager steps; a power-of-two bucket keeps the split
     # count (and the compiled combine) stable instead of changing every few pages

@@ -411,7 +411,8 @@ class Options:
     kv_align: int | None = None
 
 
-def supported(q, kv_cache, kv_format: str, block_m: int, opts: Options = Options()) -> bool:
+def supported(q, kv_cache, kv_format: str, block_m: int, opts: Options = Options(), *,
+              head_dim_v: int | None = None) -> bool:
     """The Triton kernel takes every call that passes the argument checks (any device, the interpreter too)."""
     return True
 
