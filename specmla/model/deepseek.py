@@ -19,14 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmla.config import ModelConfig
+from specmla.distributed import all_reduce_
 from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
-from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.decode import mla_decode
-from specmla.ops.prefill import mla_prefill
+from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.moe import RouteSpec, moe_experts_triton, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
-from specmla.parallel import all_reduce_
+from specmla.ops.prefill import mla_prefill
 from specmla.ops.rope import apply_rope, apply_rope_
 
 

@@ -33,7 +33,7 @@ def test_tp2_equals_tp1_on_the_embedded_model_with_mtp_speculation_and_fp8_cache
 
 def test_shards_split_heads_and_experts(tiny_model_dir):
     from specmla.model.loader import load_model
-    from specmla.parallel import shard_model_
+    from specmla.model.sharding import shard_model_
 
     full = load_model(tiny_model_dir, device="cpu", progress=False)
     part = load_model(tiny_model_dir, device="cpu", progress=False)
@@ -54,7 +54,7 @@ def test_load_model_with_shard_gives_the_shard_only(tiny_model_dir):
     import torch
 
     from specmla.model.loader import load_model
-    from specmla.parallel import shard_model_
+    from specmla.model.sharding import shard_model_
 
     full = load_model(tiny_model_dir, device="cpu", progress=False)
     cut = load_model(tiny_model_dir, device="cpu", progress=False)
