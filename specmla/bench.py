@@ -113,8 +113,8 @@ def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], k
 
     rounds > 1: every configuration is built and warmed up first, then timed once per round, each round
     starting one configuration later, and the rates are the medians over rounds (rates alone: `runs`).
-    A B=1 run of the embedded model is host-bound, and the host's speed drifts: one timing per
-    configuration, in a fixed order, measured the same k=2 at 1.11x and 1.53x in two runs."""
+    A B=1 run of the embedded model is host-bound and the host's speed drifts, so one timing per
+    configuration in a fixed order does not reproduce."""
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     configs = [(mode, k) for mode in modes for k in ([0] if mode == "none" else ks)]
     shape = (batch or len(prompts), len(prompts))
@@ -140,8 +140,8 @@ def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], k
     for row in rows:
         if base is not None:
             row["speedup"] = row["output_tok_per_s"] / base["output_tok_per_s"]
-            # decode alone (each request's first token excluded): the issue's "decode tok/s"; the
-            # prefill step, which speculation cannot shorten and the MTP catch-up lengthens, is left out
+            # decode alone (each request's first token excluded): the prefill step, which speculation
+            # cannot shorten and the MTP catch-up lengthens, is left out
             if row["decode_tok_per_s_per_request"] and base["decode_tok_per_s_per_request"]:
                 row["decode_speedup"] = row["decode_tok_per_s_per_request"] / base["decode_tok_per_s_per_request"]
             row["same_output"] = row["token_ids"] == base["token_ids"]

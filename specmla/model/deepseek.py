@@ -157,10 +157,9 @@ class MoE(nn.Module):
     def _dense_is_cheap(self, x) -> bool:
         """Eager batches on CUDA too large for the fused kernels but small enough that computing every
         expert on every token costs less than the grouped path's host work: a sync for the per-expert
-        counts, then about seven launches per expert. A 23-token prefill of the embedded model spent
-        1.0 ms per MoE layer there against a 0.56 ms GPU time for the whole step (H100,
-        docs/benchmarks.md). The size limit sends big models to the grouped path beyond a few tokens
-        (DeepSeek-V3: beyond T = 16); CPU runs always group, since the extra expert FLOPs are not free there."""
+        counts, then about seven launches per expert, which outweighs a short prefill's whole GPU time.
+        The size limit sends big models to the grouped path beyond a few tokens (DeepSeek-V3: beyond
+        T = 16); CPU runs always group, since the extra expert FLOPs are not free there."""
         E, two_i = self.w_gate_up.shape[:2]
         return self._whole_on_cuda(x) and E * x.shape[0] * two_i <= self.dense_max_elements
 
