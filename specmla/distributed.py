@@ -44,6 +44,7 @@ def init_group(rank: int, world: int, init_file: str | None, device: str) -> Non
 
 
 def destroy_group() -> None:
+    """Leave the group (every rank calls it once, after the last collective)."""
     dist.destroy_process_group()
 
 
