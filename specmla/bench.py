@@ -14,6 +14,10 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
+from specmla.sampling_params import SamplingParams
+
 
 def load_prompts(path: str | None, num_prompts: int, input_len: int, vocab: int, seed: int) -> list:
     """Prompts from a file (one per line, or JSON lines with a "prompt" field), else random token ids."""
@@ -31,20 +35,18 @@ def _stats(xs: list[float]) -> dict:
     xs = sorted(x for x in xs if x is not None)
     if not xs:
         return {"mean": None, "median": None, "p99": None}
-    return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+    p99 = xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+    return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": p99}
 
 
 def run_throughput(llm, prompts: list, output_len: int, warmup: bool = True) -> dict:
-    from specmla import SamplingParams
-
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     if warmup:  # compile kernels / allocate before timing
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
-    sync = getattr(__import__("torch").cuda, "synchronize", None)
-    if llm.kv_pool.device.type == "cuda" and sync:
-        sync()
+    if llm.kv_pool.device.type == "cuda":
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
@@ -66,7 +68,6 @@ def run_throughput(llm, prompts: list, output_len: int, warmup: bool = True) -> 
 
 def run_transformers(model_dir, prompts: list[list[int]], output_len: int, batch: int, device: str, dtype) -> dict:
     """transformers' generate on the same weights: greedy, `output_len` new tokens, batches of `batch`."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
@@ -90,6 +91,9 @@ def format_report(r: dict, label: str = "specmla") -> str:
     def ms(x):
         return "-" if x is None else f"{x * 1000:.1f}"
 
+    spec = r["spec"]
+    spec_line = (f"\n  speculative: {spec['num_accepted_tokens']}/{spec['num_draft_tokens']} draft tokens accepted, "
+                 f"mean acceptance length {spec['mean_acceptance_length']:.2f}" if spec["num_drafts"] else "")
     return (
         f"{label}: {r['requests']} requests, {r['input_tokens']} prompt + {r['output_tokens']} output tokens "
         f"in {r['duration_s']:.2f} s\n"
@@ -98,8 +102,7 @@ def format_report(r: dict, label: str = "specmla") -> str:
         f"  TTFT ms mean/median/p99 {ms(r['ttft_s']['mean'])}/{ms(r['ttft_s']['median'])}/{ms(r['ttft_s']['p99'])} | "
         f"TPOT ms mean/median/p99 {ms(r['tpot_s']['mean'])}/{ms(r['tpot_s']['median'])}/{ms(r['tpot_s']['p99'])}\n"
         f"  preemptions {r['preemptions']} | prefix-cache hit tokens {r['prefix_hit_tokens']}"
-        + (f"\n  speculative: {r['spec']['num_accepted_tokens']}/{r['spec']['num_draft_tokens']} draft tokens accepted, "
-           f"mean acceptance length {r['spec']['mean_acceptance_length']:.2f}" if r["spec"]["num_drafts"] else "")
+        + spec_line
     )
 
 
@@ -110,10 +113,8 @@ def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], k
 
     rounds > 1: every configuration is built and warmed up first, then timed once per round, each round
     starting one configuration later, and the rates are the medians over rounds (rates alone: `runs`).
-    A B=1 run of the embedded model is host-bound, and the host's speed drifts: one timing per
-    configuration, in a fixed order, measured the same k=2 at 1.11x and 1.53x in two runs."""
-    from specmla import SamplingParams
-
+    A B=1 run of the embedded model is host-bound and the host's speed drifts, so one timing per
+    configuration in a fixed order does not reproduce."""
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     configs = [(mode, k) for mode in modes for k in ([0] if mode == "none" else ks)]
     shape = (batch or len(prompts), len(prompts))
@@ -139,8 +140,8 @@ def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], k
     for row in rows:
         if base is not None:
             row["speedup"] = row["output_tok_per_s"] / base["output_tok_per_s"]
-            # decode alone (each request's first token excluded): the issue's "decode tok/s"; the
-            # prefill step, which speculation cannot shorten and the MTP catch-up lengthens, is left out
+            # decode alone (each request's first token excluded): the prefill step, which speculation
+            # cannot shorten and the MTP catch-up lengthens, is left out
             if row["decode_tok_per_s_per_request"] and base["decode_tok_per_s_per_request"]:
                 row["decode_speedup"] = row["decode_tok_per_s_per_request"] / base["decode_tok_per_s_per_request"]
             row["same_output"] = row["token_ids"] == base["token_ids"]

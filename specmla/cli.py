@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
+
+from specmla.bench import (format_report, format_spec_rows, load_prompts, run_spec_sweep, run_throughput,
+                           run_transformers)
+from specmla.distributed import launched_by_torchrun
+from specmla.engine.llm import LLM, worker_main
+from specmla.model.default import default_model_path
+from specmla.sampling_params import SamplingParams
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -30,8 +39,6 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specmla import LLM, SamplingParams
-
     t0 = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
               num_pages=args.num_pages, max_model_len=args.max_model_len, **_spec_kwargs(args))
@@ -64,11 +71,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    import json
-
-    from specmla import LLM
-    from specmla.bench import format_report, load_prompts, run_throughput, run_transformers
-
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **_spec_kwargs(args))
@@ -81,7 +83,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
         dtype = next(llm.model.parameters()).dtype
         device = str(llm.kv_pool.device)
         del llm
-        hf = run_transformers(str(args.model or _default_model()), prompts, args.output_len,
+        hf = run_transformers(str(args.model or default_model_path()), prompts, args.output_len,
                               args.hf_batch or args.num_prompts, device, dtype)
         result["transformers"] = hf
         print(f"transformers generate: {hf['output_tok_per_s']:.1f} output tok/s "
@@ -94,11 +96,6 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_spec(args: argparse.Namespace) -> int:
-    import json
-
-    from specmla import LLM
-    from specmla.bench import format_spec_rows, load_prompts, run_spec_sweep
-
     def make_llm(mode, k, batch):
         return LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                    num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=batch,
@@ -120,9 +117,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import uvicorn  # the web stack loads for `serve` only
 
-    from specmla import LLM
     from specmla.server.app import create_app
 
     model = args.model_pos or args.model
@@ -137,12 +133,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(load, name, api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
-
-
-def _default_model():
-    from specmla.model.default import default_model_path
-
-    return default_model_path()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,16 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _torchrun_worker(args: argparse.Namespace) -> int | None:
     """Under torchrun, ranks > 0 do not run the command: they serve rank 0's model calls."""
-    import os
-
-    from specmla.parallel import launched_by_torchrun, worker_main
-
     if not launched_by_torchrun() or int(os.environ["RANK"]) == 0:
         return None
     model = getattr(args, "model_pos", None) or args.model
     if model is None:
-        from specmla.model.default import default_model_path
-
         model = default_model_path()
     kwargs = dict(device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
                   max_model_len=args.max_model_len, max_num_seqs=getattr(args, "max_num_seqs", 64),
@@ -229,8 +213,6 @@ def _torchrun_worker(args: argparse.Namespace) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from specmla.parallel import launched_by_torchrun
-
     if launched_by_torchrun() and getattr(args, "num_pages", 0) is None:
         print("specmla: error: under torchrun pass --num-pages, so that every rank's KV pool has the same size",
               file=sys.stderr)

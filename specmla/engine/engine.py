@@ -144,11 +144,10 @@ class LLMEngine:
                 s.finish_time = now
 
     def _drafts_after_prefill(self) -> int:
-        """Tokens the MTP module drafts right after a prefill step. That drafting runs eagerly: each draft
-        past the first is one more MTP pass, about 1.7 ms on an H100 for the embedded model, where a graphed
-        decode step drafts for about 0.1 ms a pass. It buys about one accepted token, once per request. So
-        with graphed decode steps only the catch-up's own draft is kept; eager engines (CPU) draft them
-        all, since every pass costs the same there."""
+        """Tokens the MTP module drafts right after a prefill step. That drafting runs eagerly, so each
+        draft past the first costs an eager MTP pass, many times a graphed decode step's, for about one
+        accepted token once per request. So with graphed decode steps only the catch-up's own draft is
+        kept; eager engines (CPU) draft them all, since every pass costs the same there."""
         n = self.proposer.num_mtp_drafts
         graphs = self.runner.graphed_mtp
         return min(n, 1) if graphs is not None and graphs.use_graphs else n

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 from tqdm import tqdm
 
+from specmla.distributed import destroy_group, init_group, launched_by_torchrun, local_rank
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.mtp_graph import GraphedMtpDrafter
-from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
+from specmla.engine.spec_graph import GraphedSpecStep
+from specmla.engine.tp_worker import TPModel, serve_model_calls
 from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.model.default import default_model_path
 from specmla.model.loader import load_model
 from specmla.ops.kv_cache import QUANTIZED
 from specmla.sampling_params import SamplingParams
@@ -66,8 +73,6 @@ class LLM:
             device = next(model.parameters()).device
         else:
             if model is None:
-                from specmla.model.default import default_model_path
-
                 model = default_model_path()
             self.model_path = Path(model)
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -128,14 +133,6 @@ class LLM:
 
     def _start_tensor_parallel(self, world: int, device, worker_kwargs: dict) -> None:
         """Rank 0 (this process): spawn ranks 1..world-1, join the group, shard, route forwards."""
-        import atexit
-        import os
-        import tempfile
-
-        import torch.multiprocessing as mp
-
-        from specmla.parallel import TPModel, init_group, launched_by_torchrun, worker_main
-
         if launched_by_torchrun():  # the other ranks were started by torchrun and run worker_main
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
@@ -157,14 +154,12 @@ class LLM:
         """Stop the tensor-parallel workers (no-op otherwise)."""
         if not self._workers:
             return
-        import torch.distributed as dist
-
         self.engine.runner.model.shutdown()
         for p in self._workers:
             if p != "torchrun":
                 p.join(timeout=30)
         self._workers = []
-        dist.destroy_process_group()
+        destroy_group()
 
     @property
     def kv_pool(self) -> KVPool:
@@ -213,3 +208,16 @@ class LLM:
         if len(seq.text) > emitted:
             yield seq.text[emitted:]
         self.last_output = self.engine.output_of(seq)
+
+
+def worker_main(rank: int, world: int, init_file: str | None, model_path: str, llm_kwargs: dict) -> None:
+    """A worker rank's process: join the group, load its shard and a KV pool mirroring rank 0's, then
+    run rank 0's model calls until it stops. init_file None: launched by torchrun (env:// rendezvous)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    device = llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    init_group(rank, world, init_file, device)
+    if device != "cpu":
+        llm_kwargs = dict(llm_kwargs, device=f"cuda:{local_rank(rank)}")
+    llm = LLM(model_path, _tp_rank=rank, _tp_world=world, **llm_kwargs)
+    serve_model_calls(llm.model, llm.kv_pool.caches, llm.kv_pool.device)
+    destroy_group()

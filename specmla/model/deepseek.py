@@ -19,14 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmla.config import ModelConfig
+from specmla.distributed import all_reduce_
 from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
-from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.decode import mla_decode
-from specmla.ops.prefill import mla_prefill
+from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.moe import RouteSpec, moe_experts_triton, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
-from specmla.parallel import all_reduce_
+from specmla.ops.prefill import mla_prefill
 from specmla.ops.rope import apply_rope, apply_rope_
 
 
@@ -157,10 +157,9 @@ class MoE(nn.Module):
     def _dense_is_cheap(self, x) -> bool:
         """Eager batches on CUDA too large for the fused kernels but small enough that computing every
         expert on every token costs less than the grouped path's host work: a sync for the per-expert
-        counts, then about seven launches per expert. A 23-token prefill of the embedded model spent
-        1.0 ms per MoE layer there against a 0.56 ms GPU time for the whole step (H100,
-        docs/benchmarks.md). The size limit sends big models to the grouped path beyond a few tokens
-        (DeepSeek-V3: beyond T = 16); CPU runs always group, since the extra expert FLOPs are not free there."""
+        counts, then about seven launches per expert, which outweighs a short prefill's whole GPU time.
+        The size limit sends big models to the grouped path beyond a few tokens (DeepSeek-V3: beyond
+        T = 16); CPU runs always group, since the extra expert FLOPs are not free there."""
         E, two_i = self.w_gate_up.shape[:2]
         return self._whole_on_cuda(x) and E * x.shape[0] * two_i <= self.dense_max_elements
 

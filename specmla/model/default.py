@@ -14,6 +14,11 @@ import os
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from specmla.config import ModelConfig
+from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.model.loader import save_checkpoint
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TINY_RANDOM_NAME = "tiny-random-v1"
@@ -60,8 +65,6 @@ def cache_dir() -> Path:
 
 def write_byte_tokenizer(path: Path) -> None:
     """A byte-level tokenizer with no merges: 256 byte tokens + 3 specials (ids 256..258)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {c: i for i, c in enumerate(_chars_in_byte_order())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -88,10 +91,6 @@ def _chars_in_byte_order() -> list[str]:
 
 def build_random_model_dir(path: Path, config: dict | None = None, seed: int = 0) -> Path:
     """Write config.json, model.safetensors (random weights) and a byte tokenizer to `path`."""
-    from specmla.config import ModelConfig
-    from specmla.model.deepseek import DeepseekForCausalLM
-    from specmla.model.loader import save_checkpoint
-
     config = dict(config or TINY_RANDOM_CONFIG)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specmla.config import ModelConfig
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.rope import rope_cos_sin_cache
+from specmla.model.sharding import shard_model_
 
 
 class CheckpointError(RuntimeError):
@@ -131,8 +133,6 @@ def load_model(
         else:
             dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.bfloat16)
     if shard is not None:
-        from specmla.parallel import shard_model_
-
         model = load_model(path, device="cpu", dtype=dtype, max_positions=max_positions, progress=progress)
         shard_model_(model, *shard)
         return model.to(device)
@@ -154,7 +154,5 @@ def save_checkpoint(model: DeepseekForCausalLM, path: str | Path) -> None:
     """Write the model's tensors to `path`/model.safetensors with HF checkpoint names (per-expert
     tensors, MTP modules as model.layers.{num_hidden_layers + i}.*, their shared embedding/head
     not written again: the loader uses the trunk's)."""
-    from safetensors.torch import save_file
-
     tensors = {name: t.detach().contiguous().cpu() for name, t in model.checkpoint_tensors().items()}
     save_file(tensors, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})

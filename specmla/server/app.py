@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -224,8 +225,6 @@ def create_app(load_llm, model_name: str, api_key: str | None = None) -> FastAPI
         return list(prompt)
 
     def chat_prompt(llm, messages: list[ChatMessage]) -> list[int]:
-        import jinja2
-
         if llm.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         template = llm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE

@@ -7,6 +7,7 @@ import torch
 
 from specmla import LLM, SamplingParams
 from specmla.engine.kv_pool import KVPool
+from specmla.model.metadata import AttentionMetadata
 
 PROMPTS = ["def f(x):", "import os\nimport sys\n", "a", "class Foo:\n    def __init__(self):\n        self.x = 1\n"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -72,10 +73,9 @@ def test_logprobs_are_log_softmax_of_the_model(llm):
     assert len(out.logprobs) == 3
     ids = list(out.prompt_token_ids)
     for tok, entry in zip(out.token_ids, out.logprobs):
-        from specmla.model.metadata import AttentionMetadata
-
         with torch.no_grad():
-            logits = llm.model.compute_logits(llm.model(torch.tensor(ids), AttentionMetadata.for_contiguous([len(ids)])))
+            hidden = llm.model(torch.tensor(ids), AttentionMetadata.for_contiguous([len(ids)]))
+            logits = llm.model.compute_logits(hidden)
         ref = torch.log_softmax(logits[-1], -1)
         assert entry["token_id"] == tok
         assert entry["logprob"] == pytest.approx(ref[tok].item(), abs=1e-4)

@@ -133,7 +133,8 @@ def test_speculative_sampling_follows_the_target_distribution_end_to_end(tiny_mo
 
     def dist(ids):
         with torch.no_grad():
-            logits = llm.model.compute_logits(llm.model(torch.tensor(ids), AttentionMetadata.for_contiguous([len(ids)])))
+            hidden = llm.model(torch.tensor(ids), AttentionMetadata.for_contiguous([len(ids)]))
+            logits = llm.model.compute_logits(hidden)
         masked = apply_top_k_top_p(logits[-1:] / temp, torch.tensor([k_top]), torch.tensor([1.0]))
         return masked.softmax(-1)[0]
 

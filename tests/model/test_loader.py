@@ -1,7 +1,7 @@
 """Tests for specmla.model.loader: HF checkpoint directories → DeepseekForCausalLM, MTP layers,
 error reporting, save_checkpoint round-trips (incl. transformers reading our files), dtypes.
 
-CPU, fp32, tiny random models from tests/hf_models.py; checkpoints are written once per module and
+CPU, fp32, tiny random models from tests/helpers/hf_models.py; checkpoints are written once per module and
 copied into each test's tmp_path before being damaged.
 """
 
@@ -250,7 +250,7 @@ def _hf_mtp_block(path: Path, ref: dict[str, torch.Tensor], n: int):
     for key in layer.state_dict():
         if key == "mlp.experts.gate_up_proj":  # [E, 2I, H] = cat(gate, up) per expert
             sd[key] = torch.stack([
-                torch.cat([ref[f"{pre}mlp.experts.{e}.gate_proj.weight"], ref[f"{pre}mlp.experts.{e}.up_proj.weight"]], 0)
+                torch.cat([ref[f"{pre}mlp.experts.{e}.{w}_proj.weight"] for w in ("gate", "up")], 0)
                 for e in range(E)
             ])
         elif key == "mlp.experts.down_proj":  # [E, H, I]

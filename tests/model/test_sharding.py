@@ -1,0 +1,35 @@
+"""A tensor-parallel rank's shard of the model: heads and MLP columns split, experts divided."""
+
+import pytest
+import torch
+
+from specmla.model.loader import load_model
+from specmla.model.sharding import shard_model_
+
+
+def test_shards_split_heads_and_experts(tiny_model_dir):
+    full = load_model(tiny_model_dir, device="cpu", progress=False)
+    part = load_model(tiny_model_dir, device="cpu", progress=False)
+    shard_model_(part, 1, 2)
+    a_full, a_part = full.model.layers[0].self_attn, part.model.layers[0].self_attn
+    assert a_part.num_heads == a_full.num_heads // 2
+    assert a_part.kv_b_proj.weight.shape[0] == a_full.kv_b_proj.weight.shape[0] // 2
+    assert a_part.o_proj.weight.shape[1] == a_full.o_proj.weight.shape[1] // 2
+    moe = part.model.layers[1].mlp
+    assert moe.local_experts == (2, 4)
+    with pytest.raises(ValueError, match="heads"):
+        shard_model_(load_model(tiny_model_dir, device="cpu", progress=False), 0, 3)
+
+
+def test_load_model_with_shard_gives_the_shard_only(tiny_model_dir):
+    """A tensor-parallel rank loads its shard (staged on the host): the same tensors as cutting the
+    full model, and fewer parameters than the full model."""
+    full = load_model(tiny_model_dir, device="cpu", progress=False)
+    cut = load_model(tiny_model_dir, device="cpu", progress=False)
+    shard_model_(cut, 1, 2)
+    rank1 = load_model(tiny_model_dir, device="cpu", progress=False, shard=(1, 2))
+    want, got = dict(cut.named_parameters()), dict(rank1.named_parameters())
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert sum(p.numel() for p in got.values()) < sum(p.numel() for p in full.parameters())
