@@ -92,7 +92,7 @@ def gluon_decode_usage(cases) -> list[dict]:
     from specmla.ops.decode.hopper import fp8mma as M
     from specmla.ops.decode.hopper import dequant as F
     from specmla.ops.kv_cache import row_spec
-    from specmla.ops.decode.triton import plan
+    from specmla.ops.decode.dispatch import plan
 
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
@@ -111,7 +111,7 @@ def gluon_decode_usage(cases) -> list[dict]:
             kv = torch.randn(8, 64, dc + dr, dtype=dtype)
         table = torch.zeros(B, 4, dtype=torch.int32)
         lens = torch.full((B,), 200, dtype=torch.int32)
-        cfg = plan(B, S, H, 256, q.device, 64)
+        cfg = plan(B, S, H, 256, 8, 64)
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         module = None
@@ -156,7 +156,7 @@ def bf16_decode_usage(kernel: str, cases) -> list[dict]:
 
     import torch
 
-    from specmla.ops.decode.triton import plan
+    from specmla.ops.decode.dispatch import plan
 
     module = importlib.import_module("specmla.ops.decode.hopper." + kernel)
     rows = []
@@ -169,7 +169,7 @@ def bf16_decode_usage(kernel: str, cases) -> list[dict]:
         kv = torch.randn(8, 64, dc + dr, dtype=dtype)
         table = torch.zeros(B, 4, dtype=torch.int32)
         lens = torch.full((B,), 200, dtype=torch.int32)
-        cfg = plan(B, S, H, 256, q.device, block_n)
+        cfg = plan(B, S, H, 256, 8, block_n)
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         with offline_sm90() as kernels:
@@ -214,7 +214,7 @@ if __name__ == "__main__":
         sys.exit(0)
     import torch
 
-    from specmla.ops.decode.triton import mla_decode_triton
+    from specmla.ops import mla_decode
 
     print("triton", triton.__version__)
     for H, S, B, fmt in ((16, 1, 32, "bf16"), (16, 4, 64, "bf16"), (128, 1, 64, "bf16")):
@@ -223,6 +223,6 @@ if __name__ == "__main__":
         bt = torch.zeros(B, 32, dtype=torch.int32)
         lens = torch.full((B,), 2048, dtype=torch.int32)
         with offline_sm90() as ks:
-            mla_decode_triton(q, kv, bt, lens, 0.07)
+            mla_decode(q, kv, bt, lens, 0.07, backend="triton")
         for k in ks:
             print(f"H={H} S={S}", resource_usage(k))

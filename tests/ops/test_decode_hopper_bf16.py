@@ -11,10 +11,12 @@ import triton
 from helpers.mla_cases import assert_matches_reference, make_decode_case, rel_err
 from helpers.offline_compile import offline_sm90_rows
 
-from specmla.ops.decode import mla_decode_torch
+from specmla.ops import mla_decode
+from specmla.ops.decode import LOG2E, mla_decode_torch, route
+from specmla.ops.decode.dispatch import plan
 from specmla.ops.decode.hopper import bf16, bf16_seesaw
 from specmla.ops.decode.hopper import common as G
-from specmla.ops.decode.triton import LOG2E, combine_splits, mla_decode_triton, plan
+from specmla.ops.decode.triton import combine_splits
 
 SCALE = 0.0721
 H100_SMEM = 227 * 1024
@@ -55,46 +57,14 @@ def test_compiles_for_sm90_within_hopper_limits(kernel):
         assert 0 < use["shared"] <= H100_SMEM, r
 
 
-DEQUANT_COMPILE_CASES = [  # the kernel for fp8_ds_mla / tbq4 caches (`hopper.dequant`): H, S, dc, dr, format, direct
-    [16, 1, 512, 64, "fp8_ds_mla", True],  # keys as M, 16 rows
-    [16, 2, 512, 64, "fp8_ds_mla", False],  # ... 32 rows, split partials
-    [16, 1, 512, 64, "tbq4", False],  # a tbq4 cache through the same kernel
-]
-FP8_STACK_BYTES = 256  # fp8, 32 rows: 112 B with Triton 3.6 (the GPU machine's), 192 B with 3.9; 16 rows: 0
-
-
-def test_dequant_kernel_compiles_for_sm90_within_hopper_limits():
-    """The kernel for quantised caches builds for sm_90: two consumer warpgroups and a producer of 8 warps, at its
-    register split (SHAPES), in an H100's shared memory."""
-    rows = offline_sm90_rows(DEQUANT_COMPILE_CASES)
-    assert [r["case"] for r in rows] == DEQUANT_COMPILE_CASES
-    for r in rows:
-        (use,) = r["kernels"]
-        assert use["name"] == "_mla_decode_quant_kernel", r
-        assert use["warps"] == 16 and 0 < use["regs"] <= 255 and use["local"] == 0, r
-        assert use["stack"] <= FP8_STACK_BYTES, r
-        assert 0 < use["shared"] <= H100_SMEM, r
-
-
-def test_fp8_rule_takes_splits_of_two_blocks_or_more():
-    """Which fp8 / tbq4 calls the Gluon kernel for quantised caches takes by default (measured,
-    docs/benchmarks.md)."""
-    from specmla.ops.decode.hopper import dequant as F
-    cpu = torch.device("cpu")
-    cfg = lambda B, S, T: plan(B, S, 16, T, cpu, F.BLOCK_N, waves=1)  # noqa: E731
-    assert F.auto_takes(cfg(32, 2, 32768), 32, 2)  # two folded tokens: 32-row tiles
-    assert F.auto_takes(cfg(4, 1, 131072), 4, 1)  # few programs, long splits
-    assert F.auto_takes(cfg(32, 1, 32768), 32, 1)  # 32 programs of 16 rows
-    assert F.auto_takes(cfg(1, 1, 1024), 1, 1)  # two-block splits (plan's CPU stand-in has 8 SMs)
-    assert not F.auto_takes(cfg(1, 1, 512), 1, 1)  # one-block splits: Triton
-
-
 def test_not_taken_on_cpu_and_clear_error_when_forced():
     q, kv, table, seq = make_decode_case(2, 1, 64, 64, 512, 64, [5, 70], torch.float32)
     assert not bf16.supported(q, kv, "bf16", 64, head_dim_v=512)
     assert not bf16_seesaw.supported(q, kv, "bf16", 64, head_dim_v=512)
-    with pytest.raises(ValueError, match="Gluon"):
-        mla_decode_triton(q, kv, table, seq, SCALE, head_dim_v=512, gluon=True)
+    with pytest.raises(ValueError, match="no Hopper decode kernel"):
+        mla_decode(q, kv, table, seq, SCALE, head_dim_v=512, backend="hopper")
+    with pytest.raises(ValueError, match="no Hopper decode kernel 'bf16_seesaw'"):
+        mla_decode(q, kv, table, seq, SCALE, head_dim_v=512, opts=bf16_seesaw.Options())
 
 
 # ---------------------------------------------------------------- GPU -------------------------------------
@@ -104,7 +74,8 @@ def run_kernel(kernel: str, case, causal: bool, dc: int, num_splits: int | None 
     module = KERNELS[kernel]
     q, kv, table, seq = case
     B, S, H, _ = q.shape
-    cfg = plan(B, S, H, triton.next_power_of_2(table.shape[1]) * kv.shape[1], q.device, 64, waves=1)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    cfg = plan(B, S, H, triton.next_power_of_2(table.shape[1]) * kv.shape[1], sms, 64, waves=1)
     ns = num_splits or cfg["num_splits"]
     out = torch.empty(B, S, H, dc, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
@@ -116,7 +87,7 @@ def run_kernel(kernel: str, case, causal: bool, dc: int, num_splits: int | None 
     module.launch(q, kv, table, seq, mid_o, mid_lse, out, lse, SCALE * LOG2E, cfg, causal=causal, num_splits=ns,
                   kv_format="bf16", opts=opts or module.Options())
     if ns > 1:
-        combine_splits(mid_o, mid_lse, out, lse)
+        combine_splits(mid_o, mid_lse, out, lse, sms)
     return out, lse
 
 
@@ -150,12 +121,13 @@ def test_gpu_kernel_matches_reference(kernel, case):
 
 
 @pytest.mark.gpu
-def test_gpu_gluon_is_the_default_for_64_row_tiles():
+def test_gpu_hopper_is_the_default_for_64_row_tiles():
     q, kv, table, seq = make_decode_case(2, 4, 16, 64, 512, 64, [300, 900], torch.bfloat16, device="cuda")
     assert bf16.supported(q, kv, "auto", 64, head_dim_v=512)
-    auto = mla_decode_triton(q, kv, table, seq, SCALE, head_dim_v=512)
-    forced = mla_decode_triton(q, kv, table, seq, SCALE, head_dim_v=512, gluon=True)
-    triton_only = mla_decode_triton(q, kv, table, seq, SCALE, head_dim_v=512, gluon=False)
+    assert route(q, kv, table).kernel == "bf16_seesaw"
+    auto = mla_decode(q, kv, table, seq, SCALE, head_dim_v=512)
+    forced = mla_decode(q, kv, table, seq, SCALE, head_dim_v=512, backend="hopper")
+    triton_only = mla_decode(q, kv, table, seq, SCALE, head_dim_v=512, backend="triton")
     assert torch.equal(auto, forced)
     assert rel_err(auto, triton_only) <= 1e-2
 
@@ -167,11 +139,11 @@ def test_gpu_gluon_cuda_graph_capture_and_replay():
     ns = 3
     ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
     out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
-    mla_decode_triton(q, kv, table, seq, SCALE, out=out, workspace=ws, gluon=True)  # compile outside capture
+    mla_decode(q, kv, table, seq, SCALE, out=out, workspace=ws, backend="hopper")  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mla_decode_triton(q, kv, table, seq, SCALE, out=out, workspace=ws, gluon=True)
+        mla_decode(q, kv, table, seq, SCALE, out=out, workspace=ws, backend="hopper")
     for _ in range(3):
         seq.copy_(torch.randint(1, T + 1, (B,), dtype=torch.int32, device="cuda"))
         q.copy_(torch.randn_like(q))
