@@ -99,15 +99,15 @@ def gluon_decode_usage(cases) -> list[dict]:
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         block_n = rest[0] if rest else 64
         settings = rest[1] if len(rest) > 1 else {}  # module constants of the fp8reg / tbq4reg kernel to set
-        mma, treg, fold = dtype_name == "fp8mma", dtype_name == "tbq4reg", dtype_name.startswith("fp8fold")
+        mma, treg = dtype_name == "fp8mma", dtype_name == "tbq4reg"
         reg, kv_format = dtype_name.startswith("fp8reg"), "fp8" if dtype_name.endswith("rope_int8") else "fp8_ds_mla"
-        dtype_name = "fp8_ds_mla" if mma or reg or fold else "tbq4" if treg else dtype_name
+        dtype_name = "fp8_ds_mla" if mma or reg else "tbq4" if treg else dtype_name
         fp8 = dtype_name in ("fp8_ds_mla", "tbq4")  # a quantised cache: the Gluon kernel for fp8 / tbq4 rows
         dtype = torch.bfloat16 if fp8 else getattr(torch, dtype_name)
         B = 2
         q = torch.randn(B, S, H, dc + dr, dtype=dtype)
         if fp8:
-            kv = torch.zeros(8, 64, row_spec(kv_format if reg or fold else dtype_name, dc, dr, dtype)[0],
+            kv = torch.zeros(8, 64, row_spec(kv_format if reg else dtype_name, dc, dr, dtype)[0],
                              dtype=torch.uint8)
         else:
             kv = torch.randn(8, 64, dc + dr, dtype=dtype)
@@ -117,18 +117,14 @@ def gluon_decode_usage(cases) -> list[dict]:
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         module = None
-        if treg or reg or fold:
+        if treg or reg:
             import importlib
-            module = importlib.import_module("specmla.ops.decode.hopper." + ("tbq4" if treg else "fp8fold"
-                                                                                  if fold else "fp8"))
+            module = importlib.import_module("specmla.ops.decode.hopper." + ("tbq4" if treg else "fp8"))
         saved = {name: getattr(module, name) for name in settings}
         for name, value in settings.items():
             setattr(module, name, tuple(value) if isinstance(value, list) else value)
         with offline_sm90() as kernels:
-            if fold:
-                module.launch_fp8fold_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                            direct=direct, num_splits=1 if direct else 2, kv_format=kv_format)
-            elif treg:
+            if treg:
                 from specmla.ops.decode.hopper import tbq4 as T
                 T.launch_tbq4reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                        direct=direct, num_splits=1 if direct else 2)

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from specmla.ops.decode.hopper import common as mla_decode_gluon
-from specmla.ops.decode.hopper import fp8fold as mla_decode_gluon_fp8fold
 from specmla.ops.decode.hopper import fp8mma as mla_decode_gluon_fp8mma
 from specmla.ops.decode.hopper import fp8 as mla_decode_gluon_fp8reg
 from specmla.ops.decode.hopper import dequant as mla_decode_gluon_quant
@@ -447,21 +446,8 @@ def _sm_count(device: torch.device) -> int:
 
 # quantised formats whose S > 1 calls (H ≤ 16) run one query token per program on the 16-row e4m3 Gluon kernels
 UNFOLDED_FORMATS = ("fp8", "fp8_ds_mla", "tbq4")
-# fp8 formats whose S > 1 calls fold into 17 to 64 rows on the 64-row e4m3 Gluon kernel (`mla_decode_gluon_fp8fold`):
-# none, because it is correct but slower than one token per program (H100, B=32 T=32k, fp8: S=4 0.51× bf16 against
-# 0.58×, S=2 0.52× against 1.12×; docs/benchmarks.md, issue 7, twenty-first session)
-FOLDED_E4M3_FORMATS: tuple = ()
 TBQ4_COMBINE_ROTATE = True  # tbq4: the split combine also rotates the output back (else a kernel of its own)
 SMEM_BUDGET = 224 * 1024  # estimate (stages·block_n·d + block_m·d)·elem overcounts Triton's use a little
-
-
-def _fold64_takes(q, kv_cache, dc: int, S: int, H: int, kv_format: str) -> bool:
-    """Whether the 64-row e4m3 kernel (`mla_decode_gluon_fp8fold`) takes an S > 1 call's folded rows."""
-    if S == 1 or kv_format not in FOLDED_E4M3_FORMATS:
-        return False
-    block_h = min(MAX_ROWS, triton.next_power_of_2(H))
-    block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h) * block_h))
-    return mla_decode_gluon_fp8fold.fp8fold_supported(q, kv_cache, dc, block_m, kv_format)
 
 
 def default_tiles(block_m: int, d: int, elem: int, kv_format: str = "auto") -> dict:
@@ -548,8 +534,7 @@ def mla_decode_triton(
     # the table's width grows with the longest request in eager steps; a power-of-two bucket keeps
     # the split count (and the compiled combine variant) stable instead of changing every few pages
     max_seq = triton.next_power_of_2(block_table.shape[1]) * page_size
-    fold64 = gluon is not False and _fold64_takes(q, kv_cache, dc, S, H, kv_format)
-    if S > 1 and H <= 16 and not fold64 and gluon is not False and kv_format in UNFOLDED_FORMATS and (
+    if S > 1 and H <= 16 and gluon is not False and kv_format in UNFOLDED_FORMATS and (
             _e4m3_kernel_takes(q, kv_cache, dc, 16, kv_format)):
         # one query token per program, in the e4m3 kernels' 16 rows: each token's program reads the keys again, and
         # yet it beats the folded rows (H100, B=32 T=32k, S=2: 1.03-1.19× bf16 against 0.35-0.83×; S=4: 0.54-0.62×
@@ -563,9 +548,7 @@ def mla_decode_triton(
     gluon_block_n = block_n if block_n in (32, 64) else 64  # the Gluon kernel's key blocks: 64 unless asked
     block_n = block_n or tiles["block_n"]
     cfg = plan(B, S, H, max_seq, q.device, block_n, max_rows)
-    if fold64:
-        gluon_quant = True
-    elif kv_format == "fp8":  # only the fp8 e4m3 kernel reads these rows
+    if kv_format == "fp8":  # only the fp8 e4m3 kernel reads these rows
         gluon_quant = _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     else:
         gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
@@ -637,11 +620,7 @@ def mla_decode_triton(
         cent = tbq4.centroids(q.device)
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
-    if run_gluon and fold64:
-        mla_decode_gluon_fp8fold.launch_fp8fold_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                      softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
-                                                      num_splits=ns, kv_format=kv_format)
-    elif run_gluon and gluon_quant and fp8 and _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format):
+    if run_gluon and gluon_quant and fp8 and _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format):
         helpers = mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
                                                               lse, softmax_scale * LOG2E, cfg, causal=causal,
                                                               direct=direct, num_splits=ns, kv_format=kv_format)
