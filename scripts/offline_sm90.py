@@ -84,13 +84,11 @@ def gluon_decode_usage(cases) -> list[dict]:
     report its resources; for "fp8reg" / "tbq4reg" an optional 8th item sets module constants while compiling,
     e.g. {"LOADER": true, "REGS": [224, 40]} (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process:
     Triton's interpreter mode, which the test suite turns on, cannot compile). dtype "fp8_ds_mla" / "tbq4": the
-    kernel for quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries; "fp8mma": the fp8 kernel with e4m3
-    matmuls (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`;
+    kernel for quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries; "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`;
     "fp8reg_rope_int8": on 608-byte fp8 rows); "tbq4reg": its tbq4 sibling (`ops.mla_decode_gluon_tbq4reg`)."""
     import torch
 
     from specmla.ops.decode.hopper import common as G
-    from specmla.ops.decode.hopper import fp8mma as M
     from specmla.ops.decode.hopper import dequant as F
     from specmla.ops.kv_cache import row_spec
     from specmla.ops.decode.triton import plan
@@ -99,9 +97,9 @@ def gluon_decode_usage(cases) -> list[dict]:
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         block_n = rest[0] if rest else 64
         settings = rest[1] if len(rest) > 1 else {}  # module constants of the fp8reg / tbq4reg kernel to set
-        mma, treg = dtype_name == "fp8mma", dtype_name == "tbq4reg"
+        treg = dtype_name == "tbq4reg"
         reg, kv_format = dtype_name.startswith("fp8reg"), "fp8" if dtype_name.endswith("rope_int8") else "fp8_ds_mla"
-        dtype_name = "fp8_ds_mla" if mma or reg else "tbq4" if treg else dtype_name
+        dtype_name = "fp8_ds_mla" if reg else "tbq4" if treg else dtype_name
         fp8 = dtype_name in ("fp8_ds_mla", "tbq4")  # a quantised cache: the Gluon kernel for fp8 / tbq4 rows
         dtype = torch.bfloat16 if fp8 else getattr(torch, dtype_name)
         B = 2
@@ -132,9 +130,6 @@ def gluon_decode_usage(cases) -> list[dict]:
                 from specmla.ops.decode.hopper import fp8 as R
                 R.launch_fp8reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                       direct=direct, num_splits=1 if direct else 2, kv_format=kv_format)
-            elif mma:
-                M.launch_fp8mma_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                      direct=direct, num_splits=1 if direct else 2)
             elif fp8:
                 F.launch_quant_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                                      direct=direct, num_splits=1 if direct else 2, kv_format=dtype_name)

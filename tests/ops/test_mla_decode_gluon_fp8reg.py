@@ -6,7 +6,8 @@ it for sm_90 and checks its row order against the layouts it is built from."""
 import pytest
 import torch
 from helpers.offline_compile import offline_sm90_rows
-from test_mla_decode_gluon_fp8mma import _problem, assert_tokens_match, hopper
+from helpers.quant_decode import assert_tokens_match, hopper
+from helpers.quant_decode import quant_problem as _problem
 
 from specmla.ops.decode.hopper import common as G
 from specmla.ops.decode.hopper import fp8 as R

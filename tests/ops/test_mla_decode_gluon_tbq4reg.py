@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 from helpers.offline_compile import offline_sm90_rows
-from test_mla_decode_gluon_fp8mma import _problem, assert_tokens_match, hopper
+from helpers.quant_decode import assert_tokens_match, hopper
+from helpers.quant_decode import quant_problem as _problem
 
 from specmla.ops.decode.hopper import tbq4 as T
 from specmla.ops.kv_cache import tbq4

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from specmla.ops.decode.hopper import common as mla_decode_gluon
-from specmla.ops.decode.hopper import fp8mma as mla_decode_gluon_fp8mma
 from specmla.ops.decode.hopper import fp8 as mla_decode_gluon_fp8reg
 from specmla.ops.decode.hopper import dequant as mla_decode_gluon_quant
 from specmla.ops.decode.hopper import tbq4 as mla_decode_gluon_tbq4reg
@@ -628,11 +627,6 @@ def mla_decode_triton(
         mla_decode_gluon_tbq4reg.launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                       softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
                                                       num_splits=ns)
-    elif (run_gluon and gluon_quant and fp8 and mla_decode_gluon_fp8mma.USE
-            and mla_decode_gluon_fp8mma.fp8mma_supported(q, kv_cache, dc, cfg["BLOCK_M"])):
-        mla_decode_gluon_fp8mma.launch_fp8mma_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                    softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
-                                                    num_splits=ns)
     elif run_gluon and gluon_quant:
         mla_decode_gluon_quant.launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                 softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns,

@@ -38,11 +38,11 @@ fp64 reference, plus a CPU test that compiles it for sm_90.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from specmla.ops.decode.hopper import common as G
+from specmla.ops.decode.hopper import quant_common as QC
 from specmla.ops.kv_cache import tbq4
 
 if G.HAVE_GLUON:
@@ -71,9 +71,9 @@ PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpack
 # 5 neither loads (after the first two blocks) nor unpacks: the consumers' own time
 
 FORMATS = {"fp8_ds_mla": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention rotated)
-ROW_BYTES = {"fp8_ds_mla": 656, "tbq4": tbq4.cache_row_bytes(512, 64)}  # Dc = 512, Dr = 64: 656 and 400
+ROW_BYTES = QC.ROW_BYTES
 
-_SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
+_SOURCE_KEY = G.source_key(__file__) ^ QC._SOURCE_KEY  # in the kernel's cache key (see G.source_key)
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 KV_READY = _c(0)  # +stage: the producer has unpacked a block into it
 KV_FREE = _c(NUM_STAGES)  # +stage: both consumers' matmuls that read it have completed (one arrival each)
@@ -104,30 +104,9 @@ add.u32 $1, a, 0x3C003C00;
 
 
 _TBQ4_PAIRS = _c(tbq4.centroid_lookup_ptx(scaled=False))  # centroids, 4 bf16x2 pairs per word
-TBQ4_ROPE_AT = _c(tbq4.rope_offset(512) // 2)  # the rope part of a tbq4 row, in bf16 units
 
 
 if G.HAVE_GLUON:
-
-    @gluon.jit
-    def _latent_column(j, FMT: gl.constexpr):
-        """The latent column held in tile column j. Within each 128-column chunk (one scale or norm):
-        fp8 word v (codes 4v … 4v+3) lands as pair 0 (codes 4v, 4v+1) at columns 2v, 2v+1 and pair 1 at
-        64 + 2v, 65 + 2v; tbq4 word v (codes 8v … 8v+7) as pair k (codes 8v+2k, 8v+2k+1) at 32k + 2v, 32k + 2v + 1.
-        FMT 2 (`mla_decode_gluon_fp8mma`'s Vᵀ): the natural order. FMT 3 (`mla_decode_gluon_fp8reg`'s Vᵀ
-        fragment rows m): column bits d0 … d6 = m3 m6 m0 m1 m2 m4 m5."""
-        if FMT == 2:
-            return j
-        if FMT == 3:
-            m = j % 128
-            col = (((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5))
-            return (j // 128) * 128 + col
-        k = j % 128
-        if FMT == 0:
-            col = 4 * ((k % 64) // 2) + 2 * (k // 64) + k % 2
-        else:
-            col = 8 * ((k % 32) // 2) + 2 * (k // 32) + k % 2
-        return (j // 128) * 128 + col
 
     @gluon.jit
     def _load_q(Q, q_c_smem, q_r_smem, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
@@ -140,65 +119,10 @@ if G.HAVE_GLUON:
         h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
         ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
         q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
-        cols_qc = _latent_column(gl.arange(0, DC, layout=gl.SliceLayout(0, LAYOUT)), FMT)
+        cols_qc = QC._latent_column(gl.arange(0, DC, layout=gl.SliceLayout(0, LAYOUT)), FMT)
         cols_qr = gl.arange(0, DR, layout=gl.SliceLayout(0, LAYOUT))
         q_c_smem.store(gl.load(Q + q_at + gl.expand_dims(cols_qc, 0), mask=ok_q, other=0.0))
         q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0).to(gl.bfloat16))
-
-    @gluon.jit
-    def _row_limits(seq_len, S, g, FOLD: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_M: gl.constexpr,
-                    CAUSAL: gl.constexpr, ROW: gl.constexpr):
-        """Each query row's key limit (keys < limit are seen) for token group g of a request of length seq_len:
-        causal, the row's token position + 1 (rows are FOLD tokens × BLOCK_H heads); else the whole request."""
-        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
-        if CAUSAL:
-            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
-        return limit
-
-    @gluon.jit
-    def _softmax_keys(s, m_i, l_keys, offs_n, end, limit, scale_log2):
-        """Online softmax of Sᵀ [keys, rows] (keys offs_n; hidden at or past `end` and past each row's
-        causal `limit`): P at the new max, the old rows' rescale factor, the new max, and the row sums kept
-        per key slot (summed over the keys once, at the end: one cross-warp reduction per block, not two)."""
-        visible = gl.expand_dims(offs_n < end, 1) & (gl.expand_dims(offs_n, 1) < gl.expand_dims(limit, 0))
-        s = gl.where(visible, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 0))
-        return p, alpha, m_new, l_keys * gl.expand_dims(alpha, 0) + p
-
-    @gluon.jit
-    def _store_out(acc, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE,
-                   stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
-                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr,
-                   C0: gl.constexpr, NC: gl.constexpr, STORE_LSE: gl.constexpr, DIRECT: gl.constexpr,
-                   FMT: gl.constexpr, ACC: gl.constexpr):
-        """Normalise Oᵀ [NC, BLOCK_M] (tile columns C0 … C0+NC) and store them in the output (one split:
-        natural-log lse) or this split's partial and log2-sum-exp; tile columns go back to latent columns."""
-        has = l_i > 0
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        out = acc * gl.expand_dims(1.0 / gl.where(has, l_i, 1.0), 0)
-        cols_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
-        s_o = g * FOLD + cols_r // BLOCK_H
-        h_o = gl.program_id(1) * BLOCK_H + cols_r % BLOCK_H
-        ok_o = (cols_r < FOLD * BLOCK_H) & (h_o < H)
-        d = gl.expand_dims(_latent_column(C0 + gl.arange(0, NC, layout=gl.SliceLayout(1, ACC)), FMT), 1)
-        mask = gl.expand_dims(ok_o, 0) & (d < DC)
-        if DIRECT:
-            o_at = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
-            gl.store(gl.expand_dims(o_at, 0) + d, out.to(OUT.dtype.element_ty), mask=mask)
-            if STORE_LSE:
-                gl.store(LSE + b * stride_lb + s_o * stride_ls + h_o, lse2 * 0.6931471805599453, mask=ok_o)
-        else:
-            split = gl.program_id(2)
-            mo_at = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
-            gl.store(gl.expand_dims(mo_at, 0) + d, out, mask=mask)
-            if STORE_LSE:
-                gl.store(MID_LSE + b * stride_mlb + s_o * stride_mls + h_o * stride_mlh + split, lse2, mask=ok_o)
 
     # ---------------------------------------------------------------- producer -----------------------------
 
@@ -260,7 +184,7 @@ if G.HAVE_GLUON:
         if FMT == 0:
             at = gl.multiple_of(rows // 2 + (DC + 4 * (DC // 128)) // 2, 8)
         else:
-            at = gl.multiple_of(rows // 2 + TBQ4_ROPE_AT, 4)
+            at = gl.multiple_of(rows // 2 + QC.TBQ4_ROPE_AT, 4)
         G._cp_async(k_r_buf, KV16 + gl.expand_dims(at, 1) + gl.expand_dims(cols, 0), mask=gl.expand_dims(ok, 1))
         cp.commit_group()
 
@@ -385,7 +309,7 @@ if G.HAVE_GLUON:
         else:
             mbarrier.wait(bars.index(Q_READY), 0)
 
-        limit = _row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
+        limit = QC._row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
         l_keys = s_zero
@@ -419,7 +343,7 @@ if G.HAVE_GLUON:
                 s = s + s_smem.index(OTHER).load(ACC)
                 _cta_barrier()
                 mbarrier.arrive(bars.index(S_READ + OTHER))
-                p, alpha, m_i, l_keys = _softmax_keys(s, m_i, l_keys, start + j * BLOCK_N + keys, end, limit,
+                p, alpha, m_i, l_keys = QC._softmax_keys(s, m_i, l_keys, start + j * BLOCK_N + keys, end, limit,
                                                       scale_log2)
                 p_smem.index(2 * ROLE).store((p * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE).load(KEY), 1))
                                              .to(dtype))
@@ -436,10 +360,10 @@ if G.HAVE_GLUON:
                                    is_async=True)
         oa, ob = warpgroup_mma_wait(num_outstanding=0, deps=(oa, ob))
         l_i = gl.sum(l_keys, axis=0)
-        _store_out(oa, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
+        QC._store_out(oa, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
                    stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                    BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE, 128, ROLE == 0, DIRECT, FMT, ACC)
-        _store_out(ob, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
+        QC._store_out(ob, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
                    stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
                    BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE + 128, 128, False, DIRECT, FMT, ACC)
 
@@ -501,19 +425,8 @@ def quant_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: i
                     kv_format: str = "fp8_ds_mla") -> bool:
     """Whether this kernel takes a quantised-cache call: Hopper, an fp8 or tbq4 cache, bf16 queries (the rope
     part is bf16), Dc = 512, Dr = 64, row tiles of at most MAX_ROWS, contiguous uint8 rows."""
-    return kv_format in FORMATS and block_m <= MAX_ROWS and hopper_rows_supported(q, kv_cache, dc, ROW_BYTES[kv_format])
-
-
-def hopper_rows_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, row_bytes: int) -> bool:
-    """What every Hopper kernel for quantised rows needs: a Hopper GPU outside the interpreter, bf16 queries,
-    Dc = 512, Dr = 64, contiguous uint8 rows of `row_bytes`, 16-byte aligned (the kernels read 16- or 8-byte vectors
-    or TMA boxes)."""
-    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return (q.dtype == torch.bfloat16 and dc == DC and q.shape[-1] == DC + DR and kv_cache.dtype == torch.uint8
-            and kv_cache.is_contiguous() and kv_cache.shape[-1] == row_bytes and kv_cache.data_ptr() % 16 == 0)
+    return (kv_format in FORMATS and dc == DC and block_m <= MAX_ROWS
+            and QC.hopper_rows_supported(q, kv_cache, ROW_BYTES[kv_format]))
 
 
 def auto_takes(cfg: dict, B: int, S: int) -> bool:

@@ -59,8 +59,7 @@ import torch
 import triton
 
 from specmla.ops.decode.hopper import common as G
-from specmla.ops.decode.hopper import fp8mma as M
-from specmla.ops.decode.hopper import dequant as Q8
+from specmla.ops.decode.hopper import quant_common as QC
 from specmla.ops.kv_cache import row_spec
 
 if G.HAVE_GLUON:
@@ -68,6 +67,7 @@ if G.HAVE_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _cta_barrier = G._cta_barrier
 
@@ -109,7 +109,7 @@ STEAL_REGS = (224, 40, 24)  # (STEAL) consumer, producer (the default partition:
 # k3 is k1, k2 is k3, k1 is k2
 F16_KEY_ORDER = (0, 1, 2, 5, 3, 4, 6)
 
-_SOURCE_KEY = G.source_key(__file__) ^ M._SOURCE_KEY
+_SOURCE_KEY = G.source_key(__file__) ^ QC._SOURCE_KEY
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 STAMPS_AT_C = _c(STAMPS_AT)
 # (one warp) lane 0 adds $2 to the int32 at $1 and gets the old value, the other lanes 0 (`_add_once`)
@@ -141,7 +141,7 @@ if G.HAVE_GLUON:
         transpose (8 byte permutes); the result is relabelled (index bits d0 d1 ↔ e0 e3) and permuted into the
         fragment's order, which leaves only whole 32-bit registers to rename."""
         t = raw_chunk.load(VL)
-        t = gl.inline_asm_elementwise(M._TRANSPOSE4, "=r,=r,=r,=r,r,r,r,r", [t], dtype=gl.float8e4nv, is_pure=True,
+        t = gl.inline_asm_elementwise(QC._TRANSPOSE4, "=r,=r,=r,=r,r,r,r,r", [t], dtype=gl.float8e4nv, is_pure=True,
                                       pack=16)
         t = gl.reshape(t, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
         # index bits (e5 e4 e3 e2 e1 e0 d6 … d0) now hold (e5 e4 d1 e2 e1 d0 d6 … d2 e3 e0) → (m6 … m0, k5 … k0)
@@ -229,6 +229,36 @@ if G.HAVE_GLUON:
         p8_chunk.permute((1, 0)).store(t)
 
     @gluon.jit
+    def _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, n0, raw_codes, raw_rope, raw_scales,
+                     bars, rs, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, SW: gl.constexpr = 4,
+                     ROPE_I8: gl.constexpr = False):
+        """TMA the key block starting at key n0 (whole rows of its page) into raw stage rs: four [64, 128] code
+        boxes, the rope's [64, 64] bf16 box and a [64, SW] fp32 box from the scales on (SW > 4 reads into the rope).
+        ROPE_I8 (608-byte fp8 rows, SW = 8: the codes' and the rope's scales): the rope's [64, 64] int8 box lands in
+        the second half of the stage's bf16 rope tile (`rope_landing`), where the producer converts it."""
+        row = QC._block_row(BT, b, stride_btb, n0, PAGE_SIZE)
+        bar = bars.index(rs)
+        if ROPE_I8:
+            mbarrier.expect(bar, BLOCK_N * (576 + 4 * SW))
+        else:
+            mbarrier.expect(bar, BLOCK_N * (640 + 4 * SW))
+        for c in gl.static_range(4):
+            QC._tma_load(codes_desc, [row, c * 128], bar, raw_codes.index(rs * 4 + c))
+        if ROPE_I8:
+            QC._tma_load(rope_desc, [row, 544], bar, rope_landing(raw_rope, rs))
+        else:
+            QC._tma_load(rope_desc, [row, 264], bar, raw_rope.index(rs))
+        QC._tma_load(scale_desc, [row, 128], bar, raw_scales.index(rs))
+
+    @gluon.jit
+    def rope_landing(raw_rope, rs):
+        """(608-byte fp8 rows) Where stage rs's int8 rope values land: [64 keys, 64] bytes, unswizzled, in the second
+        half of its bf16 rope tile."""
+        BLOCK_N: gl.constexpr = raw_rope.shape[1]
+        R8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
+        return G._reinterpret(raw_rope.index(rs), gl.int8, [2 * BLOCK_N, 64], R8).slice(BLOCK_N, BLOCK_N, dim=0)
+
+    @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, NR: gl.constexpr,
                   LAG: gl.constexpr, SW: gl.constexpr, NO_COPY: gl.constexpr, REFILL: gl.constexpr,
                   ROPE_I8: gl.constexpr, EARLY: gl.constexpr):
@@ -244,7 +274,7 @@ if G.HAVE_GLUON:
             if not NO_COPY:
                 if REFILL:
                     if i < n_blocks:
-                        M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N,
+                        _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + i * BLOCK_N,
                                        raw_codes, raw_rope, raw_scales, bars, i, PAGE_SIZE, BLOCK_N, SW, ROPE_I8)
         for j in range(n_blocks):
             rs = j % NR
@@ -272,7 +302,7 @@ if G.HAVE_GLUON:
                 prev = (j - LAG) % NR
                 mbarrier.wait(bars.index(RAW_FREE + prev), ((j - LAG) // NR) & 1)
                 if not NO_COPY:
-                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
+                    _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + nxt * BLOCK_N,
                                    raw_codes, raw_rope, raw_scales, bars, prev, PAGE_SIZE, BLOCK_N, SW, ROPE_I8)
 
     @gluon.jit
@@ -302,7 +332,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _convert_rope(raw_rope, raw_scales, rs):
-        """(Producer, 608-byte rows) Stage rs's int8 rope values (`M.rope_landing`: the second half of its bf16 tile)
+        """(Producer, 608-byte rows) Stage rs's int8 rope values (`rope_landing`: the second half of its bf16 tile)
         × their fp16 scales (scale words 4-7, two per word) → the tile's bf16 values, 32 keys at a time: the first
         32 keys' bf16 rows lie before the landing area, the last 32 keys' overwrite it, so they are all read first.
         Each thread converts 8 values (one scale) per pass and stores them as one 16-byte vector."""
@@ -312,7 +342,7 @@ if G.HAVE_GLUON:
                                             warps_per_cta=[4, 1, 1], order=[2, 1, 0])
         V3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=3)
         S16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        land = G._reinterpret(M.rope_landing(raw_rope, rs), gl.int8, [BLOCK_N, 8, 8], V3)
+        land = G._reinterpret(rope_landing(raw_rope, rs), gl.int8, [BLOCK_N, 8, 8], V3)
         scales = G._reinterpret(raw_scales.index(rs), gl.float16, [BLOCK_N, 16], S16).slice(8, 8, dim=1)
         tile = raw_rope.index(rs)
         for h in gl.static_range(2):
@@ -337,7 +367,7 @@ if G.HAVE_GLUON:
             rs = j % NR
             if j >= NR:
                 mbarrier.wait(bars.index(RAW_FREE + rs), ((j - NR) // NR) & 1)
-            M._issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + j * BLOCK_N, raw_codes,
+            _issue_block(codes_desc, rope_desc, scale_desc, BT, b, stride_btb, start + j * BLOCK_N, raw_codes,
                            raw_rope, raw_scales, bars, rs, PAGE_SIZE, BLOCK_N, SW, ROPE_I8)
 
     @gluon.jit
@@ -447,7 +477,7 @@ if G.HAVE_GLUON:
             s = ((s0 * (sc0 * f0) + s1 * (sc1 * f1) + s2 * (sc2 * f2) + s3 * (sc3 * f3)) * gl.expand_dims(q0, 0)
                  + gl.convert_layout(sr, ACC))
             if PROBE != 3:
-                p, alpha, m_i, l_keys = Q8._softmax_keys(s, m_i, l_keys, n0 + keys, end, limit, scale_log2)
+                p, alpha, m_i, l_keys = QC._softmax_keys(s, m_i, l_keys, n0 + keys, end, limit, scale_log2)
             else:  # no reductions
                 p = gl.minimum(gl.abs(s), 1.0)
                 alpha = q0 / q0
@@ -502,7 +532,7 @@ if G.HAVE_GLUON:
         ROW: gl.constexpr = gl.SliceLayout(0, ACC)
         BLOCK_M: gl.constexpr = qs.shape[1]
         q0 = qs.index(0).load(ROW)  # one scale per row for every chunk: fewer registers
-        limit = Q8._row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
+        limit = QC._row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
         f0p = gl.max(gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW), axis=0)
         o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=ACC16 if P16 else ACC)
@@ -584,8 +614,8 @@ if G.HAVE_GLUON:
             _stamp(MID_O, 12, True)
         # q's prologue split between the consumers: each quantises two chunks (the row scale needs the whole
         # row, so each reads all of it), consumer 0 the rope part too; Q_READY counts both arrivals
-        M._load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512,
-                  64, True, Q_SPLIT, 2 * ROLE, 2, ROLE == 0, Q_CAT)
+        QC._load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512,
+                   64, Q_SPLIT, 2 * ROLE, 2, ROLE == 0, Q_CAT)
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(bars.index(Q_READY))
@@ -616,10 +646,10 @@ if G.HAVE_GLUON:
                                                                                   f2p, f3p), 0, NR, PROBE, MID_O)
         if ROLE == 0:
             for c in gl.static_range(4):
-                Q8._store_out(M.pick4(c, o0, o1, o2, o3), m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob,
+                QC._store_out(QC.pick4(c, o0, o1, o2, o3), m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob,
                               stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob,
                               stride_os, stride_oh, stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128,
-                              c == 0, DIRECT, 3, ACC)
+                              c == 0, DIRECT, QC.FMT_E4M3, ACC)
             if PROBE == 7:  # 11: the partial is stored
                 _stamp(MID_O, 11)
 
@@ -756,7 +786,7 @@ if G.HAVE_GLUON:
                     n0 = v_start + c * BLOCK_N
                     info.index(rs).store(zero + n0)
                     _cta_barrier()
-                    M._issue_block(codes_desc, rope_desc, scale_desc, BT, b_v, stride_btb, n0, raw_codes, raw_rope,
+                    _issue_block(codes_desc, rope_desc, scale_desc, BT, b_v, stride_btb, n0, raw_codes, raw_rope,
                                    raw_scales, bars, rs, PAGE_SIZE, BLOCK_N, SW, ROPE_I8)
                 else:  # an end marker: no copy, the stage's barrier completes on this arrival
                     info.index(rs).store(zero - 1)
@@ -842,8 +872,8 @@ if G.HAVE_GLUON:
             g_v = pv % (S // FOLD)
             seq_v = gl.load(SEQ + b_v)
             if share >= 0:
-                M._load_q(Q, q_hi, q_lo, q_r, qs, b_v, g_v, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M,
-                          512, 64, True, Q_SPLIT, 2 * ROLE, 2, ROLE == 0, Q_CAT)
+                QC._load_q(Q, q_hi, q_lo, q_r, qs, b_v, g_v, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M,
+                           512, 64, Q_SPLIT, 2 * ROLE, 2, ROLE == 0, Q_CAT)
             fence_async_shared()
             _cta_barrier()
             mbarrier.arrive(bars.index(Q_READY))
@@ -888,10 +918,10 @@ if G.HAVE_GLUON:
                 s_mlh = stride_mlh + helped * (NUM_SPLITS - stride_mlh)
                 if share >= 0:
                     for c in gl.static_range(4):
-                        Q8._store_out(M.pick4(c, o0, o1, o2, o3), m_new, l_i, b_v, g_v, H, mo, ml, OUT, LSE, s_mob,
+                        QC._store_out(QC.pick4(c, o0, o1, o2, o3), m_new, l_i, b_v, g_v, H, mo, ml, OUT, LSE, s_mob,
                                       s_mos, s_moh, s_mosp, s_mlb, s_mls, s_mlh, stride_ob, stride_os, stride_oh,
                                       stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128, c == 0, False,
-                                      3, ACC)
+                                      QC.FMT_E4M3, ACC)
                 _cta_barrier()
                 mbarrier.arrive(bars.index(SEG_DONE))
 
@@ -992,9 +1022,10 @@ def fp8reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: 
     if max(16, block_m) != BLOCK_M:
         return False
     if kv_format == "fp8":
-        return (Q8.hopper_rows_supported(q, kv_cache, dc, ROPE_INT8_ROW_BYTES)
+        return (dc == QC.DC and QC.hopper_rows_supported(q, kv_cache, ROPE_INT8_ROW_BYTES)
                 and kv_cache.shape[1] % BLOCK_N == 0)  # one TMA box per block
-    return kv_format == "fp8_ds_mla" and M.fp8mma_supported(q, kv_cache, dc, block_m)
+    return (kv_format == "fp8_ds_mla" and dc == QC.DC and QC.hopper_rows_supported(q, kv_cache, QC.ROW_BYTES[kv_format])
+            and kv_cache.shape[1] % BLOCK_N == 0)
 
 
 ROPE_INT8_ROW_BYTES = row_spec("fp8", 512, 64, torch.uint8)[0]  # 608 bytes
@@ -1005,12 +1036,28 @@ def _rope_int8_descriptors(kv_cache: torch.Tensor) -> tuple:
     in unswizzled [64, 64] boxes, the scales [rows, 152] fp32 in [64, 8] boxes (4 codes' + 8 fp16 rope scales)."""
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     flat = kv_cache.view(rows, ROPE_INT8_ROW_BYTES)
-    return (M.TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [BLOCK_N, 128],
+    return (TensorDescriptor.from_tensor(flat.view(torch.float8_e4m3fn), [BLOCK_N, 128],
                                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)),
-            M.TensorDescriptor.from_tensor(flat.view(torch.int8), [BLOCK_N, 64],
+            TensorDescriptor.from_tensor(flat.view(torch.int8), [BLOCK_N, 64],
                                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)),
-            M.TensorDescriptor.from_tensor(flat.view(torch.float32), [BLOCK_N, 8],
+            TensorDescriptor.from_tensor(flat.view(torch.float32), [BLOCK_N, 8],
                                            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)))
+
+
+def _descriptors(kv_cache: torch.Tensor, scale_words: int) -> tuple:
+    """TMA views of fp8_ds_mla rows (656 bytes): codes [rows, 656] e4m3 in [64, 128] boxes, rope [rows, 328] bf16 in
+    [64, 64] boxes, scales [rows, 164] fp32 in [64, scale_words] boxes."""
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    width = QC.ROW_BYTES["fp8_ds_mla"]
+    codes = kv_cache.view(torch.float8_e4m3fn).view(rows, width)
+    rope = kv_cache.view(torch.bfloat16).view(rows, width // 2)
+    scales = kv_cache.view(torch.float32).view(rows, width // 4)
+    q8 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    qr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    sc = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return (TensorDescriptor.from_tensor(codes, [BLOCK_N, 128], q8),
+            TensorDescriptor.from_tensor(rope, [BLOCK_N, 64], qr),
+            TensorDescriptor.from_tensor(scales, [BLOCK_N, scale_words], sc))
 
 
 def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
@@ -1019,10 +1066,10 @@ def launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
     outputs as the other kernels)."""
     rope_i8 = kv_format == "fp8"
     scale_words = 8 if rope_i8 else SCALE_WORDS
-    grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+    grid, args, consts = QC.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                            cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
-                                           scale_words=scale_words,
-                                           views=_rope_int8_descriptors(kv_cache) if rope_i8 else None)
+                                           views=_rope_int8_descriptors(kv_cache) if rope_i8 else
+                                           _descriptors(kv_cache, scale_words))
     if PROBE == 7 and mid_o.is_cuda:  # stamps go past the partials: the workspace must be a view of a larger buffer
         room = mid_o.untyped_storage().nbytes() - mid_o.storage_offset() * mid_o.element_size()
         if direct or room < 8 * (STAMPS_AT + 16 * grid[0] * grid[1] * grid[2]):

@@ -37,21 +37,21 @@ from __future__ import annotations
 import torch
 
 from specmla.ops.decode.hopper import common as G
-from specmla.ops.decode.hopper import fp8mma as M
 from specmla.ops.decode.hopper import fp8 as R
-from specmla.ops.decode.hopper import dequant as Q8
+from specmla.ops.decode.hopper import quant_common as QC
 from specmla.ops.kv_cache import tbq4
 
 if G.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _cta_barrier = G._cta_barrier
 
 BLOCK_N = 64
 BLOCK_M = 16
-ROW = Q8.ROW_BYTES["tbq4"]  # 400 bytes: 256 of codes, 4 fp16 norms, 8 of padding, 64 bf16 rope values
+ROW = QC.ROW_BYTES["tbq4"]  # 400 bytes: 256 of codes, 4 fp16 norms, 8 of padding, 64 bf16 rope values
 NUM_DECODED = 3  # decoded stages (40 KB): each consumer holds one, the producer writes the third
 NUM_RAW = 3  # raw stages (17 KB with ROPE_DIRECT, else 25.6 KB): two in flight while the producer decodes one
 REGS = (216, 72)  # (consumer, producer) registers per thread
@@ -74,7 +74,7 @@ _DECODE = _c(tbq4.e4m3_lookup_ptx())
 _INV_K = 1.0 / tbq4.e4m3_centroids()[0]
 ROW_BYTES = _c(ROW)
 NORMS_AT = _c(tbq4.norms_offset(512) // 2)  # in fp16 units
-ROPE_AT = Q8.TBQ4_ROPE_AT  # in bf16 units
+ROPE_AT = QC.TBQ4_ROPE_AT  # in bf16 units
 
 if G.HAVE_GLUON:
 
@@ -85,22 +85,22 @@ if G.HAVE_GLUON:
         codes in [64 keys, CB words] boxes, the norms (and their padding) as [64, 8] fp16 and, unless ROPE_DIRECT
         (`_issue_rope`), the rope as [64, 64] bf16; the stage's barrier completes when all bytes have landed
         (25.6 KB, or 17 KB)."""
-        row = M._block_row(BT, b, stride_btb, n0, PAGE_SIZE)
+        row = QC._block_row(BT, b, stride_btb, n0, PAGE_SIZE)
         bar = tbars.index(rr)
         mbarrier.expect(bar, BLOCK_N * (272 if ROPE_DIRECT else ROW_BYTES))
         for c in gl.static_range(64 // CB):
-            M._tma_load(codes_desc, [row, CB * c], bar, raw_codes.index(rr * (64 // CB) + c))
-        M._tma_load(norms_desc, [row, NORMS_AT], bar, raw_norms.index(rr))
+            QC._tma_load(codes_desc, [row, CB * c], bar, raw_codes.index(rr * (64 // CB) + c))
+        QC._tma_load(norms_desc, [row, NORMS_AT], bar, raw_norms.index(rr))
         if not ROPE_DIRECT:
-            M._tma_load(rope_desc, [row, ROPE_AT], bar, raw_rope.index(rr))
+            QC._tma_load(rope_desc, [row, ROPE_AT], bar, raw_rope.index(rr))
 
     @gluon.jit
     def _issue_rope(rope_desc, BT, b, stride_btb, n0, dst, bar, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
         """TMA the block's rope [64, 64] bf16 straight into its decoded stage, on the stage's ready barrier (its
         expect is one of the barrier's two arrivals, the producer's arrive the other)."""
-        row = M._block_row(BT, b, stride_btb, n0, PAGE_SIZE)
+        row = QC._block_row(BT, b, stride_btb, n0, PAGE_SIZE)
         mbarrier.expect(bar, BLOCK_N * 128)
-        M._tma_load(rope_desc, [row, ROPE_AT], bar, dst)
+        QC._tma_load(rope_desc, [row, ROPE_AT], bar, dst)
 
     @gluon.jit
     def _chunk_words(raw_codes, rr, c: gl.constexpr, CB: gl.constexpr):
@@ -273,15 +273,15 @@ def _descriptors(kv_cache: torch.Tensor) -> tuple:
     w32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     w16 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     qr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return (M.TensorDescriptor.from_tensor(words, [BLOCK_N, CODE_BOX], w32),
-            M.TensorDescriptor.from_tensor(halves, [BLOCK_N, 8], w16),
-            M.TensorDescriptor.from_tensor(rope, [BLOCK_N, 64], qr))
+    return (TensorDescriptor.from_tensor(words, [BLOCK_N, CODE_BOX], w32),
+            TensorDescriptor.from_tensor(halves, [BLOCK_N, 8], w16),
+            TensorDescriptor.from_tensor(rope, [BLOCK_N, 64], qr))
 
 
 def tbq4reg_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int) -> bool:
     """Whether this kernel takes a tbq4-cache call: what the unpacking kernel takes (Hopper, bf16 queries,
     Dc = 512, Dr = 64, contiguous 392-byte rows), 16 query rows and pages of a multiple of 64 keys."""
-    return (Q8.quant_supported(q, kv_cache, dc, block_m, "tbq4") and kv_cache.shape[1] % BLOCK_N == 0
+    return (dc == QC.DC and QC.hopper_rows_supported(q, kv_cache, ROW) and kv_cache.shape[1] % BLOCK_N == 0
             and max(16, block_m) == BLOCK_M)
 
 
@@ -289,7 +289,7 @@ def launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out
                          causal: bool, direct: bool, num_splits: int):
     """Stage 1 of `mla_decode_triton` for a tbq4 cache, q already rotated (grid, split rule and outputs as the
     other kernels)."""
-    grid, args, consts = M.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
+    grid, args, consts = QC.tma_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                            cfg, causal=causal, direct=direct, num_splits=num_splits, block_m=BLOCK_M,
                                            views=_descriptors(kv_cache))
     _mla_decode_tbq4reg_kernel[grid](*args, **consts, ND=NUM_DECODED, NRAW=NUM_RAW, CONSUMER_REGS=REGS[0],
