@@ -11,6 +11,7 @@ from helpers.quant_decode import quant_problem as _problem
 
 from specmla.ops.decode.hopper import common as G
 from specmla.ops.decode.hopper import fp8 as R
+from specmla.ops.decode.hopper import quant_common as QC
 
 
 def _run(q, cache, table, seq, splits, monkeypatch, p_format="fp16", q_cat=True, kv_format="fp8_ds_mla"):
@@ -225,7 +226,7 @@ def test_fp8reg_row_and_key_orders_follow_the_layouts():
     key `_key_of_k(k)` (Pᵀ's order) and column `column_of_m(m)` (`_latent_column` FMT 3, the output's order), in the
     thread and byte position where the wgmma fragment expects it: checked thread by thread on the layouts' bases,
     in plain Python."""
-    load = R.V_LOAD.value
+    load = QC.V_LOAD.value
     loaded_at = (load.reg_bases, load.lane_bases, load.warp_bases)  # (register, lane, warp) → (key, column)
 
     # the transpose: register r = (byte b = r0 r1, word w = r2 r3, rest) receives the input at (byte w, word b)
@@ -266,10 +267,10 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
     in stage order, so Pᵀ is stored unpermuted (`_store_p16`). Bases from the PTX wgmma fragment layouts."""
     frag16 = ([(0, 1), (8, 0), (0, 8), (0, 16), (0, 32), (64, 0)], [(0, 2), (0, 4), (1, 0), (2, 0), (4, 0)],
               [(16, 0), (32, 0)])
-    # the permutation as the kernel applies it: dims (m, k5 … k0) → R.F16_KEY_ORDER; new key index of each old one
+    # the permutation as the kernel applies it: dims (m, k5 … k0) → QC.F16_KEY_ORDER; new key index of each old one
     idx = torch.arange(64).view(1, 2, 2, 2, 2, 2, 2)
     new_of_old = torch.empty(64, dtype=torch.long)
-    new_of_old[idx.permute(R.F16_KEY_ORDER).reshape(64)] = torch.arange(64)
+    new_of_old[idx.permute(QC.F16_KEY_ORDER).reshape(64)] = torch.arange(64)
     where16 = {}
     for warp in range(4):
         for lane in range(32):
@@ -290,14 +291,8 @@ def test_f16_fragment_only_relabels_keys_and_renames_registers():
 
 
 def test_fp8reg_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90, and so do its LOADER, STEAL and REG_A variants, its timeline probe (PROBE 7)
-    and its 608-byte fp8 form."""
-    loader = {"LOADER": True, "REGS": [224, 40]}
-    for row in offline_sm90_rows([[16, 1, 512, 64, "fp8reg", False], [16, 1, 512, 64, "fp8reg", True],
-                                  [16, 1, 512, 64, "fp8reg", False, 64, loader],
-                                  [16, 1, 512, 64, "fp8reg", False, 64, {"STEAL": True}],
-                                  [16, 1, 512, 64, "fp8reg", False, 64, {"REG_A": True}],
-                                  [16, 1, 512, 64, "fp8reg", False, 64, {"PROBE": 7}],  # the timeline probe
-                                  [16, 1, 512, 64, "fp8reg_rope_int8", False]]):
+    """CPU: the kernel compiles for sm_90 on 656-byte rows (split and direct) and 608-byte rows."""
+    for row in offline_sm90_rows([[16, 1, 512, 64, "e4m3_fp8_ds_mla", False], [16, 1, 512, 64, "e4m3_fp8_ds_mla", True],
+                                  [16, 1, 512, 64, "e4m3_fp8", False]]):
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

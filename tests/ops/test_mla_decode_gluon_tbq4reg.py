@@ -178,11 +178,8 @@ def test_e4m3_lookup_gives_every_codes_centroid():
 
 
 def test_tbq4reg_kernel_compiles_for_sm90():
-    """CPU: the kernel compiles for sm_90 and fits the shared memory (the rope copied straight into the decoded
-    stage), also with 4 raw stages, with the rope through the raw ring and with Q·Kᵀ's codes from registers."""
-    for row in offline_sm90_rows([[16, 1, 512, 64, "tbq4reg", False], [16, 1, 512, 64, "tbq4reg", True],
-                                  [16, 1, 512, 64, "tbq4reg", False, 64, {"NUM_RAW": 4}],
-                                  [16, 1, 512, 64, "tbq4reg", False, 64, {"REG_A": True}],
-                                  [16, 1, 512, 64, "tbq4reg", False, 64, {"ROPE_DIRECT": False}]]):
+    """CPU: the kernel compiles for sm_90 and fits the shared memory, also with 4 raw stages."""
+    for row in offline_sm90_rows([[16, 1, 512, 64, "e4m3_tbq4", False], [16, 1, 512, 64, "e4m3_tbq4", True],
+                                  [16, 1, 512, 64, "e4m3_tbq4", False, 64, {"num_raw": 4}]]):
         (k,) = row["kernels"]
         assert k["shared"] <= 232448 and k["regs"] > 0

@@ -420,13 +420,11 @@ def _mla_decode_combine_kernel(
 
 
 def _e4m3_kernel_takes(q, kv_cache, dc: int, block_m: int, kv_format: str) -> bool:
-    """Whether the 16-row e4m3 Gluon kernel of `kv_format` (fp8 / fp8_ds_mla: `mla_decode_gluon_fp8reg`, tbq4:
-    `mla_decode_gluon_tbq4reg`) is on and takes this call."""
+    """Whether the 16-row e4m3 Gluon kernel of `kv_format` (fp8 / fp8_ds_mla: `hopper.fp8`, tbq4: `hopper.tbq4`)
+    takes this call."""
     if kv_format in FP8_FORMATS:
-        return mla_decode_gluon_fp8reg.USE and mla_decode_gluon_fp8reg.fp8reg_supported(q, kv_cache, dc, block_m,
-                                                                                        kv_format)
-    return (kv_format == "tbq4" and mla_decode_gluon_tbq4reg.USE
-            and mla_decode_gluon_tbq4reg.tbq4reg_supported(q, kv_cache, dc, block_m))
+        return dc == 512 and mla_decode_gluon_fp8reg.supported(q, kv_cache, kv_format, block_m)
+    return kv_format == "tbq4" and dc == 512 and mla_decode_gluon_tbq4reg.supported(q, kv_cache, kv_format, block_m)
 
 
 def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:
@@ -558,7 +556,6 @@ def mla_decode_triton(
                          "512 and Dr a multiple of 16 up to 64, or an fp8 / tbq4 cache with Dc=512, Dr=64 and ≤ 32 "
                          "rows (fp8: 16 rows)")
     gluon_cfg = None
-    helpers = None  # (partials, lse) of the programs that helped with other splits' keys (fp8 STEAL)
     if supported:  # one program per SM (shared memory), so one wave of programs, in 64-key blocks
         gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N if gluon_quant else gluon_block_n,
                          max_rows, waves=1)
@@ -620,13 +617,11 @@ def mla_decode_triton(
         # on the GPU in bf16 the PTX table lookup (the interpreter runs no PTX)
         quant["LUT_ASM"] = q.is_cuda and q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") != "1"
     if run_gluon and gluon_quant and fp8 and _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format):
-        helpers = mla_decode_gluon_fp8reg.launch_fp8reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out,
-                                                              lse, softmax_scale * LOG2E, cfg, causal=causal,
-                                                              direct=direct, num_splits=ns, kv_format=kv_format)
+        mla_decode_gluon_fp8reg.launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                       softmax_scale * LOG2E, cfg, causal=causal, num_splits=ns, kv_format=kv_format)
     elif run_gluon and gluon_quant and tbq and _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format):
-        mla_decode_gluon_tbq4reg.launch_tbq4reg_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                      softmax_scale * LOG2E, cfg, causal=causal, direct=direct,
-                                                      num_splits=ns)
+        mla_decode_gluon_tbq4reg.launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                        softmax_scale * LOG2E, cfg, causal=causal, num_splits=ns, kv_format=kv_format)
     elif run_gluon and gluon_quant:
         mla_decode_gluon_quant.launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                                 softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns,
@@ -666,7 +661,7 @@ def mla_decode_triton(
             and B * S * triton.cdiv(H, 16) * (dc // 128) >= _sm_count(q.device) // 2):
         combine_rotate(mid_o, mid_lse, out, lse)
         return (out, lse) if return_lse else out
-    combine_splits(mid_o, mid_lse, out, lse, helpers)
+    combine_splits(mid_o, mid_lse, out, lse)
     return _finish(out, lse, return_lse, tbq)
 
 

@@ -17,11 +17,14 @@ from specmla.ops.kv_cache import row_spec, tbq4
 if G.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import tma
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
+    _cta_barrier = G._cta_barrier
 
 BLOCK_N = 64  # keys per block
+E4M3_ROWS = 16  # query rows of the e4m3 kernels (`fp8`, `tbq4`): Oᵀ and the Vᵀ fragments take 64 registers each
 DC, DR = 512, 64  # the latent and rope widths every quantised-cache kernel reads
 ROW_BYTES = {fmt: row_spec(fmt, DC, DR, torch.uint8)[0] for fmt in ("fp8", "fp8_ds_mla", "tbq4")}  # 608, 656, 400
 
@@ -187,14 +190,13 @@ if G.HAVE_GLUON:
         qs_smem.store(gl.convert_layout(sq, FL))
 
     @gluon.jit
-    def _load_q(Q, q_hi, q_lo, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
-                FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
-                LO: gl.constexpr = True, FIRST: gl.constexpr = 0, COUNT: gl.constexpr = 4, ROPE: gl.constexpr = True,
-                PAIRED: gl.constexpr = False):
-        """q's latent part in e4m3 with one scale per row, q ≈ (hi + lo)·sq (sq: the row's maximum / 448; LO False:
-        hi alone), and (ROPE) its rope part in bf16; padded rows are zeros. Only chunks FIRST .. FIRST+COUNT-1 are
-        written, so two warpgroups can share the work (each reads the whole row for the scale). PAIRED: chunk c's hi
-        and lo tiles are q_hi's tiles 2c and 2c + 1 (one [2·rows, 128] operand; q_lo unused)."""
+    def _load_q(Q, q8, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
+                BLOCK_M: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, TWO_TERMS: gl.constexpr,
+                FIRST: gl.constexpr, COUNT: gl.constexpr, ROPE: gl.constexpr):
+        """q's latent part in e4m3 with one scale per row, sq = the row's maximum / 448: q ≈ hi·sq, or with TWO_TERMS
+        (hi + lo)·sq, chunk c's hi and lo as q8's tiles 2c and 2c + 1 (one [2·rows, 128] operand), else hi as tile
+        c; and (ROPE) its rope part in bf16. Padded rows are zeros. Only chunks FIRST .. FIRST+COUNT-1 are written, so
+        two warpgroups share the work (each reads the whole row for the scale)."""
         QL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
         rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
@@ -213,8 +215,319 @@ if G.HAVE_GLUON:
         sq = row_max / 448.0
         inv = 448.0 / row_max
         for c in gl.static_range(FIRST, FIRST + COUNT):
-            _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q_hi.index(2 * c if PAIRED else c),
-                           q_hi.index(2 * c + 1) if PAIRED else q_lo.index(c), qs.index(c), LO)
+            _store_q_chunk(pick4(c, x0, x1, x2, x3), inv, sq, q8.index(2 * c if TWO_TERMS else c),
+                           q8.index(2 * c + 1 if TWO_TERMS else c), qs.index(c), TWO_TERMS)
         if ROPE:
             cols_r = gl.expand_dims(gl.arange(0, DR, layout=gl.SliceLayout(0, QL)), 0)
             q_r.store(gl.load(Q + q_at + DC + cols_r, mask=ok_q, other=0.0).to(gl.bfloat16))
+
+
+# ---------------------------------------------------------------- the e4m3 kernels' consumers -------------------
+# `fp8` and `tbq4` hand their consumers the same stage: a block's codes as four [64, 128] e4m3 tiles, its rope part as
+# a [64, 64] bf16 tile, and per key and chunk a scale normalised so that P·scale / f stays within e4m3's 448 (sc, and
+# the chunk's factor f per row in fs).
+
+# `_f16_fragment`'s relabelling of the e4m3 fragment's key bits, as a permutation of the dims (m, k5 … k0): the new
+# k3 is k1, k2 is k3, k1 is k2
+F16_KEY_ORDER = (0, 1, 2, 5, 3, 4, 6)
+
+if G.HAVE_GLUON:
+    # Sᵀ / Oᵀ accumulators: rows of the tile along M (keys for Q·Kᵀ, latent columns for P·V), query rows along N
+    ACC = _c(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, E4M3_ROWS, 32]))
+    ACC16 = _c(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, E4M3_ROWS, 16]))
+    ACC2 = _c(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * E4M3_ROWS, 32]))
+    VT_FRAG = _c(gl.DotOperandLayout(operand_index=0, parent=ACC.value, k_width=4))
+    VT16_FRAG = _c(gl.DotOperandLayout(operand_index=0, parent=ACC16.value, k_width=2))
+    F16_KEY_PERM = _c(F16_KEY_ORDER)
+    # A chunk's codes [64 keys, 128 columns] as loaded: registers hold columns d0 d1 (one 32-bit word) and keys
+    # e0 e3 e4 e5; lanes keys e1 e2 and columns d2 d3 d4; warps columns d5 d6. Permuted as below, that is the
+    # wgmma's A fragment [128 rows m, 64 keys k] (registers k0 k1 m3 k4 k5 m6, lanes k2 k3 m0 m1 m2, warps m4 m5):
+    # m ↔ d: m0 d2, m1 d3, m2 d4, m3 d0, m4 d5, m5 d6, m6 d1; k ↔ e: k0 e0, k1 e3, k2 e1, k3 e2, k4 e4, k5 e5.
+    V_LOAD = _c(gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0]],
+                                           lane_bases=[[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]],
+                                           warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[64, 128]))
+
+if G.HAVE_GLUON:
+
+    @gluon.jit
+    def _vt_fragment(raw_chunk, VL: gl.constexpr, FRAG: gl.constexpr):
+        """One chunk's codes [64 keys, 128] in shared memory → Vᵀ [128 tile rows, 64 tile keys] as the wgmma's
+        register operand. Each thread's 16 consecutive codes (4 keys e0 e3 × one word d0 d1) go through a 4 × 4 byte
+        transpose (8 byte permutes); the result is relabelled (index bits d0 d1 ↔ e0 e3) and permuted into the
+        fragment's order, which leaves only whole 32-bit registers to rename. The fragment's row and key orders are
+        free to choose: Pᵀ is stored in the same key order (`_store_pt`), the output's rows are put back when stored
+        (`_latent_column`'s FMT_E4M3)."""
+        t = raw_chunk.load(VL)
+        t = gl.inline_asm_elementwise(_TRANSPOSE4, "=r,=r,=r,=r,r,r,r,r", [t], dtype=gl.float8e4nv, is_pure=True,
+                                      pack=16)
+        t = gl.reshape(t, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+        # index bits (e5 e4 e3 e2 e1 e0 d6 … d0) now hold (e5 e4 d1 e2 e1 d0 d6 … d2 e3 e0) → (m6 … m0, k5 … k0)
+        t = gl.reshape(gl.permute(t, (2, 6, 7, 5, 8, 9, 10, 0, 1, 3, 4, 11, 12)), [128, 64])
+        return gl.convert_layout(t, FRAG)
+
+    @gluon.jit
+    def _vt_fragments(raw_codes, rs):
+        """Stage rs's four chunks as Vᵀ fragments."""
+        a0 = _vt_fragment(raw_codes.index(rs * 4 + 0), V_LOAD, VT_FRAG)
+        a1 = _vt_fragment(raw_codes.index(rs * 4 + 1), V_LOAD, VT_FRAG)
+        a2 = _vt_fragment(raw_codes.index(rs * 4 + 2), V_LOAD, VT_FRAG)
+        a3 = _vt_fragment(raw_codes.index(rs * 4 + 3), V_LOAD, VT_FRAG)
+        return a0, a1, a2, a3
+
+    @gluon.jit
+    def _f16_fragment(a8, FRAG: gl.constexpr):
+        """A Vᵀ fragment of e4m3 codes (`_vt_fragment`) → the fp16 wgmma's register operand, values exact. The
+        fp16 fragment holds 2 keys per register where the e4m3 one holds 4, and its lanes cover keys k1 k2 where
+        the e4m3 one's cover k2 k3: relabelling the keys (k1 → k3, k2 → k1, k3 → k2) makes the layouts equal up to
+        the order of whole registers, and composed with `_vt_fragment`'s order it gives the keys in stage order."""
+        t = gl.reshape(a8.to(gl.float16), [128, 2, 2, 2, 2, 2, 2])  # (m, k5 … k0)
+        t = gl.reshape(gl.permute(t, F16_KEY_PERM.value), [128, 64])
+        return gl.convert_layout(t, FRAG)
+
+    @gluon.jit
+    def _pv16_chunk(raw_codes, rs, p16, i, c: gl.constexpr, o):
+        """Issue chunk c's Oᵀ += Vᵀ·Pᵀ in fp16: its Vᵀ fragment loaded from stage rs and converted."""
+        a8 = _vt_fragment(raw_codes.index(rs * 4 + c), V_LOAD, VT_FRAG)
+        return warpgroup_mma(_f16_fragment(a8, VT16_FRAG), p16.index(i + c).permute((1, 0)), o, is_async=True)
+
+    @gluon.jit
+    def _pv16(raw_codes, rs, p16, ROLE: gl.constexpr, o0, o1, o2, o3, free_bar):
+        """P·V in fp16 chunk by chunk, at most two converted fragments (32 registers each) alive, so nothing spills:
+        each chunk's matmul runs while the next chunk is loaded and converted; the stage is handed back after the
+        last load."""
+        o0 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 0, o0)
+        o1 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 1, o1)
+        o0 = warpgroup_mma_wait(num_outstanding=1, deps=(o0,))
+        o2 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 2, o2)
+        o1 = warpgroup_mma_wait(num_outstanding=1, deps=(o1,))
+        o3 = _pv16_chunk(raw_codes, rs, p16, ROLE * 4, 3, o3)
+        _cta_barrier()  # every warp has read the stage
+        mbarrier.arrive(free_bar)
+        o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o2, o3))
+        return o0, o1, o2, o3
+
+    @gluon.jit
+    def _store_p8(p8, i, y):
+        """Pᵀ·scale/f (y, [64 keys, rows]) into p8 tile i in e4m3, clipped to 448."""
+        y = gl.minimum(y, 448.0)
+        _store_pt(p8.index(i), y.to(gl.float8e4nv))
+
+    @gluon.jit
+    def _store_p16(p16, i, y):
+        """Pᵀ·scale/f (y, [64 keys, rows], ≤ 448) into fp16 tile i [rows, 64 keys], keys in stage order (the
+        order `_f16_fragment` gives Vᵀ)."""
+        p16.index(i).permute((1, 0)).store(y.to(gl.float16))
+
+    @gluon.jit
+    def _store_pt(p8_chunk, p):
+        """Pᵀ·scale/f [64 keys, rows] (e4m3) → p8_chunk [rows, 64 tile keys] in the fragment's key order."""
+        BM: gl.constexpr = p.shape[1]
+        t = gl.reshape(p, [2, 2, 2, 2, 2, 2, BM])
+        # Sᵀ [64 keys, rows] as 7 index bits (e5 … e0, row) → (k5 … k0, row): the fragment's key order
+        t = gl.reshape(gl.permute(t, (0, 1, 3, 4, 2, 5, 6)), [64, BM])
+        p8_chunk.permute((1, 0)).store(t)
+
+    @gluon.jit
+    def _issue_chunk_scores(raw_codes, q8, rs, c: gl.constexpr, s_zero, TWO_TERMS: gl.constexpr):
+        """Issue chunk c's partial Sᵀ on stage rs's codes; with TWO_TERMS q's hi and lo terms are one [2·rows]
+        operand (q8's tiles 2c, 2c + 1), so the codes are read once, into an accumulator of 2·rows columns
+        (`_fold_terms`)."""
+        BM: gl.constexpr = q8.shape[1]
+        QROWS: gl.constexpr = 2 * BM if TWO_TERMS else BM
+        Q8L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        q_op = G._reinterpret(q8, gl.float8e4nv, [q8.shape[0] * BM // QROWS, QROWS, 128], Q8L).index(c)
+        return warpgroup_mma(raw_codes.index(rs * 4 + c), q_op.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _fold_terms(s2, BM: gl.constexpr):
+        """An Sᵀ accumulator [keys, 2·rows] of q's hi (first rows) and lo terms → their sum [keys, rows] (each thread
+        holds both halves: no data moves); [keys, rows] stays as it is."""
+        t = gl.reshape(s2, [s2.shape[0], s2.shape[1] // BM, BM])
+        return gl.convert_layout(gl.sum(t, axis=1), ACC)
+
+    @gluon.jit
+    def _issue_scores(raw_codes, raw_rope, q8, q_r, rs, s_zero, s_zero16, TWO_TERMS: gl.constexpr):
+        """Issue stage rs's partial Sᵀ per 128-column chunk and its rope part's."""
+        s0 = _issue_chunk_scores(raw_codes, q8, rs, 0, s_zero, TWO_TERMS)
+        s1 = _issue_chunk_scores(raw_codes, q8, rs, 1, s_zero, TWO_TERMS)
+        s2 = _issue_chunk_scores(raw_codes, q8, rs, 2, s_zero, TWO_TERMS)
+        s3 = _issue_chunk_scores(raw_codes, q8, rs, 3, s_zero, TWO_TERMS)
+        sr = warpgroup_mma(raw_rope.index(rs), q_r.permute((1, 0)), s_zero16, use_acc=False, is_async=True)
+        return s0, s1, s2, s3, sr
+
+    @gluon.jit
+    def _consume_block(ROLE: gl.constexpr, ring, rs, n0, limit, q0, scale_log2, keys, s_zero_q, s_zero16, state,
+                       BLOCK_M: gl.constexpr, NR: gl.constexpr, TWO_TERMS: gl.constexpr, P16: gl.constexpr):
+        """One key block (keys n0 …, handed over in stage rs) into a consumer's state: Sᵀ on the raw codes, the
+        online softmax, Pᵀ·scale/f into shared memory, Oᵀ += Vᵀ·Pᵀ; the stage is handed back once read. P16: P·V in
+        fp16 (Vᵀ's codes converted in registers, exact; Pᵀ·scale/f in fp16), else in e4m3."""
+        b, start, end, n_blocks, q8, q_r, qs, raw_codes, raw_rope, sc, fs, p8, bars = ring
+        RAW_FREE: gl.constexpr = NR
+        KEY: gl.constexpr = gl.SliceLayout(1, ACC)
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        OL: gl.constexpr = ACC16 if P16 else ACC
+        OROW: gl.constexpr = gl.SliceLayout(0, OL)
+        m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
+        s0, s1, s2, s3, sr = _issue_scores(raw_codes, raw_rope, q8, q_r, rs, s_zero_q, s_zero16, TWO_TERMS)
+        sc0 = gl.expand_dims(sc.index(rs * 4 + 0).load(KEY), 1)
+        sc1 = gl.expand_dims(sc.index(rs * 4 + 1).load(KEY), 1)
+        sc2 = gl.expand_dims(sc.index(rs * 4 + 2).load(KEY), 1)
+        sc3 = gl.expand_dims(sc.index(rs * 4 + 3).load(KEY), 1)
+        f0 = gl.max(fs.index(rs * 4 + 0).load(ROW), axis=0)
+        f1 = gl.max(fs.index(rs * 4 + 1).load(ROW), axis=0)
+        f2 = gl.max(fs.index(rs * 4 + 2).load(ROW), axis=0)
+        f3 = gl.max(fs.index(rs * 4 + 3).load(ROW), axis=0)
+        s0, s1, s2, s3, sr = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1, s2, s3, sr))
+        s0 = _fold_terms(s0, BLOCK_M)
+        s1 = _fold_terms(s1, BLOCK_M)
+        s2 = _fold_terms(s2, BLOCK_M)
+        s3 = _fold_terms(s3, BLOCK_M)
+        s = ((s0 * (sc0 * f0) + s1 * (sc1 * f1) + s2 * (sc2 * f2) + s3 * (sc3 * f3)) * gl.expand_dims(q0, 0)
+             + gl.convert_layout(sr, ACC))
+        p, alpha, m_i, l_keys = _softmax_keys(s, m_i, l_keys, n0 + keys, end, limit, scale_log2)
+        if P16:
+            _store_p16(p8, ROLE * 4 + 0, p * sc0)
+            _store_p16(p8, ROLE * 4 + 1, p * sc1)
+            _store_p16(p8, ROLE * 4 + 2, p * sc2)
+            _store_p16(p8, ROLE * 4 + 3, p * sc3)
+        else:
+            _store_p8(p8, ROLE * 8 + 0, p * sc0)
+            _store_p8(p8, ROLE * 8 + 1, p * sc1)
+            _store_p8(p8, ROLE * 8 + 2, p * sc2)
+            _store_p8(p8, ROLE * 8 + 3, p * sc3)
+        fence_async_shared()
+        _cta_barrier()  # every warp's Pᵀ is stored
+        o0 = o0 * gl.expand_dims(gl.convert_layout(alpha * (f0p / f0), OROW), 0)
+        o1 = o1 * gl.expand_dims(gl.convert_layout(alpha * (f1p / f1), OROW), 0)
+        o2 = o2 * gl.expand_dims(gl.convert_layout(alpha * (f2p / f2), OROW), 0)
+        o3 = o3 * gl.expand_dims(gl.convert_layout(alpha * (f3p / f3), OROW), 0)
+        f0p = f0
+        f1p = f1
+        f2p = f2
+        f3p = f3
+        if P16:
+            o0, o1, o2, o3 = _pv16(raw_codes, rs, p8, ROLE, o0, o1, o2, o3, bars.index(RAW_FREE + rs))
+        else:
+            # Vᵀ fragments loaded late, so that fewer registers live through the softmax (nothing spills)
+            a0, a1, a2, a3 = _vt_fragments(raw_codes, rs)
+            _cta_barrier()  # every warp has read the stage
+            mbarrier.arrive(bars.index(RAW_FREE + rs))
+            o0 = warpgroup_mma(a0, p8.index(ROLE * 8 + 0).permute((1, 0)), o0, is_async=True)
+            o1 = warpgroup_mma(a1, p8.index(ROLE * 8 + 1).permute((1, 0)), o1, is_async=True)
+            o2 = warpgroup_mma(a2, p8.index(ROLE * 8 + 2).permute((1, 0)), o2, is_async=True)
+            o3 = warpgroup_mma(a3, p8.index(ROLE * 8 + 3).permute((1, 0)), o3, is_async=True)
+            o0, o1, o2, o3 = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, o2, o3))
+        return m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p
+
+    @gluon.jit
+    def _fresh_state(qs, seq_len, g, S, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_N: gl.constexpr,
+                     P16: gl.constexpr, CAUSAL: gl.constexpr):
+        """Once q (of a request of length seq_len, token group g) is in shared memory: its row scale, each row's
+        causal key limit, and an empty consumer state (m, per-key l, Oᵀ per chunk, the previous block's chunk
+        factors f: scalars, as the producer writes one per row)."""
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        BLOCK_M: gl.constexpr = qs.shape[1]
+        q0 = qs.index(0).load(ROW)  # one scale per row for every chunk: fewer registers
+        limit = _row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
+        f0p = gl.max(gl.full([BLOCK_M], 1.0, gl.float32, layout=ROW), axis=0)
+        o0 = gl.zeros([128, BLOCK_M], gl.float32, layout=ACC16 if P16 else ACC)
+        return q0, limit, (m_i, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC), o0, o0, o0, o0, f0p, f0p, f0p,
+                           f0p)
+
+    @gluon.jit
+    def _merge_consumers(ROLE: gl.constexpr, raw_codes, sc, bars, state, NR: gl.constexpr):
+        """Both consumers' states → consumer 0's, merged (Oᵀ per chunk in ACC, the rows' max and sum; consumer 1
+        gets its own back): consumer 1's state goes through stage 0's code tiles once both are done with the ring."""
+        DONE0: gl.constexpr = 3 * NR + 1
+        WROTE1: gl.constexpr = 3 * NR + 2
+        ROW: gl.constexpr = gl.SliceLayout(0, ACC)
+        m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
+        BLOCK_M: gl.constexpr = o0.shape[1]
+        l_i = gl.sum(l_keys, axis=0)
+        o0 = gl.convert_layout(o0, ACC) * f0p
+        o1 = gl.convert_layout(o1, ACC) * f1p
+        o2 = gl.convert_layout(o2, ACC) * f2p
+        o3 = gl.convert_layout(o3, ACC) * f3p
+        PLAIN2: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        if ROLE == 1:
+            mbarrier.wait(bars.index(DONE0), 0)
+            G._reinterpret(raw_codes.index(0), gl.float32, [128, BLOCK_M], PLAIN2).store(o0)
+            G._reinterpret(raw_codes.index(1), gl.float32, [128, BLOCK_M], PLAIN2).store(o1)
+            G._reinterpret(raw_codes.index(2), gl.float32, [128, BLOCK_M], PLAIN2).store(o2)
+            G._reinterpret(raw_codes.index(3), gl.float32, [128, BLOCK_M], PLAIN2).store(o3)
+            sc.index(0).slice(0, BLOCK_M).store(m_i)
+            sc.index(1).slice(0, BLOCK_M).store(l_i)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(WROTE1))
+            m_new = m_i
+        else:
+            _cta_barrier()
+            mbarrier.arrive(bars.index(DONE0))
+            mbarrier.wait(bars.index(WROTE1), 0)
+            m1 = sc.index(0).slice(0, BLOCK_M).load(ROW)
+            l1 = sc.index(1).slice(0, BLOCK_M).load(ROW)
+            m_new = gl.maximum(m_i, m1)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            a_self = gl.expand_dims(gl.exp2(m_i - m_safe), 0)
+            a_other = gl.expand_dims(gl.exp2(m1 - m_safe), 0)
+            l_i = l_i * gl.exp2(m_i - m_safe) + l1 * gl.exp2(m1 - m_safe)
+            o0 = o0 * a_self + G._reinterpret(raw_codes.index(0), gl.float32, [128, BLOCK_M],
+                                              PLAIN2).load(ACC) * a_other
+            o1 = o1 * a_self + G._reinterpret(raw_codes.index(1), gl.float32, [128, BLOCK_M],
+                                              PLAIN2).load(ACC) * a_other
+            o2 = o2 * a_self + G._reinterpret(raw_codes.index(2), gl.float32, [128, BLOCK_M],
+                                              PLAIN2).load(ACC) * a_other
+            o3 = o3 * a_self + G._reinterpret(raw_codes.index(3), gl.float32, [128, BLOCK_M],
+                                              PLAIN2).load(ACC) * a_other
+        return o0, o1, o2, o3, m_new, l_i
+
+    @gluon.jit
+    def e4m3_consumer(ROLE: gl.constexpr, ring, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NR: gl.constexpr, CAUSAL: gl.constexpr,
+                      DIRECT: gl.constexpr, TWO_TERMS: gl.constexpr, P16: gl.constexpr):
+        """Consumer warpgroup ROLE of an e4m3 kernel: it takes blocks ROLE, ROLE + 2, … whole (all 512 columns), so
+        the two consumers never wait on each other per block. Per block: Sᵀ on the raw codes (q in one or, with
+        TWO_TERMS, two e4m3 terms; the rope part in bf16), its own online softmax, Pᵀ·scale/f per chunk into shared
+        memory, then the Vᵀ fragments from the raw codes (the stage is freed once they are in registers) and
+        Oᵀ += Vᵀ·Pᵀ per chunk. At the end consumer 1 hands its state to consumer 0 through the (then idle) ring, and
+        consumer 0 merges and stores.
+
+        ring: (b, start, end, n_blocks, q8, q_r, qs, codes, rope, sc, fs, p8, bars) with NR stages; barriers 2·NR + s:
+        stage s ready, NR + s: stage s read (one arrival), 3·NR: q ready (both consumers arrive), 3·NR + 1 and 3·NR + 2:
+        the merge."""
+        b, start, end, n_blocks, q8, q_r, qs, raw_codes, raw_rope, sc, fs, p8, bars = ring
+        (Q, MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh,
+         stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+         scale_log2, S, H, g, seq_len) = args
+        KV_READY: gl.constexpr = 2 * NR
+        Q_READY: gl.constexpr = 3 * NR
+        KEY: gl.constexpr = gl.SliceLayout(1, ACC)
+        # q's prologue split between the consumers: each quantises two chunks, consumer 0 the rope part too
+        _load_q(Q, q8, q_r, qs, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, BLOCK_M, 512, 64, TWO_TERMS,
+                2 * ROLE, 2, ROLE == 0)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(bars.index(Q_READY))
+        mbarrier.wait(bars.index(Q_READY), 0)
+        q0, limit, state = _fresh_state(qs, seq_len, g, S, BLOCK_H, FOLD, BLOCK_N, P16, CAUSAL)
+        m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
+        s_zero16 = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC16)
+        s_zero_q = gl.zeros([BLOCK_N, 2 * BLOCK_M if TWO_TERMS else BLOCK_M], gl.float32,
+                            layout=ACC2 if TWO_TERMS else ACC)
+        keys = gl.arange(0, BLOCK_N, layout=KEY)
+        for j in range(ROLE, n_blocks, 2):
+            rs = j % NR
+            n0 = start + j * BLOCK_N
+            mbarrier.wait(bars.index(KV_READY + rs), (j // NR) & 1)
+            state = _consume_block(ROLE, ring, rs, n0, limit, q0, scale_log2, keys, s_zero_q, s_zero16,
+                                   (m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p), BLOCK_M, NR, TWO_TERMS, P16)
+            m_i, l_keys, o0, o1, o2, o3, f0p, f1p, f2p, f3p = state
+        o0, o1, o2, o3, m_new, l_i = _merge_consumers(ROLE, raw_codes, sc, bars, (m_i, l_keys, o0, o1, o2, o3, f0p,
+                                                                                  f1p, f2p, f3p), NR)
+        if ROLE == 0:
+            for c in gl.static_range(4):
+                _store_out(pick4(c, o0, o1, o2, o3), m_new, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob,
+                           stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob,
+                           stride_os, stride_oh, stride_lb, stride_ls, BLOCK_H, FOLD, BLOCK_M, 512, c * 128, 128,
+                           c == 0, DIRECT, FMT_E4M3, ACC)
