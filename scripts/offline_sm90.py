@@ -122,8 +122,8 @@ def gluon_decode_usage(cases) -> list[dict]:
                 module.launch(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                               num_splits=1 if direct else 2, kv_format=kv_format, opts=opts)
             elif quant:
-                F.launch_quant_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                     direct=direct, num_splits=1 if direct else 2, kv_format=dtype_name)
+                F.launch(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
+                         num_splits=1 if direct else 2, kv_format=kv_format)
             else:
                 G.launch_gluon_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, dc=dc, causal=True,
                                      direct=direct, num_splits=1 if direct else 2, block_n=block_n)

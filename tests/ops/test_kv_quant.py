@@ -281,7 +281,7 @@ def test_gpu_quant_gluon_kernel_matches_the_reference(fmt, H, S, page, lens, spl
     want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
                                 causal=causal, return_lse=True)
     args = (q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721)
-    assert F.quant_supported(args[0], args[1], 512, 16 if S * H <= 16 else 32, fmt)
+    assert F.supported(args[0], args[1], fmt, 16 if S * H <= 16 else 32)
     seen = torch.isfinite(want_lse)
     for gluon in (True, False):
         got, got_lse = mla_decode_triton(*args, head_dim_v=512, kv_format=fmt, causal=causal, return_lse=True,

@@ -70,17 +70,17 @@ def test_seesaw_rule_padded_small_tiles_need_many_programs():
 
 
 def test_fp8_rule_takes_splits_of_two_blocks_or_more():
-    """Which fp8 / tbq4 calls the Gluon kernel for quantised caches takes by default (measured,
+    """Which fp8 / tbq4 calls the Gluon kernels for quantised caches take by default (measured,
     docs/benchmarks.md)."""
-    from specmla.ops.decode.hopper import dequant as F
+    from specmla.ops.decode import triton as T
     from specmla.ops.decode.triton import plan
     cpu = torch.device("cpu")
-    cfg = lambda B, S, T: plan(B, S, 16, T, cpu, F.BLOCK_N, waves=1)  # noqa: E731
-    assert F.auto_takes(cfg(32, 2, 32768), 32, 2)  # two folded tokens: 32-row tiles
-    assert F.auto_takes(cfg(4, 1, 131072), 4, 1)  # few programs, long splits
-    assert F.auto_takes(cfg(32, 1, 32768), 32, 1)  # 32 programs of 16 rows
-    assert F.auto_takes(cfg(1, 1, 1024), 1, 1)  # two-block splits (plan's CPU stand-in has 8 SMs)
-    assert not F.auto_takes(cfg(1, 1, 512), 1, 1)  # one-block splits: Triton
+    cfg = lambda B, S, T_: plan(B, S, 16, T_, cpu, 64, waves=1)  # noqa: E731
+    assert T._quant_auto_takes(cfg(32, 2, 32768))  # two folded tokens: 32-row tiles
+    assert T._quant_auto_takes(cfg(4, 1, 131072))  # few programs, long splits
+    assert T._quant_auto_takes(cfg(32, 1, 32768))  # 32 programs of 16 rows
+    assert T._quant_auto_takes(cfg(1, 1, 1024))  # two-block splits (plan's CPU stand-in has 8 SMs)
+    assert not T._quant_auto_takes(cfg(1, 1, 512))  # one-block splits: Triton
 
 
 def test_not_taken_on_cpu_and_clear_error_when_forced():

@@ -427,6 +427,12 @@ def _e4m3_kernel_takes(q, kv_cache, dc: int, block_m: int, kv_format: str) -> bo
     return kv_format == "tbq4" and dc == 512 and mla_decode_gluon_tbq4reg.supported(q, kv_cache, kv_format, block_m)
 
 
+def _quant_auto_takes(cfg: dict) -> bool:
+    """Whether `mla_decode_triton(gluon=None)` sends a supported fp8 / tbq4 call to the Gluon kernels rather than to
+    the Triton kernel: splits of at least two key blocks, and the Gluon kernels' AUTO on."""
+    return mla_decode_gluon.AUTO and cfg["keys_per_split"] >= 2 * mla_decode_gluon_quant.BLOCK_N
+
+
 def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:
     """Largest F dividing S with F·block_h ≤ max_rows (TokenSpeed's rule)."""
     for f in range(S, 0, -1):
@@ -519,7 +525,7 @@ def mla_decode_triton(
     pipeline. `kv_align` caps the codes' load vector (fp8: 8 bytes by default; 16-byte vectors made
     a register layout whose shared-memory stores conflict). `gluon`: run stage 1 through the Hopper
     Gluon kernels (`ops.mla_decode_gluon`, `ops.mla_decode_seesaw`, fp8 / tbq4: `ops.mla_decode_gluon_quant`);
-    None takes them where supported (fp8 / tbq4: where measured faster, `mla_decode_gluon_quant.auto_takes`)."""
+    None takes them where supported (fp8 / tbq4: where measured faster, `_quant_auto_takes`)."""
     B, S, H, D = q.shape
     dc = D - 64 if head_dim_v is None else head_dim_v
     dr = D - dc
@@ -537,7 +543,7 @@ def mla_decode_triton(
         # yet it beats the folded rows (H100, B=32 T=32k, S=2: 1.03-1.19× bf16 against 0.35-0.83×; S=4: 0.54-0.62×
         # against 0.45-0.59×; docs/benchmarks.md, issue 7, twentieth session)
         unfolded = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N, 16, waves=1)
-        if gluon or mla_decode_gluon_quant.auto_takes(unfolded, B, S):  # else the folded rows on Triton
+        if gluon or _quant_auto_takes(unfolded):  # else the folded rows on Triton
             max_rows = 16
     block_h = min(max_rows, triton.next_power_of_2(H))
     block_m = max(16, triton.next_power_of_2(fold_factor(S, block_h, max_rows) * block_h))
@@ -548,7 +554,7 @@ def mla_decode_triton(
     if kv_format == "fp8":  # only the fp8 e4m3 kernel reads these rows
         gluon_quant = _e4m3_kernel_takes(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
     else:
-        gluon_quant = mla_decode_gluon_quant.quant_supported(q, kv_cache, dc, cfg["BLOCK_M"], kv_format)
+        gluon_quant = dc == 512 and mla_decode_gluon_quant.supported(q, kv_cache, kv_format, cfg["BLOCK_M"])
     supported = gluon_quant or mla_decode_gluon.gluon_decode_supported(q, kv_cache, head_dim_v, kv_format,
                                                                      cfg["BLOCK_M"])
     if gluon and not supported:
@@ -560,7 +566,7 @@ def mla_decode_triton(
         gluon_cfg = plan(B, S, H, max_seq, q.device, mla_decode_gluon_quant.BLOCK_N if gluon_quant else gluon_block_n,
                          max_rows, waves=1)
     if gluon is None:
-        run_gluon = supported and (mla_decode_gluon_quant.auto_takes(gluon_cfg, B, S) if gluon_quant
+        run_gluon = supported and (_quant_auto_takes(gluon_cfg) if gluon_quant
                                    else mla_decode_gluon.AUTO)
     else:
         run_gluon = supported and gluon
@@ -623,9 +629,8 @@ def mla_decode_triton(
         mla_decode_gluon_tbq4reg.launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
                                         softmax_scale * LOG2E, cfg, causal=causal, num_splits=ns, kv_format=kv_format)
     elif run_gluon and gluon_quant:
-        mla_decode_gluon_quant.launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
-                                                softmax_scale * LOG2E, cfg, causal=causal, direct=direct, num_splits=ns,
-                                                kv_format=kv_format)
+        mla_decode_gluon_quant.launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse,
+                                      softmax_scale * LOG2E, cfg, causal=causal, num_splits=ns, kv_format=kv_format)
     elif run_gluon:
         mla_decode_gluon.launch_gluon_split(
             q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, softmax_scale * LOG2E, cfg, dc=dc,
