@@ -265,8 +265,7 @@ if G.HAVE_GLUON:
         ready, free stage j-1 as soon as its P_{j-1}·V_{j-1} is done, scale each chunk's scores per key, swap
         partials with the other consumer through shared memory, and run the same softmax on the same sums
         (a + b = b + a, so both hold identical P, max and row sums). Then store Pᵀ scaled for its own two
-        chunks and issue Vᵀ_j·Pᵀ_j for them. (With one consumer running the softmax for both, the other
-        waited on it half its time.)"""
+        chunks and issue Vᵀ_j·Pᵀ_j for them. Both run the softmax, so neither waits for the other's."""
         (Q, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_blocks,
          q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, sc_smem, p_smem, s_smem, bars) = shared
         (MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh, stride_mosp,

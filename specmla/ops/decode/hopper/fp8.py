@@ -7,10 +7,10 @@ codes themselves, 16 query rows per program. Warp-specialised: a producer warpgr
   wide, so the copies run near the copy bandwidth.
 - The producer normalises each block's scales per chunk (P·scale/f within e4m3's range), zeroes the codes of rows
   past the end (NaN codes would reach P·V) and hands the stage over. On 656-byte rows it also refills the stage of
-  the block REFILL_LAG behind the one it hands over (refilling the previous block's stage would wait on the other
-  consumer every block). On 608-byte rows the rope arrives in int8 with fp16 scales: the producer converts it into
-  the stage's bf16 rope tile (`_convert_rope`), so the consumers are the same, and a one-warp loader issues the
-  copies, because the conversion would delay the producer's refills.
+  the block `Options.refill_lag` behind the one it hands over (refilling the previous block's stage would wait on
+  the other consumer every block). On 608-byte rows the rope arrives in int8 with fp16 scales: the producer
+  converts it into the stage's bf16 rope tile (`_convert_rope`), so the consumers are the same, and a one-warp
+  loader issues the copies, because the conversion would delay the producer's refills.
 - The consumers take alternate key blocks whole: Q·Kᵀ as e4m3 wgmmas on the raw codes with q in two e4m3 terms
   (hi + lo, one 32-row operand), P·V with Vᵀ as the wgmma's register operand (a byte transpose of the raw codes,
   converted to fp16, exact) and Pᵀ·scale/f in fp16: the exact path's quality at the matmul count of one e4m3 term.
