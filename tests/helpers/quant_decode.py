@@ -45,3 +45,39 @@ def assert_tokens_match(got, ref, lens, S, max_err, min_cos):
     assert empty.any() == (min(lens) < S) and (got.flatten(2)[empty].abs() <= 1e-6).all()
     cos = torch.nn.functional.cosine_similarity(got.flatten(2), ref.flatten(2), dim=-1)
     assert cos[~empty].min().item() > min_cos
+
+
+def run_kernel(module, q, cache, table, seq, scale=576 ** -0.5, *, kv_format, causal=True, num_splits=None,
+               opts=None, max_rows=16, return_lse=False):
+    """Stage 1 through `module.launch` (a kernel module of `specmla.ops.decode.hopper`) as `mla_decode_triton` runs
+    it: the same plan (64-key blocks, one wave), workspace, tbq4 rotations and combine; the test chooses the kernel
+    and its options. max_rows: 16 for the e4m3 kernels (S > 1 runs one token per program), up to 32 for dequant."""
+    import triton
+
+    from specmla.ops.decode.triton import combine_splits, plan
+    from specmla.ops.kv_cache.rotation import rotate_rows
+
+    B, S, H, D = q.shape
+    dc = D - 64
+    max_seq = triton.next_power_of_2(table.shape[1]) * cache.shape[1]
+    cfg = plan(B, S, H, max_seq, q.device, module.BLOCK_N, max_rows, waves=1)
+    assert module.supported(q, cache, kv_format, cfg["BLOCK_M"]), "the kernel does not take this call"
+    if num_splits is not None:
+        cfg["num_splits"] = num_splits
+    ns = cfg["num_splits"]
+    out = torch.empty(B, S, H, dc, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
+    if ns == 1:
+        mid_o, mid_lse = out, lse
+    else:
+        mid_o = torch.empty(B, S, H, ns, dc, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device=q.device)
+    if kv_format == "tbq4":  # attention in the rotated domain
+        q = rotate_rows(q, dc)
+    module.launch(q, cache, table, seq, mid_o, mid_lse, out, lse, scale * 1.4426950408889634, cfg, causal=causal,
+                  num_splits=ns, kv_format=kv_format, **({} if opts is None else {"opts": opts}))
+    if ns > 1:
+        combine_splits(mid_o, mid_lse, out, lse)
+    if kv_format == "tbq4":
+        rotate_rows(out, dc, out=out)
+    return (out, lse) if return_lse else out
