@@ -1,45 +1,32 @@
-"""The tbq4 decode kernel that decodes codes into e4m3 for the fp8 kernel's consumers (`ops.mla_decode_gluon_tbq4reg`):
-the whole kernel against the fp64 tbq4 reference on ragged lengths (one key block, an odd block per consumer, many
-blocks, several splits) with 0xFF bytes (NaN norms and rope) past each request's end, and the calls it must leave
-to the other kernels. GPU (Hopper) only; on the CPU: its byte-permute lookup, emulated, against the centroid table,
-and an sm_90 compile."""
+"""The tbq4 decode kernel (`ops.decode.hopper.tbq4`), which decodes codes into e4m3 for the e4m3 consumers: the
+whole kernel against the fp64 tbq4 reference on ragged lengths (one key block, an odd block per consumer, many
+blocks, several splits, several query tokens) with 0xFF bytes (NaN norms and rope) past each request's end, its
+options against its default, and the calls it leaves to the other kernels. GPU (Hopper) only; on the CPU: its
+byte-permute lookup, emulated, against the centroid table, and an sm_90 compile."""
 
 import random
 
 import pytest
 import torch
 from helpers.offline_compile import offline_sm90_rows
-from helpers.quant_decode import assert_tokens_match, hopper
-from helpers.quant_decode import quant_problem as _problem
+from helpers.quant_decode import assert_tokens_match, hopper, quant_problem, run_kernel
 
 from specmla.ops.decode.hopper import tbq4 as T
 from specmla.ops.kv_cache import tbq4
 
-
-def _run(q, cache, table, seq, splits, monkeypatch):
-    from specmla.ops.decode.triton import mla_decode_triton
-
-    monkeypatch.setattr(T, "USE", True)
-    launches = []
-    launch = T.launch_tbq4reg_split
-    monkeypatch.setattr(T, "launch_tbq4reg_split", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
-    got = mla_decode_triton(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4", gluon=True,
-                            num_splits=splits)
-    return got, launches
+SCALE = 576 ** -0.5
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("lens,splits", [([1, 63, 64, 65, 300, 1000], None), ([4097, 77, 128], 1),
                                          ([4097, 77, 128], 3), ([130, 2], 1), ([8192, 5000], 2)])
-def test_tbq4reg_kernel_matches_the_reference(lens, splits, monkeypatch):
+def test_tbq4_kernel_matches_the_reference(lens, splits):
     from specmla.ops.decode import mla_decode_torch
 
-    q, cache, table, seq = _problem(lens, 1, kv_format="tbq4")
-    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")
-    got, launches = _run(q, cache, table, seq, splits, monkeypatch)
-    assert launches == [1]  # this kernel ran
-    got = got.double()
+    q, cache, table, seq = quant_problem(lens, 1, kv_format="tbq4")
+    ref = mla_decode_torch(q.double(), cache, table, seq, SCALE, head_dim_v=512, kv_format="tbq4")
+    got = run_kernel(T, q, cache, table, seq, kv_format="tbq4", num_splits=splits).double()
     assert torch.isfinite(got).all()
     # e4m3 centroids (≤ 2 %), q and P in one e4m3 term each: a few per cent against the exact tbq4 attention,
     # small beside the 4-bit codes' own error
@@ -52,73 +39,45 @@ def test_tbq4reg_kernel_matches_the_reference(lens, splits, monkeypatch):
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("code_box", [16, 32])
-def test_tbq4reg_code_box_width_does_not_change_the_result(code_box, monkeypatch):
-    """Code boxes of one or two chunks' codes per TMA copy land the same words as the default whole-row box."""
-    q, cache, table, seq = _problem([4097, 77, 128], 1, kv_format="tbq4")
-    want, _ = _run(q, cache, table, seq, 3, monkeypatch)
-    monkeypatch.setattr(T, "CODE_BOX", code_box)
-    got, launches = _run(q, cache, table, seq, 3, monkeypatch)
-    assert launches == [1]
-    assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@hopper
-def test_tbq4reg_codes_from_registers_give_the_same_result(monkeypatch):
-    """REG_A (Q·Kᵀ's codes loaded into registers before the matmul) changes where the operand comes from, not the
-    arithmetic: bit for bit the default's."""
-    q, cache, table, seq = _problem([4097, 77, 128, 1], 1, kv_format="tbq4")
-    want, _ = _run(q, cache, table, seq, 3, monkeypatch)
-    monkeypatch.setattr(T, "REG_A", True)
-    got, launches = _run(q, cache, table, seq, 3, monkeypatch)
-    assert launches == [1]
-    assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-@hopper
-@pytest.mark.parametrize("lens,splits,raw", [([1, 63, 64, 65, 300, 1000], None, 4), ([4097, 77, 128], 3, 4),
-                                             ([8192, 5000], 2, 3)])
-def test_tbq4reg_rope_straight_into_the_decoded_stage(lens, splits, raw, monkeypatch):
-    """ROPE_DIRECT (the default: the rope's copy lands in the decoded stage; the stage is ready after that copy and
-    the producer's arrive) gives the result of the rope through the raw ring bit for bit, with 3 raw stages of 17 KB
-    or 4 (4 gains nothing: see the module)."""
-    q, cache, table, seq = _problem(lens, 1, kv_format="tbq4")
-    monkeypatch.setattr(T, "ROPE_DIRECT", False)
-    monkeypatch.setattr(T, "NUM_RAW", 3)
-    want, _ = _run(q, cache, table, seq, splits, monkeypatch)
-    monkeypatch.setattr(T, "ROPE_DIRECT", True)
-    monkeypatch.setattr(T, "NUM_RAW", raw)
-    got, launches = _run(q, cache, table, seq, splits, monkeypatch)
-    assert launches == [1]
+@pytest.mark.parametrize("lens,splits,opts", [([4097, 77, 128], 3, T.Options(code_box=16)),
+                                              ([4097, 77, 128], 3, T.Options(code_box=32)),
+                                              ([1, 63, 64, 65, 300, 1000], None, T.Options(num_raw=4)),
+                                              ([4097, 77, 128], 3, T.Options(num_raw=4))])
+def test_tbq4_options_do_not_change_the_result(lens, splits, opts):
+    """Code boxes of one or two chunks' codes per TMA copy land the same words as the default whole-row box; a fourth
+    raw stage changes only when copies start: bit for bit the default's result."""
+    q, cache, table, seq = quant_problem(lens, 1, kv_format="tbq4")
+    want = run_kernel(T, q, cache, table, seq, kv_format="tbq4", num_splits=splits)
+    got = run_kernel(T, q, cache, table, seq, kv_format="tbq4", num_splits=splits, opts=opts)
     assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("lens,S,splits", [([700, 90, 3], 2, None), ([4097, 77], 3, 2), ([1, 64, 300], 4, None)])
-def test_tbq4reg_takes_several_query_tokens_one_per_program(lens, S, splits, monkeypatch):
+def test_tbq4_kernel_takes_several_query_tokens_one_per_program(lens, S, splits):
     """S > 1 query tokens (H = 16): one token's 16 rows per program (no folding), each with its own causal limit;
     against the fp64 tbq4 reference, 0xFF bytes past each request's end, a token that sees no key (length 1)."""
     from specmla.ops.decode import mla_decode_torch
 
-    q, cache, table, seq = _problem(lens, S, kv_format="tbq4")
-    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")
-    got, launches = _run(q, cache, table, seq, splits, monkeypatch)
-    assert launches == [1]
+    q, cache, table, seq = quant_problem(lens, S, kv_format="tbq4")
+    ref = mla_decode_torch(q.double(), cache, table, seq, SCALE, head_dim_v=512, kv_format="tbq4")
+    got = run_kernel(T, q, cache, table, seq, kv_format="tbq4", num_splits=splits)
     assert_tokens_match(got, ref, lens, S, max_err=5e-2, min_cos=0.998)
 
 
 @pytest.mark.gpu
 @hopper
-def test_tbq4reg_leaves_32_row_calls_to_the_other_kernels(monkeypatch):
+def test_tbq4_kernel_leaves_32_row_calls_to_the_other_kernels():
+    """32 heads make 32 rows: not this kernel's; the default route still matches the reference."""
     from specmla.ops.decode import mla_decode_torch
+    from specmla.ops.decode.triton import mla_decode_triton
 
-    q, cache, table, seq = _problem([700, 90], 1, H=32, kv_format="tbq4")  # 32 heads: 32 rows
-    got, launches = _run(q, cache, table, seq, None, monkeypatch)
-    assert launches == []
-    ref = mla_decode_torch(q.double(), cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4")
+    q, cache, table, seq = quant_problem([700, 90], 1, H=32, kv_format="tbq4")
+    assert not T.supported(q, cache, "tbq4", 32)
+    assert T.supported(q[:, :, :16].contiguous(), cache, "tbq4", 16)
+    got = mla_decode_triton(q, cache, table, seq, SCALE, head_dim_v=512, kv_format="tbq4", gluon=True)
+    ref = mla_decode_torch(q.double(), cache, table, seq, SCALE, head_dim_v=512, kv_format="tbq4")
     assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -177,9 +136,9 @@ def test_e4m3_lookup_gives_every_codes_centroid():
         assert got == [codes[(word >> (4 * i)) & 15] for i in range(8)], hex(word)
 
 
-def test_tbq4reg_kernel_compiles_for_sm90():
+def test_tbq4_kernel_compiles_for_sm90():
     """CPU: the kernel compiles for sm_90 and fits the shared memory, also with 4 raw stages."""
     for row in offline_sm90_rows([[16, 1, 512, 64, "e4m3_tbq4", False], [16, 1, 512, 64, "e4m3_tbq4", True],
                                   [16, 1, 512, 64, "e4m3_tbq4", False, 64, {"num_raw": 4}]]):
         (k,) = row["kernels"]
-        assert k["shared"] <= 232448 and k["regs"] > 0
+        assert k["name"] == "_mla_decode_tbq4_kernel" and k["shared"] <= 232448 and k["regs"] > 0
