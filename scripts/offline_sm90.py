@@ -80,33 +80,31 @@ def offline_sm90(capability: int = 90):
 
 
 def gluon_decode_usage(cases) -> list[dict]:
-    """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct[, block_n]) and
-    report its resources; for "fp8reg" / "tbq4reg" an optional 8th item sets module constants while compiling,
-    e.g. {"LOADER": true, "REGS": [224, 40]} (the CPU test of ops/mla_decode_gluon.py runs this in a fresh process:
-    Triton's interpreter mode, which the test suite turns on, cannot compile). dtype "fp8_ds_mla" / "tbq4": the
-    kernel for quantised caches (`ops.mla_decode_gluon_quant`) with bf16 queries; "fp8mma": the fp8 kernel with e4m3
-    matmuls (`ops.mla_decode_gluon_fp8mma`); "fp8reg": the one with Vᵀ in registers (`ops.mla_decode_gluon_fp8reg`;
-    "fp8reg_rope_int8": on 608-byte fp8 rows); "tbq4reg": its tbq4 sibling (`ops.mla_decode_gluon_tbq4reg`)."""
+    """Compile the Gluon decode kernel for each (H, S, dc, dr, dtype name, direct[, block_n[, options]]) and
+    report its resources (the CPU tests run this in a fresh process: Triton's interpreter mode, which the test suite
+    turns on, cannot compile). dtype "fp8_ds_mla" / "tbq4": the kernel that dequantises those rows
+    (`hopper.dequant`) with bf16 queries; "e4m3_fp8" / "e4m3_fp8_ds_mla": the e4m3 kernel of fp8 rows (`hopper.fp8`),
+    "e4m3_tbq4": that of tbq4 rows (`hopper.tbq4`), where the optional options item holds fields of the module's
+    `Options`, e.g. {"num_raw": 4}."""
+    import importlib
+
     import torch
 
-    from specmla.ops.decode.hopper import fp8mma as M
     from specmla.ops.decode.hopper import dequant as F
     from specmla.ops.kv_cache import row_spec
     from specmla.ops.decode.dispatch import plan
 
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
-        settings = rest[1] if len(rest) > 1 else {}  # module constants of the fp8reg / tbq4reg kernel to set
-        mma, treg, fold = dtype_name == "fp8mma", dtype_name == "tbq4reg", dtype_name.startswith("fp8fold")
-        reg, kv_format = dtype_name.startswith("fp8reg"), "fp8" if dtype_name.endswith("rope_int8") else "fp8_ds_mla"
-        dtype_name = "fp8_ds_mla" if mma or reg or fold else "tbq4" if treg else dtype_name
-        fp8 = dtype_name in ("fp8_ds_mla", "tbq4")  # a quantised cache: the Gluon kernel for fp8 / tbq4 rows
-        dtype = torch.bfloat16 if fp8 else getattr(torch, dtype_name)
+        settings = rest[1] if len(rest) > 1 else {}  # Options fields of an e4m3 kernel
+        e4m3 = dtype_name.startswith("e4m3_")
+        kv_format = dtype_name[len("e4m3_"):] if e4m3 else dtype_name
+        quant = e4m3 or kv_format in ("fp8_ds_mla", "tbq4")  # a quantised cache, bf16 queries
+        dtype = torch.bfloat16 if quant else getattr(torch, dtype_name)
         B = 2
         q = torch.randn(B, S, H, dc + dr, dtype=dtype)
-        if fp8:
-            kv = torch.zeros(8, 64, row_spec(kv_format if reg or fold else dtype_name, dc, dr, dtype)[0],
-                             dtype=torch.uint8)
+        if quant:
+            kv = torch.zeros(8, 64, row_spec(kv_format, dc, dr, dtype)[0], dtype=torch.uint8)
         else:
             kv = torch.randn(8, 64, dc + dr, dtype=dtype)
         table = torch.zeros(B, 4, dtype=torch.int32)
@@ -114,36 +112,18 @@ def gluon_decode_usage(cases) -> list[dict]:
         cfg = plan(B, S, H, 256, 8, 64)
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
-        module = None
-        if treg or reg or fold:
-            import importlib
-            module = importlib.import_module("specmla.ops.decode.hopper." + ("tbq4" if treg else "fp8fold"
-                                                                                  if fold else "fp8"))
-        saved = {name: getattr(module, name) for name in settings}
-        for name, value in settings.items():
-            setattr(module, name, tuple(value) if isinstance(value, list) else value)
         with offline_sm90() as kernels:
-            if fold:
-                module.launch_fp8fold_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                            direct=direct, num_splits=1 if direct else 2, kv_format=kv_format)
-            elif treg:
-                from specmla.ops.decode.hopper import tbq4 as T
-                T.launch_tbq4reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                       direct=direct, num_splits=1 if direct else 2)
-            elif reg:
-                from specmla.ops.decode.hopper import fp8 as R
-                R.launch_fp8reg_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                      direct=direct, num_splits=1 if direct else 2, kv_format=kv_format)
-            elif mma:
-                M.launch_fp8mma_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                      direct=direct, num_splits=1 if direct else 2)
-            elif fp8:
-                F.launch_quant_split(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
-                                     direct=direct, num_splits=1 if direct else 2, kv_format=dtype_name)
+            if e4m3:
+                module = importlib.import_module("specmla.ops.decode.hopper." + ("tbq4" if kv_format == "tbq4"
+                                                                                 else "fp8"))
+                opts = module.Options(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+                module.launch(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
+                              num_splits=1 if direct else 2, kv_format=kv_format, opts=opts)
+            elif quant:
+                F.launch(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
+                         num_splits=1 if direct else 2, kv_format=kv_format)
             else:
                 raise ValueError(f"{dtype_name}: 16-bit caches take `offline_sm90.py bf16|bf16_seesaw CASES`")
-        for name, value in saved.items():
-            setattr(module, name, value)
         rows.append(dict(case=[H, S, dc, dr, dtype_name, direct, *rest], kernels=[resource_usage(k) for k in kernels]))
     return rows
 

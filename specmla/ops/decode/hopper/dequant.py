@@ -1,48 +1,41 @@
-"""Hopper MLA decode that reads a quantised latent cache — fp8_ds_mla (FlashMLA's 656-byte rows) or tbq4 (400-byte
-rows, attention in the FWHT-rotated domain) — in Gluon, warp-specialised: a producer warpgroup turns each key
-block's codes into a bf16 tile in shared memory, and two consumer warpgroups run the matmuls on it, with the
-keys as the matmuls' M dimension.
+"""Hopper MLA decode over a quantised latent cache — fp8_ds_mla (656-byte rows) or tbq4 (400-byte rows, attention in
+the FWHT-rotated domain) — that dequantises each key block into a bf16 tile. Warp-specialised: a producer warpgroup
+unpacks the codes into shared memory and two consumer warpgroups run bf16 matmuls on the tile, with the keys as the
+matmuls' M dimension. It takes 16 or 32 query rows.
 
-Why: an fp8 row is 1.76× smaller than a bf16 one, so the kernel must unpack codes at that much more than
-the copy bandwidth. The Triton kernel dequantises in registers and stores the tile to shared memory once
-per dot operand; a one-stream Gluon kernel (the previous version of this file) waited for its loads and
-its dequantisation between matmuls. Both took about 1.06× bf16's time (0.94× its speed); this kernel
-runs at 1.1× bf16's speed (docs/benchmarks.md, issue 7).
-
-- Producer (8 warps): each block's codes (and the four fp32 scales of each key) go into registers two
-  blocks ahead (one block in flight left HBM idle); block-table lookups run a block further ahead, so
-  no load waits on another. The rope part (bf16 already) goes by cp.async into a ring of ROPE_STAGES.
-- Unpacking is exact and leaves the scales out. fp8: a code's bits become the bf16 of the same value with
-  integer operations only (`_E4M3_TO_BF16`, 10 per four codes; the conversion unit, 16 results per clock
-  per SM, was the limit with cvt instructions). Subnormal codes (|code| < 2⁻⁶, beside 448 the largest) come
-  out as 2⁻⁷·(1 + m/8) instead of 2⁻⁶·m/8: an error of at most 2⁻⁷ in code units. tbq4: a byte-permute
-  table lookup gives each 4-bit code's centroid in bf16 (`_TBQ4_PAIRS`); the block norms take the scales'
-  place.
-- The scales are applied where they are cheap: Sᵀ is summed from one accumulator per 128-column chunk,
-  each multiplied by its per-key scale; P·V uses Pᵀ multiplied by the chunk's per-key scale (four Pᵀ
-  tiles, one per chunk). No bf16 rounding of code·scale.
-- Keys are the M dimension ("swap AB"): Sᵀ = K·Qᵀ is [64 keys, R rows], Oᵀ = Vᵀ·Pᵀ is [512, R]. With
-  H = 16 (R = 16) nothing is padded to wgmma's M = 64.
-- Consumer w owns latent chunks 2w and 2w+1 (and w = 1 the rope part): its partial scores, then its
-  half of Oᵀ. The consumers swap partial scores through shared memory and both run the same softmax
-  (with one consumer running it for both, the other waited on it half its time).
-- Two tile stages of 64 keys; a stage is freed as soon as both consumers' P·V on it completed. Latent columns
-  are permuted in the tile (`_latent_column`) so that each thread's unpacked pairs are 16-byte stores;
+- Producer (8 warps): each block's codes (and the four fp32 scales or fp16 norms of each key) go into registers two
+  blocks ahead, so HBM stays busy; block-table lookups run a block further ahead, so no load waits on another. The
+  rope part (bf16 already) goes by cp.async into a ring of ROPE_STAGES.
+- Unpacking is exact and leaves the scales out. fp8: a code's bits become the bf16 of the same value with integer
+  operations only (`_E4M3_TO_BF16`, 10 per four codes), which spares the conversion unit. Subnormal codes
+  (|code| < 2⁻⁶) come out as 2⁻⁷·(1 + m/8) instead of 2⁻⁶·m/8: an error of at most 2⁻⁷ in code units. tbq4: a
+  byte-permute table lookup gives each 4-bit code's centroid in bf16 (`_TBQ4_PAIRS`); the block norms take the
+  scales' place.
+- The scales are applied where they are cheap: Sᵀ is summed from one accumulator per 128-column chunk, each
+  multiplied by its per-key scale; P·V uses Pᵀ multiplied by the chunk's per-key scale (four Pᵀ tiles, one per
+  chunk). No bf16 rounding of code·scale.
+- Keys are the M dimension: Sᵀ = K·Qᵀ is [64 keys, R rows], Oᵀ = Vᵀ·Pᵀ is [512, R], so 16 rows are not padded to
+  wgmma's M = 64.
+- Consumer w owns latent chunks 2w and 2w+1 (and w = 1 the rope part): its partial scores, then its half of Oᵀ.
+  The consumers swap partial scores through shared memory and both run the same softmax, so neither waits for
+  the other's.
+- Two tile stages of 64 keys; a stage is freed as soon as both consumers' P·V on it completed. Latent columns are
+  permuted in the tile (`quant_common._latent_column`) so that each thread's unpacked pairs are 16-byte stores;
   q and the output are permuted to match.
 
-Same contract, split rule and partial layout as `mla_decode_triton` (its combine merges the splits);
-Dc = 512, Dr = 64 (every MLA checkpoint in scope), row tiles of 16 or 32 rows, bf16 queries. Other shapes
-take the Triton kernel. Gluon does not run in the Triton interpreter: the checks are GPU tests against the
-fp64 reference, plus a CPU test that compiles it for sm_90.
+Dc = 512, Dr = 64, bf16 queries. Same contract, split rule and partial layout as `mla_decode` (its combine
+merges the splits). Gluon does not run in the Triton interpreter: GPU tests check it against the fp64 reference,
+a CPU test compiles it for sm_90.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import torch
 
 from specmla.ops.decode.hopper import common as G
+from specmla.ops.decode.hopper import quant_common as QC
 from specmla.ops.kv_cache import tbq4
 
 if G.HAVE_GLUON:
@@ -54,26 +47,26 @@ if G.HAVE_GLUON:
 
     _cta_barrier = G._cta_barrier
 
-BLOCK_N = 64  # keys per stage (wgmma's M): two bf16 stages of 64 × 576 fit beside Q
-DC, DR, CHUNK_COLS = 512, 64, 128  # the layout this kernel reads: four 128-code chunks, one scale each
+BLOCK_N = QC.BLOCK_N  # keys per stage (wgmma's M): two bf16 stages of 64 × 576 fit beside Q
+DC, DR = QC.DC, QC.DR  # four 128-code chunks, one scale or norm each, then the rope part
 MAX_ROWS = 32  # query rows per program (16 or 32)
 NUM_STAGES = 2
 ROPE_STAGES = 3  # the rope part of block j+1 loads while block j is unpacked (see _producer)
-# (producer warps, registers per consumer thread, per producer thread) by query rows: the producer holds
-# two blocks of codes in registers (8 warps: 80 each), the consumers' accumulators grow with the rows; the
-# file holds 2 × 128 × consumer + 32 × warps × producer ≤ 64K. Measured on the H100 (fp8_probe with
-# FP8_PROBE_SHAPES, B=32 T=32k): 16 rows 377 µs against 400 for (8, 112, 144), 410 for (8, 104, 152) and
-# 508 with 4 producer warps; 32 rows 492 µs against 527 for (8, 152, 104). 16 rows compile without
-# spills, 32 rows with 112 B (Triton 3.6).
-SHAPES = {16: (8, 120, 136), 32: (8, 144, 112)}
-PROBE = 0  # timing probes only (wrong results): 1 the producer skips the unpacking, 2 the consumers their
-# matmuls, 3 the producer stores the codes without unpacking them, 4 it loads codes only for the first two blocks,
-# 5 neither loads (after the first two blocks) nor unpacks: the consumers' own time
+FORMATS = {"fp8_ds_mla": 0, "tbq4": 1}  # the kernel's FMT: QC.FMT_FP8, QC.FMT_TBQ4 (tbq4: q rotated by the caller)
 
-FORMATS = {"fp8_ds_mla": 0, "tbq4": 1}  # the kernel's FMT (tbq4: q rotated by the caller, attention rotated)
-ROW_BYTES = {"fp8_ds_mla": 656, "tbq4": tbq4.cache_row_bytes(512, 64)}  # Dc = 512, Dr = 64: 656 and 400
 
-_SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The dequant kernel's tuning knobs; the defaults are the measured best."""
+
+    producer_warps: int = 8  # the producer holds two blocks of codes in registers
+    # (consumer, producer) registers per thread at 16 and 32 rows: the consumers' accumulators grow with the rows,
+    # and the file holds 2 × 128 × consumer + 32 × producer_warps × producer ≤ 64K
+    regs16: tuple[int, int] = (120, 136)
+    regs32: tuple[int, int] = (144, 112)
+
+
+_SOURCE_KEY = G.source_key(__file__) ^ QC._SOURCE_KEY  # in the kernel's cache key (see G.source_key)
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 KV_READY = _c(0)  # +stage: the producer has unpacked a block into it
 KV_FREE = _c(NUM_STAGES)  # +stage: both consumers' matmuls that read it have completed (one arrival each)
@@ -102,32 +95,10 @@ add.u32 $1, a, 0x3C003C00;
 }""")
 
 
-
 _TBQ4_PAIRS = _c(tbq4.centroid_lookup_ptx(scaled=False))  # centroids, 4 bf16x2 pairs per word
-TBQ4_ROPE_AT = _c(tbq4.rope_offset(512) // 2)  # the rope part of a tbq4 row, in bf16 units
 
 
 if G.HAVE_GLUON:
-
-    @gluon.jit
-    def _latent_column(j, FMT: gl.constexpr):
-        """The latent column held in tile column j. Within each 128-column chunk (one scale or norm):
-        fp8 word v (codes 4v … 4v+3) lands as pair 0 (codes 4v, 4v+1) at columns 2v, 2v+1 and pair 1 at
-        64 + 2v, 65 + 2v; tbq4 word v (codes 8v … 8v+7) as pair k (codes 8v+2k, 8v+2k+1) at 32k + 2v, 32k + 2v + 1.
-        FMT 2 (`mla_decode_gluon_fp8mma`'s Vᵀ): the natural order. FMT 3 (`mla_decode_gluon_fp8reg`'s Vᵀ
-        fragment rows m): column bits d0 … d6 = m3 m6 m0 m1 m2 m4 m5."""
-        if FMT == 2:
-            return j
-        if FMT == 3:
-            m = j % 128
-            col = (((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5))
-            return (j // 128) * 128 + col
-        k = j % 128
-        if FMT == 0:
-            col = 4 * ((k % 64) // 2) + 2 * (k // 64) + k % 2
-        else:
-            col = 8 * ((k % 32) // 2) + 2 * (k // 32) + k % 2
-        return (j // 128) * 128 + col
 
     @gluon.jit
     def _load_q(Q, q_c_smem, q_r_smem, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
@@ -140,65 +111,10 @@ if G.HAVE_GLUON:
         h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
         ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
         q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
-        cols_qc = _latent_column(gl.arange(0, DC, layout=gl.SliceLayout(0, LAYOUT)), FMT)
+        cols_qc = QC._latent_column(gl.arange(0, DC, layout=gl.SliceLayout(0, LAYOUT)), FMT)
         cols_qr = gl.arange(0, DR, layout=gl.SliceLayout(0, LAYOUT))
         q_c_smem.store(gl.load(Q + q_at + gl.expand_dims(cols_qc, 0), mask=ok_q, other=0.0))
         q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0).to(gl.bfloat16))
-
-    @gluon.jit
-    def _row_limits(seq_len, S, g, FOLD: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_M: gl.constexpr,
-                    CAUSAL: gl.constexpr, ROW: gl.constexpr):
-        """Each query row's key limit (keys < limit are seen) for token group g of a request of length seq_len:
-        causal, the row's token position + 1 (rows are FOLD tokens × BLOCK_H heads); else the whole request."""
-        cols_r = gl.arange(0, BLOCK_M, layout=ROW)
-        if CAUSAL:
-            limit = seq_len - S + g * FOLD + cols_r // BLOCK_H + 1
-        else:
-            limit = gl.full([BLOCK_M], 0, gl.int32, layout=ROW) + seq_len
-        return limit
-
-    @gluon.jit
-    def _softmax_keys(s, m_i, l_keys, offs_n, end, limit, scale_log2):
-        """Online softmax of Sᵀ [keys, rows] (keys offs_n; hidden at or past `end` and past each row's
-        causal `limit`): P at the new max, the old rows' rescale factor, the new max, and the row sums kept
-        per key slot (summed over the keys once, at the end: one cross-warp reduction per block, not two)."""
-        visible = gl.expand_dims(offs_n < end, 1) & (gl.expand_dims(offs_n, 1) < gl.expand_dims(limit, 0))
-        s = gl.where(visible, s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - gl.expand_dims(m_safe, 0))
-        return p, alpha, m_new, l_keys * gl.expand_dims(alpha, 0) + p
-
-    @gluon.jit
-    def _store_out(acc, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE,
-                   stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
-                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, DC: gl.constexpr,
-                   C0: gl.constexpr, NC: gl.constexpr, STORE_LSE: gl.constexpr, DIRECT: gl.constexpr,
-                   FMT: gl.constexpr, ACC: gl.constexpr):
-        """Normalise Oᵀ [NC, BLOCK_M] (tile columns C0 … C0+NC) and store them in the output (one split:
-        natural-log lse) or this split's partial and log2-sum-exp; tile columns go back to latent columns."""
-        has = l_i > 0
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        out = acc * gl.expand_dims(1.0 / gl.where(has, l_i, 1.0), 0)
-        cols_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
-        s_o = g * FOLD + cols_r // BLOCK_H
-        h_o = gl.program_id(1) * BLOCK_H + cols_r % BLOCK_H
-        ok_o = (cols_r < FOLD * BLOCK_H) & (h_o < H)
-        d = gl.expand_dims(_latent_column(C0 + gl.arange(0, NC, layout=gl.SliceLayout(1, ACC)), FMT), 1)
-        mask = gl.expand_dims(ok_o, 0) & (d < DC)
-        if DIRECT:
-            o_at = OUT + b * stride_ob + s_o * stride_os + h_o * stride_oh
-            gl.store(gl.expand_dims(o_at, 0) + d, out.to(OUT.dtype.element_ty), mask=mask)
-            if STORE_LSE:
-                gl.store(LSE + b * stride_lb + s_o * stride_ls + h_o, lse2 * 0.6931471805599453, mask=ok_o)
-        else:
-            split = gl.program_id(2)
-            mo_at = MID_O + b * stride_mob + s_o * stride_mos + h_o * stride_moh + split * stride_mosp
-            gl.store(gl.expand_dims(mo_at, 0) + d, out, mask=mask)
-            if STORE_LSE:
-                gl.store(MID_LSE + b * stride_mlb + s_o * stride_mls + h_o * stride_mlh + split, lse2, mask=ok_o)
 
     # ---------------------------------------------------------------- producer -----------------------------
 
@@ -209,8 +125,8 @@ if G.HAVE_GLUON:
         rows not ok read zeros."""
         # fp8: 656-byte rows, 16-byte aligned, [codes 512 | 4 fp32 scales | rope], 32 words per chunk;
         # tbq4: 400-byte rows, [codes 256 | 4 fp16 norms | pad | rope | pad], 16 words per chunk
-        NW: gl.constexpr = 32 if FMT == 0 else 16
-        ALIGN: gl.constexpr = 4 if FMT == 0 else 2
+        NW: gl.constexpr = 32 if FMT == QC.FMT_FP8 else 16
+        ALIGN: gl.constexpr = 4 if FMT == QC.FMT_FP8 else 2
         at = gl.expand_dims(gl.multiple_of(rows // 4, ALIGN), 1)
         w = gl.expand_dims(gl.arange(0, NW, layout=gl.SliceLayout(0, WORDS)), 0)
         ok2 = gl.expand_dims(ok, 1)
@@ -218,7 +134,7 @@ if G.HAVE_GLUON:
         c1 = gl.load(KV32 + at + NW + w, mask=ok2, other=0)
         c2 = gl.load(KV32 + at + 2 * NW + w, mask=ok2, other=0)
         c3 = gl.load(KV32 + at + 3 * NW + w, mask=ok2, other=0)
-        if FMT == 0:
+        if FMT == QC.FMT_FP8:
             s_at = rows // 4 + DC // 4
             s0 = gl.load(KV32 + s_at, mask=ok, other=0).to(gl.float32, bitcast=True)
             s1 = gl.load(KV32 + s_at + 1, mask=ok, other=0).to(gl.float32, bitcast=True)
@@ -237,7 +153,7 @@ if G.HAVE_GLUON:
         """Chunk c's codes → exact bf16 values (fp8: the code; tbq4: its centroid) in the tile, viewed as
         32-bit words of bf16 pairs. fp8: pair 0 of word v at word 64c + v, pair 1 at 64c + 32 + v; tbq4:
         pair k of word v at 64c + 16k + v."""
-        if FMT == 0:
+        if FMT == QC.FMT_FP8:
             lo, hi = gl.inline_asm_elementwise(_E4M3_TO_BF16, "=r,=r,r", [words], dtype=(gl.int32, gl.int32),
                                                is_pure=True, pack=1)
             tile32.slice(64 * c, 32, dim=1).store(lo)
@@ -257,17 +173,16 @@ if G.HAVE_GLUON:
         """cp.async a key block's bf16 rope part into its shared buffer (rows past the end: zeros). It
         starts at byte 528 of an fp8 row, 272 of a tbq4 row (both 16-byte aligned)."""
         cols = gl.arange(0, DR, layout=gl.SliceLayout(0, ROPE))
-        if FMT == 0:
+        if FMT == QC.FMT_FP8:
             at = gl.multiple_of(rows // 2 + (DC + 4 * (DC // 128)) // 2, 8)
         else:
-            at = gl.multiple_of(rows // 2 + TBQ4_ROPE_AT, 4)
+            at = gl.multiple_of(rows // 2 + QC.TBQ4_ROPE_AT, 4)
         G._cp_async(k_r_buf, KV16 + gl.expand_dims(at, 1) + gl.expand_dims(cols, 0), mask=gl.expand_dims(ok, 1))
         cp.commit_group()
 
     @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr, BLOCK_N: gl.constexpr,
-                  NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr, WARPS: gl.constexpr, FMT: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr, WARPS: gl.constexpr, FMT: gl.constexpr):
         """Block j: its codes went into registers two blocks ago (one block in flight is too little to
         keep HBM busy) and its rope part was cp.async'd into rope buffer j % ROPE_STAGES. Wait until both
         consumers have freed tile stage j % NUM_STAGES, start block j+1's rope (its buffer last held block
@@ -276,7 +191,8 @@ if G.HAVE_GLUON:
         no load waits on another) and mark the stage ready once the rope has landed."""
         (Q, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_blocks,
          q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, sc_smem, p_smem, s_smem, bars) = shared
-        VEC: gl.constexpr = 4 if FMT == 0 else 2  # 32-bit words per load (tbq4: 8 bytes, so that 8 threads cover a chunk)
+        # 32-bit words per load (tbq4: 8 bytes, so that 8 threads cover a chunk)
+        VEC: gl.constexpr = 4 if FMT == QC.FMT_FP8 else 2
         WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[4, 8],
                                                warps_per_cta=[WARPS, 1], order=[1, 0])
         ROPE: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2 * VEC], threads_per_warp=[4, 8],
@@ -300,27 +216,17 @@ if G.HAVE_GLUON:
             st = j % NUM_STAGES
             mbarrier.wait(bars.index(KV_FREE + st), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
             _load_rope(KV16, k_r_smem.index((j + 1) % ROPE_STAGES), rows_r, ok_r, DC, DR, FMT, ROPE)
-            if PROBE == 3:  # stores without the unpacking
-                tile = k_c32_smem.index(st)
-                tile.slice(0, 32, dim=1).store(c0)
-                tile.slice(64, 32, dim=1).store(c1)
-                tile.slice(128, 32, dim=1).store(c2)
-                tile.slice(192, 32, dim=1).store(c3)
-            elif PROBE != 1 and PROBE != 5:
-                tile = k_c32_smem.index(st)
-                _unpack_chunk(tile, c0, 0, FMT)
-                _unpack_chunk(tile, c1, 1, FMT)
-                _unpack_chunk(tile, c2, 2, FMT)
-                _unpack_chunk(tile, c3, 3, FMT)
+            tile = k_c32_smem.index(st)
+            _unpack_chunk(tile, c0, 0, FMT)
+            _unpack_chunk(tile, c1, 1, FMT)
+            _unpack_chunk(tile, c2, 2, FMT)
+            _unpack_chunk(tile, c3, 3, FMT)
             sc_smem.index(4 * st).store(gl.convert_layout(s0, KEYS))
             sc_smem.index(4 * st + 1).store(gl.convert_layout(s1, KEYS))
             sc_smem.index(4 * st + 2).store(gl.convert_layout(s2, KEYS))
             sc_smem.index(4 * st + 3).store(gl.convert_layout(s3, KEYS))
             # block j's registers are free: block j+2's codes go in flight (block j+1's have been since block j-1)
-            if PROBE == 4 or PROBE == 5:  # no loads after the first two blocks
-                e0, e1, e2, e3, u0, u1, u2, u3 = c0 + 1, c1, c2, c3, s0, s1, s2, s3
-            else:
-                e0, e1, e2, e3, u0, u1, u2, u3 = _fetch_codes(KV16, KV32, rows_w, ok_w, DC, FMT, WORDS)
+            e0, e1, e2, e3, u0, u1, u2, u3 = _fetch_codes(KV16, KV32, rows_w, ok_w, DC, FMT, WORDS)
             nx = start + (j + 2) * BLOCK_N
             rows_w, ok_w = G._block_page_rows(BT, b, stride_btb, nx + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
                                                BLOCK_N, WORDS)
@@ -354,14 +260,12 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, args, DC: gl.constexpr, DR: gl.constexpr, BLOCK_H: gl.constexpr,
                   FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  ROPE_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FMT: gl.constexpr,
-                  PROBE: gl.constexpr):
+                  ROPE_STAGES: gl.constexpr, CAUSAL: gl.constexpr, DIRECT: gl.constexpr, FMT: gl.constexpr):
         """Consumer ROLE (latent chunks 2·ROLE, 2·ROLE+1). Block j: issue its partial Sᵀ_j once stage j is
         ready, free stage j-1 as soon as its P_{j-1}·V_{j-1} is done, scale each chunk's scores per key, swap
         partials with the other consumer through shared memory, and run the same softmax on the same sums
         (a + b = b + a, so both hold identical P, max and row sums). Then store Pᵀ scaled for its own two
-        chunks and issue Vᵀ_j·Pᵀ_j for them. (With one consumer running the softmax for both, the other
-        waited on it half its time.)"""
+        chunks and issue Vᵀ_j·Pᵀ_j for them. Both run the softmax, so neither waits for the other's."""
         (Q, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_blocks,
          q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, sc_smem, p_smem, s_smem, bars) = shared
         (MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh, stride_mosp,
@@ -385,7 +289,7 @@ if G.HAVE_GLUON:
         else:
             mbarrier.wait(bars.index(Q_READY), 0)
 
-        limit = _row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
+        limit = QC._row_limits(seq_len, S, g, FOLD, BLOCK_H, BLOCK_M, CAUSAL, ROW)
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=ROW)
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=ACC)
         l_keys = s_zero
@@ -395,53 +299,49 @@ if G.HAVE_GLUON:
         for j in range(n_blocks):
             st = j % NUM_STAGES
             mbarrier.wait(bars.index(KV_READY + st), (j // NUM_STAGES) & 1)
-            if PROBE == 2:  # the producer alone: hand the stage straight back
-                _cta_barrier()
-                mbarrier.arrive(bars.index(KV_FREE + st))
-            else:
-                k_c = k_c_smem.index(st)
-                sa, sb, sr = _scores(k_c, k_r_smem.index(j % ROPE_STAGES), q_c_smem, q_r_smem, s_zero, ROLE)
-                oa, ob = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(oa, ob))  # this consumer's P_{j-1}·V_{j-1}
-                # free stage j-1 now: the producer unpacks block j+1 into it while this block computes
-                _cta_barrier()
-                mbarrier.arrive(bars.index(KV_FREE + (j - 1) % NUM_STAGES), pred=j > 0)
-                sa, sb, sr = warpgroup_mma_wait(num_outstanding=0, deps=(sa, sb, sr))
-                s = (sa * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE).load(KEY), 1)
-                     + sb * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE + 1).load(KEY), 1))
-                if ROLE == 1:
-                    s = s + sr
-                # swap partial scores: this buffer is free once the other consumer has read block j-1's
-                mbarrier.wait(bars.index(S_READ + ROLE), (j + 1) & 1, pred=j > 0)
-                s_smem.index(ROLE).store(s)
-                _cta_barrier()
-                mbarrier.arrive(bars.index(S_READY + ROLE))
-                mbarrier.wait(bars.index(S_READY + OTHER), j & 1)
-                s = s + s_smem.index(OTHER).load(ACC)
-                _cta_barrier()
-                mbarrier.arrive(bars.index(S_READ + OTHER))
-                p, alpha, m_i, l_keys = _softmax_keys(s, m_i, l_keys, start + j * BLOCK_N + keys, end, limit,
-                                                      scale_log2)
-                p_smem.index(2 * ROLE).store((p * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE).load(KEY), 1))
-                                             .to(dtype))
-                p_smem.index(2 * ROLE + 1).store(
-                    (p * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE + 1).load(KEY), 1)).to(dtype))
-                fence_async_shared()
-                _cta_barrier()  # every warp's Pᵀ is stored
-                oa = oa * gl.expand_dims(alpha, 0)
-                ob = ob * gl.expand_dims(alpha, 0)
-                c0: gl.constexpr = 256 * ROLE
-                oa = warpgroup_mma(k_c.slice(c0, 128, dim=1).permute((1, 0)), p_smem.index(2 * ROLE), oa,
-                                   is_async=True)
-                ob = warpgroup_mma(k_c.slice(c0 + 128, 128, dim=1).permute((1, 0)), p_smem.index(2 * ROLE + 1), ob,
-                                   is_async=True)
+            k_c = k_c_smem.index(st)
+            sa, sb, sr = _scores(k_c, k_r_smem.index(j % ROPE_STAGES), q_c_smem, q_r_smem, s_zero, ROLE)
+            oa, ob = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(oa, ob))  # this consumer's P_{j-1}·V_{j-1}
+            # free stage j-1 now: the producer unpacks block j+1 into it while this block computes
+            _cta_barrier()
+            mbarrier.arrive(bars.index(KV_FREE + (j - 1) % NUM_STAGES), pred=j > 0)
+            sa, sb, sr = warpgroup_mma_wait(num_outstanding=0, deps=(sa, sb, sr))
+            s = (sa * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE).load(KEY), 1)
+                 + sb * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE + 1).load(KEY), 1))
+            if ROLE == 1:
+                s = s + sr
+            # swap partial scores: this buffer is free once the other consumer has read block j-1's
+            mbarrier.wait(bars.index(S_READ + ROLE), (j + 1) & 1, pred=j > 0)
+            s_smem.index(ROLE).store(s)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(S_READY + ROLE))
+            mbarrier.wait(bars.index(S_READY + OTHER), j & 1)
+            s = s + s_smem.index(OTHER).load(ACC)
+            _cta_barrier()
+            mbarrier.arrive(bars.index(S_READ + OTHER))
+            p, alpha, m_i, l_keys = QC._softmax_keys(s, m_i, l_keys, start + j * BLOCK_N + keys, end, limit,
+                                                     scale_log2)
+            p_smem.index(2 * ROLE).store((p * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE).load(KEY), 1))
+                                         .to(dtype))
+            p_smem.index(2 * ROLE + 1).store(
+                (p * gl.expand_dims(sc_smem.index(4 * st + 2 * ROLE + 1).load(KEY), 1)).to(dtype))
+            fence_async_shared()
+            _cta_barrier()  # every warp's Pᵀ is stored
+            oa = oa * gl.expand_dims(alpha, 0)
+            ob = ob * gl.expand_dims(alpha, 0)
+            c0: gl.constexpr = 256 * ROLE
+            oa = warpgroup_mma(k_c.slice(c0, 128, dim=1).permute((1, 0)), p_smem.index(2 * ROLE), oa,
+                               is_async=True)
+            ob = warpgroup_mma(k_c.slice(c0 + 128, 128, dim=1).permute((1, 0)), p_smem.index(2 * ROLE + 1), ob,
+                               is_async=True)
         oa, ob = warpgroup_mma_wait(num_outstanding=0, deps=(oa, ob))
         l_i = gl.sum(l_keys, axis=0)
-        _store_out(oa, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
-                   stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE, 128, ROLE == 0, DIRECT, FMT, ACC)
-        _store_out(ob, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp,
-                   stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
-                   BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE + 128, 128, False, DIRECT, FMT, ACC)
+        QC._store_out(oa, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh,
+                      stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
+                      stride_ls, BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE, 128, ROLE == 0, DIRECT, FMT, ACC)
+        QC._store_out(ob, m_i, l_i, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh,
+                      stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
+                      stride_ls, BLOCK_H, FOLD, BLOCK_M, DC, 256 * ROLE + 128, 128, False, DIRECT, FMT, ACC)
 
     @gluon.jit
     def _mla_decode_quant_kernel(
@@ -461,7 +361,6 @@ if G.HAVE_GLUON:
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
         K_C32_SMEM: gl.constexpr, P_SMEM: gl.constexpr, NUM_STAGES: gl.constexpr, ROPE_STAGES: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FMT: gl.constexpr,
-        PROBE: gl.constexpr,
         SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -490,54 +389,34 @@ if G.HAVE_GLUON:
                 stride_ls, scale_log2, S, H, g, seq_len)
         gl.warp_specialize([
             (_consumer, (0, shared, args, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NUM_STAGES, ROPE_STAGES, CAUSAL,
-                         DIRECT, FMT, PROBE)),
+                         DIRECT, FMT)),
             (_consumer, (1, shared, args, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, NUM_STAGES, ROPE_STAGES, CAUSAL,
-                         DIRECT, FMT, PROBE)),
-            (_producer, (shared, PAGE_SIZE, DC, DR, BLOCK_N, NUM_STAGES, ROPE_STAGES, PRODUCER_WARPS, FMT, PROBE)),
+                         DIRECT, FMT)),
+            (_producer, (shared, PAGE_SIZE, DC, DR, BLOCK_N, NUM_STAGES, ROPE_STAGES, PRODUCER_WARPS, FMT)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def quant_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, block_m: int,
-                    kv_format: str = "fp8_ds_mla") -> bool:
-    """Whether this kernel takes a quantised-cache call: Hopper, an fp8 or tbq4 cache, bf16 queries (the rope
-    part is bf16), Dc = 512, Dr = 64, row tiles of at most MAX_ROWS, contiguous uint8 rows."""
-    return kv_format in FORMATS and block_m <= MAX_ROWS and hopper_rows_supported(q, kv_cache, dc, ROW_BYTES[kv_format])
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, block_m: int, opts: Options = Options(), *,
+              head_dim_v: int | None = None) -> bool:
+    """Whether this kernel can take the call: Hopper, bf16 queries with Dc = 512 and Dr = 64 (the rope part is
+    bf16), contiguous 16-byte aligned fp8_ds_mla or tbq4 rows, row tiles of at most MAX_ROWS."""
+    return (kv_format in FORMATS and block_m <= MAX_ROWS
+            and QC.hopper_rows_supported(q, kv_cache, QC.ROW_BYTES[kv_format], head_dim_v))
 
 
-def hopper_rows_supported(q: torch.Tensor, kv_cache: torch.Tensor, dc: int, row_bytes: int) -> bool:
-    """What every Hopper kernel for quantised rows needs: a Hopper GPU outside the interpreter, bf16 queries,
-    Dc = 512, Dr = 64, contiguous uint8 rows of `row_bytes`, 16-byte aligned (the kernels read 16- or 8-byte vectors
-    or TMA boxes)."""
-    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        return False
-    return (q.dtype == torch.bfloat16 and dc == DC and q.shape[-1] == DC + DR and kv_cache.dtype == torch.uint8
-            and kv_cache.is_contiguous() and kv_cache.shape[-1] == row_bytes and kv_cache.data_ptr() % 16 == 0)
-
-
-def auto_takes(cfg: dict, B: int, S: int) -> bool:
-    """Whether `mla_decode_triton(gluon=None)` sends a supported fp8 / tbq4 call here rather than to the
-    Triton kernel: splits of at least two key blocks. Measured on the H100 (speed against bf16, this
-    kernel / Triton's, docs/benchmarks.md): fp8 B=32 T=32k 1.11 / 0.95, B=4 T=80k 1.09 / 0.72, B=128 T=4k
-    1.10 / 0.93, two folded tokens 0.85 / 0.35, one-block splits (B=1 T=8k) 0.86 / 0.94; tbq4 1.01 / 0.96,
-    0.90 / 0.64, 0.89 / 0.80, 0.75 / 0.65, and at B=1 T=8k 0.30 / 0.25 (left to Triton by the same rule)."""
-    return cfg["keys_per_split"] >= 2 * BLOCK_N
-
-
-def launch_quant_split(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2, cfg, *,
-                       causal: bool, direct: bool, num_splits: int, kv_format: str = "fp8_ds_mla"):
-    """Stage 1 of `mla_decode_triton` for an fp8 or tbq4 cache (grid, split rule and outputs as the others;
-    tbq4: q already rotated): the kernel reads the uint8 rows as bf16 (rope, tbq4 norms) and 32-bit words
-    (codes, fp8 scales)."""
-    rows = max(16, cfg["BLOCK_M"])
+def launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2: float, plan: dict, *,
+           causal: bool, num_splits: int, kv_format: str, opts: Options = Options()) -> None:
+    """Stage 1 of the split-KV decode over an fp8_ds_mla or tbq4 cache (tbq4: q already rotated); writes out/lse
+    itself when num_splits == 1, else mid_o/mid_lse. The kernel reads the uint8 rows as bf16 (rope, tbq4 norms)
+    and 32-bit words (codes, fp8 scales)."""
+    rows = max(16, plan["BLOCK_M"])
     grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
-                                             cfg, dc=DC, causal=causal, direct=direct, num_splits=num_splits,
-                                             block_n=BLOCK_N, block_m=rows,
+                                             plan, dc=DC, causal=causal, direct=num_splits == 1,
+                                             num_splits=num_splits, block_n=BLOCK_N, block_m=rows,
                                              kv_views=(kv_cache.view(torch.bfloat16), kv_cache.view(torch.int32)))
     consts["K_C32_SMEM"] = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    producer_warps, consumer_regs, producer_regs = SHAPES[rows]
+    consumer_regs, producer_regs = opts.regs16 if rows == 16 else opts.regs32
     _mla_decode_quant_kernel[grid](*args, **consts, P_SMEM=G._smem_layout([BLOCK_N, rows], q.dtype),
                                    NUM_STAGES=NUM_STAGES, ROPE_STAGES=ROPE_STAGES, CONSUMER_REGS=consumer_regs,
-                                   PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs,
-                                   FMT=FORMATS[kv_format], PROBE=PROBE, SOURCE_KEY=_SOURCE_KEY, num_warps=4)
+                                   PRODUCER_WARPS=opts.producer_warps, PRODUCER_REGS=producer_regs,
+                                   FMT=FORMATS[kv_format], SOURCE_KEY=_SOURCE_KEY, num_warps=4)

@@ -1,39 +1,33 @@
-"""Torch emulation of the Hopper e4m3 decode kernels' arithmetic (fp8 and tbq4 caches).
+"""Torch emulation of the Hopper e4m3 decode kernels' arithmetic (`hopper.fp8` for fp8 caches, `hopper.tbq4` for
+tbq4 caches).
 
-Why: `mla_decode_gluon_fp8reg` (fp8 cache) and `mla_decode_gluon_tbq4reg` (tbq4 cache, the same consumers) run
-Q·Kᵀ and P·V as e4m3 tensor-core matmuls, so they round q and P where the torch reference (`mla_decode_torch`:
-exact arithmetic over the decoded rows) does not. This module repeats their rounding step by step on the CPU, so
-that (1) the end-to-end quality of those kernels (attention cosine, perplexity, greedy agreement:
-`benchmarks/kv_quant_quality.py`) can be measured without a GPU, and (2) their GPU tests have a tighter reference
-than the exact one.
+Why: those kernels run Q·Kᵀ and P·V as e4m3 tensor-core matmuls, so they round q and P where the torch reference
+(`mla_decode_torch`: exact arithmetic over the decoded rows) does not. This module repeats their rounding step by
+step on the CPU, so that (1) the end-to-end quality of those kernels (attention cosine, perplexity, greedy
+agreement: `benchmarks/kv_quant_quality.py`) can be measured without a GPU, and (2) their GPU tests have a tighter
+reference than the exact one.
 
 What is emulated (read from the kernels' sources):
-- q's latent part: one scale per query row, sq = max(max|q_lat|, 1e-30) / 448 (`fp8mma._load_q`, ROW_SCALE), then
+- q's latent part: one scale per query row, sq = max(max|q_lat|, 1e-30) / 448 (`quant_common._load_q`), then
   hi = e4m3(q·448/max) and, with q_split, lo = e4m3(q·448/max − hi); the rope parts of q and of the keys in bf16.
 - Keys in blocks of `block_n` (64); per block and 128-column chunk c the producer's scales: fp8
-  (`fp8reg._store_scales`): f_c = max_{valid keys} scale_{k,c} / 448, sc_{k,c} = scale_{k,c} / f_c; tbq4
-  (`tbq4reg._store_block_scales`): one factor per block for all chunks, m = max_{valid keys, chunks} norm,
-  sc = norm · (448 / m), f = m · (1/k) / 448, the key values e4m3(centroid·k) (`tbq4.e4m3_centroids`).
+  (`fp8._store_scales`): f_c = max_{valid keys} scale_{k,c} / 448, sc_{k,c} = scale_{k,c} / f_c; tbq4
+  (`tbq4._store_block_scales`): one factor per block for all chunks, m = max_{valid keys, chunks} norm,
+  sc = norm · (448 / m), f = m · (1/k) / 448, the key values e4m3(centroid·k) (`kv_cache.tbq4.e4m3_centroids`).
 - Scores s = (Σ_c (q8·codes_c) · (sc_c · f_c)) · sq + q_pe·k_pe, then the online softmax in base 2 (`_softmax_keys`):
   P = exp2(s·scale·log2e − m) at the running max, row sums kept per key slot and summed at the end.
-- P·V: y_c = min(P · sc_c, 448) as the kernel's P format (`p_format`): "fp16" (the fp8 kernel's `P16`: Vᵀ's codes are
-  exact in fp16, y rounded to fp16), "e4m3" (one term, the tbq4 kernel) or "e4m3x2" (hi = y with 3 mantissa bits by
-  integer rounding, lo = e4m3(y − hi), as `fp8reg._store_p`); O_c = O_c · alpha · f_prev / f_c + y_c·codes_c, and
-  O_c · f_last at the end.
+- P·V: y_c = min(P · sc_c, 448) as the kernel's P format (`p_format`): "fp16" (the fp8 kernel: Vᵀ's codes are exact
+  in fp16, y rounded to fp16) or "e4m3" (one term, the tbq4 kernel); O_c = O_c · alpha · f_prev / f_c + y_c·codes_c,
+  and O_c · f_last at the end.
 - Two consumers take the even and the odd blocks, each with its own softmax state, and merge at the end.
 Products of e4m3 values are exact in fp32; each matmul is summed in fp64 and rounded to fp32 once, i.e. an ideal
 fp32 accumulator (the tensor cores' own accumulation order and precision are not modelled). Each batch row is
 one split starting at key 0 (the split launch and its combine are not modelled). Causal key ranges follow the
 kernels with one query token per program (FOLD = 1): the scales' "valid" keys end at the query token's limit.
 
-Against the kernels on an H100 (the GPU test in tests/test_mla_decode_e4m3.py): their error against the exact
-result is the emulation's to within 2 %; per row they are 0.5-0.7 % from it with P in one term (2-3 % from the
-exact result), 0.2-0.9 % for tbq4 (3-4 %), and within the bf16 output's rounding with P in two terms. (P in
-fp16, the fp8 kernel's default since the sixteenth session: its GPU test against this emulation is still to run.)
-Not bit-exact because Hopper's fp8 tensor cores accumulate more coarsely than fp32 (up to ~6e-4 of Σ|terms| in a
-K = 64 or 128 dot, measured), which moves P a little, and rounding P to one e4m3 term turns that into whole-step
-differences.
-Triton's fp32 → e4m3 conversion was checked to be round-to-nearest-even, as here.
+The kernels are not bit-exact against it: Hopper's fp8 tensor cores accumulate more coarsely than fp32, which moves
+P a little, and rounding P to one e4m3 term turns that into whole-step differences. Triton's fp32 → e4m3 conversion
+rounds to nearest even, as here.
 """
 
 from __future__ import annotations
@@ -54,16 +48,8 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
-def split_p(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8reg._store_p` with SPLIT: y ≥ 0 (≤ 448) → (hi, lo) e4m3 values; hi keeps y's top 3 mantissa bits by
-    integer rounding (half away from zero), lo = e4m3(y − hi) with hi's fp32 value."""
-    y = y.float().contiguous()
-    hi = ((y.view(torch.int32) + 0x80000) & -1048576).view(torch.float32).clamp_max(E4M3_MAX)
-    return round_e4m3(hi), round_e4m3(y - hi)
-
-
 def quantize_q(q_lat: torch.Tensor, q_split: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q's latent part [..., Dc] → (hi + lo as fp32 [..., Dc], the row scale sq [...]) as `_load_q` with ROW_SCALE."""
+    """q's latent part [..., Dc] → (hi (+ lo) as fp32 [..., Dc], the row scale sq [...]) as `quant_common._load_q`."""
     x = q_lat.float()
     amax = x.abs().amax(-1).clamp_min(1e-30)
     sq = amax / E4M3_MAX
@@ -110,18 +96,15 @@ def _block_scales(kv_format: str, scales: torch.Tensor, valid: torch.Tensor):
     return s4 * (E4M3_MAX / m)[..., None, None], f
 
 
-P_FORMATS = ("fp16", "e4m3", "e4m3x2")
+P_FORMATS = ("fp16", "e4m3")
 
 
 def _p_terms(y: torch.Tensor, p_format: str) -> torch.Tensor:
-    """Pᵀ·scale/f as the P·V matmul reads it: y clipped to 448, in fp16, one e4m3 term or hi + lo."""
+    """Pᵀ·scale/f as the P·V matmul reads it: y clipped to 448, in fp16 or one e4m3 term."""
     y = y.clamp_max(E4M3_MAX)
     if p_format == "fp16":
         return y.half().float()
-    if p_format == "e4m3":
-        return round_e4m3(y)
-    hi, lo = split_p(y)
-    return hi + lo  # exact in fp32: the two terms feed the same accumulator
+    return round_e4m3(y)
 
 
 class _Consumer:
@@ -172,9 +155,9 @@ def mla_decode_e4m3(
 ) -> torch.Tensor:
     """`mla_decode_torch`'s contract with the e4m3 kernels' rounding: out [B, S, H, Dc] in q's dtype.
 
-    kv_format "fp8" / "fp8_ds_mla" (`mla_decode_gluon_fp8reg`) or "tbq4" (`mla_decode_gluon_tbq4reg`). q_split: q as
-    two e4m3 terms (default: True for fp8, False for tbq4, the kernels' settings); p_format: how P·scale/f enters
-    P·V, one of `P_FORMATS` (default: "fp16" for fp8, the fp8 kernel's `P16`; "e4m3" for tbq4)."""
+    kv_format "fp8" / "fp8_ds_mla" (`hopper.fp8`) or "tbq4" (`hopper.tbq4`). q_split: q as two e4m3 terms (default:
+    True for fp8, False for tbq4, as the kernels); p_format: how P·scale/f enters P·V, one of `P_FORMATS` (default:
+    "fp16" for fp8, "e4m3" for tbq4, as the kernels)."""
     if kv_format not in FORMATS:
         raise ValueError(f"mla_decode_e4m3 emulates the e4m3 kernels of the fp8 and tbq4 caches only; "
                          f"got kv_format={kv_format!r}")
@@ -211,7 +194,7 @@ def mla_decode_e4m3(
     rope = torch.where(any_valid[..., None], rope, zero)
 
     q_lat = q[..., :dc]
-    if kv_format == "tbq4":  # the caller's rotation (`mla_decode_triton`): in fp32, back to q's dtype
+    if kv_format == "tbq4":  # the caller's rotation (`mla_decode`): in fp32, back to q's dtype
         q_lat = tbq4.rotate_blocks(q_lat.float()).to(q.dtype)
     q8, sq = quantize_q(q_lat, q_split)
     q8 = q8.view(B, S, H, nc, FP8_BLOCK)
@@ -243,7 +226,7 @@ def mla_decode_e4m3(
     o = o0 * a0[..., None, None] + o1 * a1[..., None, None]
     o = o * (1.0 / torch.where(l > 0, l, torch.ones_like(l)))[..., None, None]
     o = o.reshape(B, S, H, dc).to(q.dtype)
-    if kv_format == "tbq4":  # accumulated in the rotated domain: rotate back (`mla_decode_triton._finish`)
+    if kv_format == "tbq4":  # accumulated in the rotated domain: rotate back (`mla_decode`)
         o = tbq4.rotate_blocks(o.float()).to(q.dtype)
     return o
 
