@@ -36,7 +36,7 @@ import torch
 
 from specmla.ops.kv_cache import tbq4
 from specmla.ops.kv_cache import FP8_BLOCK, FP8_FORMATS, decode_rope
-from specmla.ops.decode import _check_args
+from specmla.ops.decode.reference import check_args
 
 E4M3_MAX = 448.0
 LOG2E = 1.4426950408889634
@@ -162,7 +162,7 @@ def mla_decode_e4m3(
         raise ValueError(f"mla_decode_e4m3 emulates the e4m3 kernels of the fp8 and tbq4 caches only; "
                          f"got kv_format={kv_format!r}")
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
-    _check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
+    check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
     if q_split is None:
         q_split = kv_format in FP8_FORMATS
     if p_format is None:
