@@ -1,6 +1,7 @@
-"""Engine benchmark (issue 4): decode step with CUDA graphs vs eager, and offline throughput vs
-transformers' `generate` on the same weights, for a DeepSeek-V2-Lite-shaped random model (bf16)
-and for the embedded default model.
+"""Engine end to end: decode step (CUDA graphs vs eager vs its weight-reading floor) and tok/s vs transformers.
+
+Runs a DeepSeek-V2-Lite-shaped random model (bf16) against transformers' `generate` on the same weights, and the
+embedded default model.
 
 - decode step = median TPOT of a batch generating together (engine-level: scheduling, metadata,
   forward, sampling), graphs vs eager on the same LLM object;
@@ -170,7 +171,7 @@ def bench_model(label, llm: LLM, hf, batches, prompt_len, new_tokens, copy_bw, s
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=27)
     ap.add_argument("--tiny", action="store_true", help="tiny dims (CPU smoke run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -1,5 +1,6 @@
-"""N-gram proposer: the GPU kernels vs a CPU implementation including its device↔host copies
-(FastDeploy's comparison), at B=256, L=131072 by default; checks zero host syncs on the GPU path.
+"""N-gram proposer: time of the GPU kernels vs a numpy proposer with its device↔host copies, and host syncs.
+
+FastDeploy's comparison, at B=256, L=131072 by default; the GPU path must run without a host sync.
 
     PYTHONPATH=. python3 benchmarks/bench_ngram.py --out DIR
 """
@@ -50,7 +51,7 @@ def cpu_ngram(tokens: np.ndarray, lens: np.ndarray, max_ngram: int, min_ngram: i
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--vocab", type=int, default=32000)

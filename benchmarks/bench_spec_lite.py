@@ -1,4 +1,6 @@
-"""`bench spec` on a DeepSeek-V2-Lite-shaped model: none / mtp / ngram / hybrid at B=1 and B=32.
+"""Speculative decoding's cost on a DeepSeek-V2-Lite-shaped random model: mtp / ngram / hybrid tok/s vs none.
+
+`specmla bench spec` at B=1 and B=32.
 
 No V2-Lite checkpoint can be downloaded here, so the weights are random (N(0, 0.02), bf16) with V2-Lite's
 shapes plus one MTP layer. What this measures is the cost side of speculation on a real-sized model: a

@@ -1,5 +1,7 @@
-"""Tensor parallelism (issue 10): a DeepSeek-V2-Lite-shaped random model (full width, fewer layers
-to keep the checkpoint small) at TP=2 vs TP=1 on one multi-GPU host:
+"""Tensor parallelism: decode tok/s of TP=2 vs TP=1, and fp32 greedy identity of TP=2 with TP=1.
+
+A DeepSeek-V2-Lite-shaped random model (full width, fewer layers to keep the checkpoint small) on one multi-GPU
+host:
 - speed, bf16: decode tok/s at B=1 and B=32 for TP=1 with CUDA graphs, TP=1 eager and TP=2 (eager:
   the tensor-parallel path does not capture graphs yet), and how many greedy tokens agree;
 - identity, fp32: TP=2 greedy tokens == TP=1 (in bf16 the split all-reduce rounds differently, so
@@ -42,8 +44,9 @@ def write_model(path: Path, layers: int, device: str, tiny: bool = False) -> Pat
 
 def run(path: Path, tp: int, batches: list[int], new_tokens: int, prompt_len: int, dtype: str = "bfloat16",
         eager: bool = False, device: str = "cuda") -> dict:
-    llm = LLM(path, device=device, dtype=dtype if device == "cuda" else "float32", tensor_parallel_size=tp, max_num_seqs=max(batches),
-              max_model_len=prompt_len + new_tokens + 16, gpu_memory_utilization=0.5, enforce_eager=eager)
+    llm = LLM(path, device=device, dtype=dtype if device == "cuda" else "float32", tensor_parallel_size=tp,
+              max_num_seqs=max(batches), max_model_len=prompt_len + new_tokens + 16, gpu_memory_utilization=0.5,
+              enforce_eager=eager)
     rng = random.Random(0)
     out = {"tp": tp, "dtype": dtype, "eager": eager or tp > 1}
     try:
@@ -63,7 +66,7 @@ def run(path: Path, tp: int, batches: list[int], new_tokens: int, prompt_len: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--new-tokens", type=int, default=128)

@@ -1,6 +1,7 @@
-"""A code-editing workload for `specmla bench spec --dataset`: each prompt holds a function from the
-Python standard library and asks for it back with a small change, so most of the answer repeats
-the prompt — the case where n-gram drafts shine.
+"""Prompt files for `specmla bench spec --dataset`: the speculative-decoding workloads (complete, edit).
+
+`--task edit`: each prompt holds a function from the Python standard library and asks for it back with a small
+change, so most of the answer repeats the prompt — the case where n-gram drafts shine.
 
     python benchmarks/code_edit_prompts.py --out data/code_edit.jsonl [--n 64]
     specmla bench spec --dataset data/code_edit.jsonl --modes none ngram mtp hybrid --output-len 256
@@ -46,7 +47,7 @@ def functions(root: Path, rng: random.Random, n: int, max_lines: int = 40,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="data/code_edit.jsonl")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)

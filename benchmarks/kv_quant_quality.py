@@ -1,4 +1,6 @@
-"""Quantised latent cache quality on the embedded model's real activations (issue 7), CPU or GPU.
+"""Quantised KV cache quality: attention cosine, held-out perplexity and greedy agreement against bf16.
+
+On the embedded model's real activations, CPU or GPU:
 
 1. Attention-output cosine: held-out text runs through the model; at every layer the absorbed
    queries attend over the same latents stored as bf16, fp8 and tbq4 rows (`mla_decode`, torch
@@ -9,9 +11,9 @@
 3. Greedy agreement: a batch of 32 code prompts generated with each cache format vs bf16.
 
 The "-kernel" formats are the same fp8 / tbq4 caches read with the Hopper e4m3 kernels' arithmetic
-(`ops.mla_decode_e4m3`, a torch emulation of their rounding of q and P): "fp8-kernel" as the fp8 kernel runs
-(P·V in fp16; the rope's int8 values times their scales rounded to bf16), "fp8_ds_mla-kernel" the same on FlashMLA's
-656-byte rows (bf16 rope), "fp8_ds_mla-kernel-e4m3p" with P in one e4m3 term, "tbq4-kernel" as the tbq4 kernel runs.
+(`ops.decode.hopper.e4m3_reference`, a torch emulation of their rounding of q and P): "fp8-kernel" as the fp8
+kernel runs (P·V in fp16; the rope's int8 values times their scales rounded to bf16), "fp8_ds_mla-kernel" the same
+on FlashMLA's 656-byte rows (bf16 rope), "tbq4-kernel" as the tbq4 kernel runs.
 For perplexity and greedy decoding the model's cache reads are routed there by `kernel_reads` (the engine
 is unchanged).
 
@@ -42,14 +44,12 @@ from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper.e4m3_reference import mla_decode_e4m3
 from specmla.ops.rope import apply_rope
 
-FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8_ds_mla", "fp8_ds_mla-kernel", "fp8_ds_mla-kernel-e4m3p", "tbq4",
-           "tbq4-kernel")
+FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8_ds_mla", "fp8_ds_mla-kernel", "tbq4", "tbq4-kernel")
 # format → (its cache format, mla_decode_e4m3's settings): the e4m3 kernels' arithmetic on the same cache
 KERNEL_FORMATS = {
-    "fp8-kernel": ("fp8", dict(q_split=True, p_format="fp16")),  # P·V in fp16 (mla_decode_gluon_fp8reg.P16)
+    "fp8-kernel": ("fp8", dict(q_split=True, p_format="fp16")),  # q in two e4m3 terms, P·V in fp16 (hopper/fp8.py)
     "fp8_ds_mla-kernel": ("fp8_ds_mla", dict(q_split=True, p_format="fp16")),  # the same on 656-byte rows
-    "fp8_ds_mla-kernel-e4m3p": ("fp8_ds_mla", dict(q_split=True, p_format="e4m3")),  # P in one e4m3 term
-    "tbq4-kernel": ("tbq4", {}),  # q and P in one term each (mla_decode_gluon_tbq4reg)
+    "tbq4-kernel": ("tbq4", {}),  # q and P in one e4m3 term each (hopper/tbq4.py)
 }
 
 
@@ -179,7 +179,7 @@ def teacher_forced_nll(model, tokens: np.ndarray, fmt: str, S: int = 8, page: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", default="data/stdlib")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--window", type=int, default=512)
