@@ -3,7 +3,7 @@ the interpreter (fp32/fp16, odd sizes), on the GPU in bf16 and through the model
 
 import pytest
 import torch
-from test_moe import make_moe
+from helpers.moe_cases import make_moe
 
 from specmla.model.deepseek import MoE
 from specmla.ops.moe import RouteSpec, moe_experts_torch, moe_experts_triton, moe_route_torch, moe_route_triton
