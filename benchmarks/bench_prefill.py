@@ -1,4 +1,4 @@
-"""Prefill benchmarks (issue 8), all against peers measured in the same run:
+"""Prefill benchmarks, all against peers measured in the same run:
 
 1. causal prefill, one 8k sequence, H ∈ {128, 16}, d_qk 192 / d_v 128: `mla_prefill` (Triton) vs
    torch `scaled_dot_product_attention` (TFLOP/s = H·S²·(192+128) / time, causal half counted as
@@ -112,7 +112,7 @@ def single_sequence(H, S, dev, dtype):
 
 
 VARIANTS = [(128, 128, 8, 2), (128, 64, 8, 3, "ws")]  # Triton kernel tiles (block_m, block_n, warps, stages[,
-# warp-specialised]) beside its default; the full sweep of the first sessions is in docs/benchmarks.md
+# warp-specialised]) beside its default; docs/benchmarks.md has the sweep
 
 
 def ragged_batch(H, lens, dev, dtype):
@@ -208,7 +208,8 @@ def module_bench(B, L, dev, dtype, ablate: str | None = None):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="Prefill attention against torch SDPA (single sequence, ragged batch) "
+                                             "and the MLA module against a plain PyTorch one (docs/benchmarks.md)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the code paths)")
     ap.add_argument("--single-only", action="store_true", help="only the single-sequence cases")
