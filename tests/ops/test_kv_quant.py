@@ -130,7 +130,8 @@ def test_attention_output_quality_against_the_unquantised_cache(fmt, scale, min_
 
 def test_a_pool_of_fixed_bytes_holds_more_quantised_tokens():
     """The quantised formats' memory check on the embedded model (Dc 512, Dr 64): in the same bytes (the CPU
-    budget, 1 GiB) the engine's pool holds 1152 / row bytes times the bf16 tokens: fp8 1.89×, fp8_ds_mla 1.76×, tbq4 2.88×."""
+    budget, 1 GiB) the engine's pool holds 1152 / row bytes times the bf16 tokens: fp8 1.89×, fp8_ds_mla 1.76×,
+    tbq4 2.88×."""
     from specmla.engine.engine import default_num_pages
     from specmla.model.default import default_model_path
     from specmla.model.loader import load_model

@@ -268,7 +268,8 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, block_m: 
     aligned fp8 (608-byte) or fp8_ds_mla (656-byte) rows in pages of a multiple of 64 keys (one TMA box per block),
     and 16 query rows."""
     return (kv_format in FORMATS and max(16, block_m) == BLOCK_M
-            and QC.hopper_rows_supported(q, kv_cache, QC.ROW_BYTES[kv_format], head_dim_v) and kv_cache.shape[1] % BLOCK_N == 0)
+            and QC.hopper_rows_supported(q, kv_cache, QC.ROW_BYTES[kv_format], head_dim_v)
+            and kv_cache.shape[1] % BLOCK_N == 0)
 
 
 def _descriptors(kv_cache: torch.Tensor, scale_words: int) -> tuple:

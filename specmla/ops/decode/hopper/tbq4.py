@@ -224,8 +224,8 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, block_m: 
               head_dim_v: int | None = None) -> bool:
     """Whether this kernel can take the call: Hopper, bf16 queries with Dc = 512 and Dr = 64, contiguous 16-byte
     aligned tbq4 rows (400 bytes) in pages of a multiple of 64 keys, and 16 query rows."""
-    return (kv_format == "tbq4" and max(16, block_m) == BLOCK_M and QC.hopper_rows_supported(q, kv_cache, ROW, head_dim_v)
-            and kv_cache.shape[1] % BLOCK_N == 0)
+    return (kv_format == "tbq4" and max(16, block_m) == BLOCK_M
+            and QC.hopper_rows_supported(q, kv_cache, ROW, head_dim_v) and kv_cache.shape[1] % BLOCK_N == 0)
 
 
 def _descriptors(kv_cache: torch.Tensor, code_box: int) -> tuple:
