@@ -73,7 +73,7 @@ def interleaved(fns, rounds=ROUNDS):
 
 
 class CausalProblem(NamedTuple):
-    """One causal request of S tokens in the MHA form (d_qk 192, d_v 128), as every prefill probe builds it."""
+    """One causal request of S tokens in the MHA form (d_qk 192, d_v 128), as the prefill benchmarks build it."""
     q: torch.Tensor  # [S, H, 192]
     k: torch.Tensor  # [S, H, 192]
     v: torch.Tensor  # [S, H, 128]
