@@ -6,7 +6,7 @@ kernels' rounding, no NaN / inf on huge-range data or from the NaN bytes past ea
 import pytest
 import torch
 from helpers.mla_cases import rel_err
-from helpers.quant_decode import hopper, run_kernel
+from helpers.decode_kernels import hopper, run_kernel
 
 from specmla.ops.kv_cache import decode_rows, row_spec, write_kv_cache
 from specmla.ops.decode import mla_decode_torch

@@ -7,16 +7,14 @@ Triton (ptxas included) and its resources are checked; the GPU tests run it.
 
 import pytest
 import torch
-import triton
+from helpers.decode_kernels import run_kernel
 from helpers.mla_cases import assert_matches_reference, make_decode_case, rel_err
 from helpers.offline_compile import offline_sm90_rows
 
 from specmla.ops import mla_decode
-from specmla.ops.decode import LOG2E, mla_decode_torch, route
-from specmla.ops.decode.dispatch import plan
+from specmla.ops.decode import mla_decode_torch, route
 from specmla.ops.decode.hopper import bf16, bf16_seesaw
 from specmla.ops.decode.hopper import common as G
-from specmla.ops.decode.triton import combine_splits
 
 SCALE = 0.0721
 H100_SMEM = 227 * 1024
@@ -68,29 +66,6 @@ def test_not_taken_on_cpu_and_clear_error_when_forced():
 
 
 # ---------------------------------------------------------------- GPU -------------------------------------
-def run_kernel(kernel: str, case, causal: bool, dc: int, num_splits: int | None = None, opts=None):
-    """Stage 1 through `kernel`'s launch on the planner's one-wave plan in 64-key blocks, then the Triton combine
-    when there are several splits: (out, lse)."""
-    module = KERNELS[kernel]
-    q, kv, table, seq = case
-    B, S, H, _ = q.shape
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    cfg = plan(B, S, H, triton.next_power_of_2(table.shape[1]) * kv.shape[1], sms, 64, waves=1)
-    ns = num_splits or cfg["num_splits"]
-    out = torch.empty(B, S, H, dc, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, S, H, dtype=torch.float32, device=q.device)
-    if ns == 1:
-        mid_o, mid_lse = out, lse
-    else:
-        mid_o = torch.empty(B, S, H, ns, dc, dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device=q.device)
-    module.launch(q, kv, table, seq, mid_o, mid_lse, out, lse, SCALE * LOG2E, cfg, causal=causal, num_splits=ns,
-                  kv_format="bf16", opts=opts or module.Options())
-    if ns > 1:
-        combine_splits(mid_o, mid_lse, out, lse, sms)
-    return out, lse
-
-
 GPU_CASES = [  # H, S, B, page, dc, dr, lens, causal, splits, dtype
     (128, 1, 3, 64, 512, 64, [1, 63, 4096], True, None, torch.bfloat16),
     (128, 2, 2, 16, 512, 64, [2, 1000], True, 5, torch.bfloat16),
@@ -116,7 +91,8 @@ def test_gpu_kernel_matches_reference(kernel, case):
     H, S, B, page, dc, dr, lens, causal, splits, dtype = case
     args = make_decode_case(B, S, H, page, dc, dr, lens, dtype, device="cuda", seed=H + S + page)
     assert KERNELS[kernel].supported(args[0], args[1], "bf16", 64, head_dim_v=dc)
-    got, got_lse = run_kernel(kernel, args, causal, dc, splits)
+    got, got_lse = run_kernel(KERNELS[kernel], *args, SCALE, kv_format="bf16", causal=causal, num_splits=splits,
+                              max_rows=64, return_lse=True, head_dim_v=dc)
     assert_matches_reference(args, causal, dc, got, got_lse, 1e-2)
 
 

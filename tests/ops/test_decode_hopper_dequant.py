@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers.mla_cases import rel_err
 from helpers.offline_compile import offline_sm90_rows
-from helpers.quant_decode import hopper, run_kernel
+from helpers.decode_kernels import hopper, run_kernel
 
 from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper import dequant as F

@@ -7,7 +7,7 @@ and key orders against the layouts it is built from."""
 import pytest
 import torch
 from helpers.offline_compile import offline_sm90_rows
-from helpers.quant_decode import assert_tokens_match, hopper, quant_problem, run_kernel
+from helpers.decode_kernels import assert_tokens_match, hopper, quant_problem, run_kernel
 
 from specmla.ops.decode.hopper import common as G
 from specmla.ops.decode.hopper import fp8 as R

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from helpers.offline_compile import offline_sm90_rows
-from helpers.quant_decode import assert_tokens_match, hopper, quant_problem, run_kernel
+from helpers.decode_kernels import assert_tokens_match, hopper, quant_problem, run_kernel
 
 from specmla.ops.decode.hopper import tbq4 as T
 from specmla.ops.kv_cache import tbq4

@@ -1,5 +1,6 @@
-"""Decode problems on quantised caches for the Hopper kernels' GPU tests: random latents written into a cache of a
-given format, permuted pages, 0xFF bytes past each request's end; and the per-token check of S > 1 calls."""
+"""The Hopper decode kernels' GPU tests: `run_kernel` launches one kernel module as `mla_decode` would; decode
+problems on quantised caches (random latents written into a cache of a given format, permuted pages, 0xFF bytes past
+each request's end) and the per-token check of S > 1 calls."""
 
 from __future__ import annotations
 
@@ -48,10 +49,11 @@ def assert_tokens_match(got, ref, lens, S, max_err, min_cos):
 
 
 def run_kernel(module, q, cache, table, seq, scale=576 ** -0.5, *, kv_format, causal=True, num_splits=None,
-               opts=None, max_rows=16, return_lse=False):
+               opts=None, max_rows=16, return_lse=False, head_dim_v=None, block_n=64):
     """Stage 1 through `module.launch` (a kernel module of `specmla.ops.decode.hopper`) as `mla_decode` runs
     it: the same plan (64-key blocks, one wave), workspace, tbq4 rotations and combine; the test chooses the kernel
-    and its options. max_rows: 16 for the e4m3 kernels (S > 1 runs one token per program), up to 32 for dequant."""
+    and its options. max_rows: 16 for the e4m3 kernels (S > 1 runs one token per program), up to 32 for dequant,
+    64 for the 16-bit kernels; head_dim_v: Dc (default D - 64); block_n: keys per block of the plan."""
     import triton
 
     from specmla.ops.decode.dispatch import plan
@@ -59,11 +61,11 @@ def run_kernel(module, q, cache, table, seq, scale=576 ** -0.5, *, kv_format, ca
     from specmla.ops.kv_cache.rotation import rotate_rows
 
     B, S, H, D = q.shape
-    dc = D - 64
+    dc = D - 64 if head_dim_v is None else head_dim_v
     max_seq = triton.next_power_of_2(table.shape[1]) * cache.shape[1]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    cfg = plan(B, S, H, max_seq, sms, module.BLOCK_N, max_rows, waves=1)
-    assert module.supported(q, cache, kv_format, cfg["BLOCK_M"]), "the kernel does not take this call"
+    cfg = plan(B, S, H, max_seq, sms, block_n, max_rows, waves=1)
+    assert module.supported(q, cache, kv_format, cfg["BLOCK_M"], head_dim_v=dc), "the kernel does not take this call"
     if num_splits is not None:
         cfg["num_splits"] = num_splits
     ns = cfg["num_splits"]
