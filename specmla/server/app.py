@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -19,11 +20,14 @@ import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specmla.sampling_params import SamplingParams
 from specmla.server.async_engine import AsyncEngine
+
+log = logging.getLogger("specmla.server")
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '\\n' }}{% endfor %}"
@@ -40,6 +44,15 @@ class APIError(Exception):
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
     return JSONResponse(status_code=status,
                         content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def _encodable(text: str) -> str:
+    """A JSON string may hold a lone surrogate (\\ud800), which no tokenizer can take: reject it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid Unicode at position {e.start}: a lone surrogate is not text") from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -61,14 +74,32 @@ class _Common(BaseModel):
     ignore_eos: bool = False
 
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_text(cls, v):
+        for x in [v] if isinstance(v, str) else v or []:
+            _encodable(x)
+        return v
+
+
 class CompletionRequest(_Common):
     prompt: str | list[int]
     logprobs: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, v):
+        return _encodable(v) if isinstance(v, str) else v
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
+
+    @field_validator("content")
+    @classmethod
+    def _content_text(cls, v):
+        return _encodable(v)
 
 
 class ChatRequest(_Common):
@@ -135,8 +166,9 @@ def create_app(load_llm, model_name: str, api_key: str | None = None) -> FastAPI
             llm = load_llm()
             state["engine"] = AsyncEngine(llm.engine, on_finish=metrics.finished)
             state["llm"] = llm
-        except Exception as e:  # reported by /health
-            state["error"] = repr(e)
+        except Exception:  # /health reports that it failed; the reason (which may name paths) goes to the log
+            log.exception("the model failed to load")
+            state["error"] = "the model failed to load; see the server log"
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -161,6 +193,25 @@ def create_app(load_llm, model_name: str, api_key: str | None = None) -> FastAPI
         if first.get("type") == "json_invalid":
             return error_response(400, "malformed JSON body")
         return error_response(400, f"invalid request: {loc}: {first.get('msg', 'bad value')}", param=loc or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        message = {404: f"no route {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}",
+                   413: "the request body is too large"}.get(exc.status_code, str(exc.detail))
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "malformed JSON body (it must be UTF-8 JSON)"
+        resp = error_response(exc.status_code, message, kind)
+        if exc.headers:
+            resp.headers.update(exc.headers)
+        return resp
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal server error", "server_error")
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

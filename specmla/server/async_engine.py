@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from specmla.engine.engine import LLMEngine
 from specmla.engine.sequence import Sequence
 from specmla.sampling_params import SamplingParams
+
+log = logging.getLogger("specmla.server")
 
 
 @dataclass
@@ -138,10 +141,12 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.step()
-            except Exception as e:  # a broken step fails the requests in flight, not the server
+            except Exception:  # a broken step fails the requests in flight, not the server; its text goes to the log
+                log.exception("engine step failed")
                 for req in list(self._active.values()):
                     self.engine.abort(req.seq)
-                    self._push(req, Update(finished=True, finish_reason="error", error=f"engine error: {e!r}"))
+                    self._push(req, Update(finished=True, finish_reason="abort",
+                                           error="internal error while generating"))
                 continue
             if self._on_step:
                 self._on_step()
