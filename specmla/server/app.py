@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -59,32 +59,64 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20  # as vLLM: completions' `logprobs` and chat's `top_logprobs` go up to this
+MAX_STOP = 32  # stop strings per request, each at most MAX_STOP_LEN characters (both bound per-token work)
+MAX_STOP_LEN = 512
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
-    max_tokens: int | None = Field(default=None)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    temperature: Annotated[Finite, Field(ge=0)] | None = None
+    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=INT64_MAX)] | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
 
+    # fields of OpenAI's API that this server does not implement: (name, the values that mean "off")
+    UNSUPPORTED: ClassVar[tuple] = (("n", (None, 1)), ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
+                           ("logit_bias", (None, {})), ("tools", (None, [])), ("functions", (None, [])),
+                           ("response_format", (None, {"type": "text"})))
 
     @field_validator("stop")
     @classmethod
     def _stop_text(cls, v):
-        for x in [v] if isinstance(v, str) else v or []:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        for x in stops:
+            if not 1 <= len(x) <= MAX_STOP_LEN:
+                raise ValueError(f"a stop string has 1 to {MAX_STOP_LEN} characters, got {len(x)}")
             _encodable(x)
         return v
+
+    def check_supported(self) -> None:
+        """A field we accept but do not implement is a 400 naming it, never silently ignored."""
+        extra = self.model_extra or {}
+        for name, off in self.UNSUPPORTED:
+            value = getattr(self, name, None) if name in type(self).model_fields else extra.get(name)
+            if value not in off:
+                what = f"{name} > 1" if name in ("n", "best_of") else name
+                raise APIError(400, f"{what} is not supported by this server", param=name)
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    UNSUPPORTED: ClassVar[tuple] = _Common.UNSUPPORTED + (("echo", (None, False)), ("suffix", (None, "")),
+                                                   ("best_of", (None, 1)))
 
     @field_validator("prompt")
     @classmethod
@@ -103,8 +135,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Common):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class Metrics:
@@ -242,26 +276,43 @@ def create_app(load_llm, model_name: str, api_key: str | None = None) -> FastAPI
         ready()
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specmla"}]}
 
-    def sampling(req: _Common, prompt_len: int, llm, max_tokens: int | None) -> SamplingParams:
+    def check_model(req: _Common) -> None:
         if req.model != model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {model_name!r}",
                            code="model_not_found", param="model")
-        if req.n != 1:
-            raise APIError(400, "n > 1 is not supported", param="n")
-        ctx = llm.engine.max_model_len
+        req.check_supported()
+
+    def engine_logprobs(req: _Common) -> int | None:
+        """The engine's `logprobs` (None: none; k: the chosen token's plus the k most likely)."""
+        if isinstance(req, CompletionRequest):
+            return req.logprobs
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+
+    def sampling(req: _Common, prompt_len: int, llm, max_tokens: int | None) -> SamplingParams:
+        engine = llm.engine
+        ctx = engine.max_model_len
         if prompt_len >= ctx:
             raise APIError(400, f"the prompt has {prompt_len} tokens; the context is {ctx}", param="prompt")
-        if max_tokens is None:
-            max_tokens = min(16 if isinstance(req, CompletionRequest) else ctx, ctx - prompt_len - 1)
-        if max_tokens <= 0:
-            raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        # one request may hold the whole pool (others are preempted), never more: prompt + output + the
+        # speculative lookahead must fit in it, or the request could never finish
+        pool_tokens = engine.pool.num_pages * engine.pool.page_size - getattr(engine.scheduler, "lookahead", 0)
+        room = min(ctx - 1, pool_tokens) - prompt_len
+        if max_tokens is None:  # completions default to 16 tokens as OpenAI; chat to what is left of the context
+            max_tokens = max(1, min(16 if isinstance(req, CompletionRequest) else room, room))
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         if prompt_len + max_tokens >= ctx:
-            raise APIError(400, f"prompt ({prompt_len}) + max_tokens ({max_tokens}) exceeds the context ({ctx})",
-                           param="max_tokens")
+            raise APIError(400, f"prompt ({prompt_len}) + {param} ({max_tokens}) exceeds the context ({ctx})",
+                           param=param)
+        if max_tokens > room:
+            raise APIError(400, f"prompt ({prompt_len}) + {param} ({max_tokens}) does not fit in the KV cache "
+                           f"({pool_tokens} tokens)", param=param)
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-                                  logprobs=getattr(req, "logprobs", None))
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
+                seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=engine_logprobs(req))
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
@@ -347,14 +398,16 @@ def create_app(load_llm, model_name: str, api_key: str | None = None) -> FastAPI
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         llm, _ = ready()
+        check_model(req)
         ids = encode_prompt(llm, req.prompt)
         return await run("text_completion", req, ids, sampling(req, len(ids), llm, req.max_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         llm, _ = ready()
+        check_model(req)
         ids = chat_prompt(llm, req.messages)
-        return await run("chat.completion", req, ids,
-                         sampling(req, len(ids), llm, req.max_completion_tokens or req.max_tokens))
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return await run("chat.completion", req, ids, sampling(req, len(ids), llm, max_tokens))
 
     return app

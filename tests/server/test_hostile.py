@@ -1,6 +1,8 @@
 """Hostile and malformed requests against the real server (uvicorn on loopback): every failure is an
 OpenAI-shaped error with the right status, never a 500 or a dropped connection, and the server keeps serving."""
 
+import json
+
 import httpx
 import pytest
 
@@ -87,3 +89,78 @@ def test_a_500_carries_no_internal_text(tiny_model_dir):
         err = assert_openai_error(r, 500)
         assert "secret" not in r.text and str(tiny_model_dir) not in r.text
         assert err["type"] == "server_error"
+
+
+MSG = [{"role": "user", "content": "hi"}]
+INVALID = [  # (route, body, status, fragment of the message that names the param)
+    ("completions", {"temperature": float("nan")}, 400, "temperature"),
+    ("completions", {"temperature": float("inf")}, 400, "temperature"),
+    ("completions", {"temperature": -1}, 400, "temperature"),
+    ("completions", {"top_p": 1.5}, 400, "top_p"),
+    ("completions", {"top_p": 0}, 400, "top_p"),
+    ("completions", {"seed": 2**64}, 400, "seed"),
+    ("completions", {"top_k": 2**63}, 400, "top_k"),
+    ("completions", {"top_k": -2}, 400, "top_k"),
+    ("completions", {"max_tokens": 2**70}, 400, "max_tokens"),
+    ("completions", {"logprobs": 10000}, 400, "logprobs"),
+    ("completions", {"echo": True}, 400, "echo is not supported"),
+    ("completions", {"best_of": 3}, 400, "best_of > 1 is not supported"),
+    ("completions", {"suffix": "}"}, 400, "suffix is not supported"),
+    ("completions", {"n": 2}, 400, "n > 1 is not supported"),
+    ("completions", {"presence_penalty": 0.5}, 400, "presence_penalty is not supported"),
+    ("completions", {"prompt": "x" * 500, "max_tokens": 20}, 400, "context"),
+    ("completions", {"stop": ["a"] * 33}, 400, "stop"),
+    ("completions", {"stop": "a" * 513}, 400, "stop"),
+    ("completions", {"stop": [""]}, 400, "stop"),
+    ("completions", {"model": "gpt-4"}, 404, "does not exist"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"temperature": float("nan")}, 400, "temperature"),
+    ("chat/completions", {"top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, 400, "top_logprobs needs logprobs"),
+    ("chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("chat/completions", {"max_completion_tokens": 600}, 400, "max_completion_tokens"),
+    ("chat/completions", {"n": 3}, 400, "n > 1"),
+]
+
+
+@pytest.mark.parametrize("route,fields,status,fragment", INVALID)
+def test_invalid_parameters_are_rejected_naming_them(srv, route, fields, status, fragment):
+    body = {"model": MODEL, **({"prompt": "x"} if route == "completions" else {"messages": MSG}), **fields}
+    # json.dumps writes NaN / Infinity, as clients in other languages may
+    r = httpx.post(f"{srv}/v1/{route}", content=json.dumps(body).encode(), headers=H, timeout=10)
+    assert_openai_error(r, status, fragment)
+
+
+def test_max_completion_tokens_wins_over_max_tokens(srv):
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 3, "max_completion_tokens": 5, "ignore_eos": True}
+    r = httpx.post(srv + "/v1/chat/completions", json=body, headers=H, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    body = {"model": MODEL, "messages": MSG, "max_completion_tokens": 4, "ignore_eos": True}
+    r = httpx.post(srv + "/v1/chat/completions", json=body, headers=H, timeout=30)
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def wait_healthy(c):
+    import time
+
+    deadline = time.time() + 30
+    while c.get("/health").status_code != 200 and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_request_that_cannot_fit_the_pool_is_rejected_up_front(tiny_model_dir):
+    """8 pages of 4 tokens: a prompt that fits but whose max_tokens does not is a 400 before it runs;
+    chat's default max_tokens is what is left, and the request runs to it."""
+    from fastapi.testclient import TestClient
+
+    from specmla import LLM
+    from specmla.server.app import create_app
+
+    with TestClient(create_app(lambda: LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=8), MODEL)) as c:
+        wait_healthy(c)
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "abcdefgh", "max_tokens": 40})
+        assert_openai_error(r, 400, "KV cache")
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        u = r.json()["usage"]
+        assert u["prompt_tokens"] + u["completion_tokens"] == 32
