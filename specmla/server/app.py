@@ -9,6 +9,8 @@ status; the server keeps serving after each. The model loads in the background: 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 import threading
@@ -17,7 +19,7 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 import jinja2
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -190,8 +192,47 @@ class Metrics:
             self.spec_per_pos.labels(str(i)).inc(a)
 
 
-def create_app(load_llm, model_name: str, api_key: str | None = None) -> FastAPI:
-    """`load_llm()` builds the LLM (called in a background thread, so /health can say 503 first)."""
+OPEN_PATHS = ("/health", "/metrics")  # what answers without the API key; everything else needs it
+
+
+class APIKeyMiddleware:
+    """Every path but OPEN_PATHS (so /v1/*, /docs, /openapi.json, /redoc) needs `Authorization: Bearer
+    <key>`, compared in constant time. Plain ASGI, so the app still sees the client's disconnect."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                resp = error_response(401, "invalid or missing API key", "authentication_error",
+                                      code="invalid_api_key")
+                return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(host: str | None, api_key: str | None) -> bool:
+    """Log a warning when the server binds a non-loopback address without an API key; True if it did."""
+    if host is None or api_key or is_loopback(host):
+        return False
+    log.warning("serving on %s without --api-key: anyone who can reach this address can use the model", host)
+    return True
+
+
+def create_app(load_llm, model_name: str, api_key: str | None = None, host: str | None = None) -> FastAPI:
+    """`load_llm()` builds the LLM (called in a background thread, so /health can say 503 first).
+    `host`, when given, is the address the server binds: a public one without `api_key` logs a warning."""
+    warn_if_exposed(host, api_key)
     state: dict[str, Any] = {"llm": None, "engine": None, "error": None}
     metrics = Metrics(lambda: state["llm"].engine if state["llm"] else None)
 
@@ -247,13 +288,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None) -> FastAPI
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(500, "internal server error", "server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "invalid or missing API key", "authentication_error",
-                                      code="invalid_api_key")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def ready():
         if state["llm"] is None:

@@ -58,7 +58,7 @@ def test_lone_surrogate_in_a_chat_message_is_400(srv):
 
 def test_unknown_route_and_wrong_method(srv):
     assert_openai_error(httpx.get(srv + "/v1/nope", headers=H), 404, "/v1/nope")
-    assert_openai_error(httpx.get(srv + "/nope"), 404)
+    assert_openai_error(httpx.get(srv + "/nope", headers=H), 404)
     err = assert_openai_error(httpx.get(srv + "/v1/completions", headers=H), 405, "GET")
     assert err["type"] == "invalid_request_error"
     assert_openai_error(httpx.delete(srv + "/v1/chat/completions", headers=H), 405)
@@ -164,3 +164,27 @@ def test_a_request_that_cannot_fit_the_pool_is_rejected_up_front(tiny_model_dir)
         assert r.status_code == 200, r.text
         u = r.json()["usage"]
         assert u["prompt_tokens"] + u["completion_tokens"] == 32
+
+
+def test_the_api_key_guards_docs_and_openapi_too(srv):
+    for path in ("/docs", "/openapi.json", "/redoc", "/v1/models", "/nope"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"},
+                        {"Authorization": KEY}):
+            err = assert_openai_error(httpx.get(srv + path, headers=headers), 401)
+            assert err["type"] == "authentication_error"
+    assert httpx.get(srv + "/openapi.json", headers=H).json()["info"]["title"] == "specmla"
+    assert httpx.get(srv + "/docs", headers=H).status_code == 200
+    assert httpx.get(srv + "/health").status_code == 200 and httpx.get(srv + "/metrics").status_code == 200
+
+
+def test_a_public_bind_without_a_key_warns(caplog):
+    from specmla.server.app import warn_if_exposed
+
+    with caplog.at_level("WARNING", logger="specmla.server"):
+        assert warn_if_exposed("0.0.0.0", None)
+        assert warn_if_exposed("::", None)
+        assert warn_if_exposed("192.168.1.5", "") and warn_if_exposed("myhost.example", None)
+        assert not warn_if_exposed("0.0.0.0", "k")
+        assert not warn_if_exposed("127.0.0.1", None) and not warn_if_exposed("::1", None)
+        assert not warn_if_exposed("localhost", None) and not warn_if_exposed(None, None)
+    assert sum("without --api-key" in r.message for r in caplog.records) == 4
