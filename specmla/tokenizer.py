@@ -37,7 +37,8 @@ class Tokenizer:
         return self._tok.get_vocab_size()
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode holds it): a long text does not stall the process's other threads
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
             ids = [self.bos_token_id] + ids
         return ids

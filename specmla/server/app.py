@@ -19,12 +19,14 @@ import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 import jinja2
+import jinja2.sandbox
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specmla.sampling_params import SamplingParams
 from specmla.server.async_engine import AsyncEngine
@@ -55,6 +57,52 @@ def _encodable(text: str) -> str:
     except UnicodeEncodeError as e:
         raise ValueError(f"invalid Unicode at position {e.start}: a lone surrogate is not text") from None
     return text
+
+
+def _raise_template_error(message: str):
+    raise jinja2.TemplateError(message)
+
+
+class BodyLimitMiddleware:
+    """Answers 413 to a request body over `max_bytes` (by its Content-Length at once, else while it
+    arrives) before anything parses it; the body is then handed on whole. Plain ASGI, so the app still
+    sees the client's disconnect."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _too_large(self, scope, receive, send):
+        resp = error_response(413, f"the request body is over {self.max_bytes} bytes", code="request_too_large")
+        resp.headers["connection"] = "close"  # the rest of the body is not read
+        await resp(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending its body
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, handed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal handed
+            if not handed:
+                handed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
 
 
 class StreamOptions(BaseModel):
@@ -229,9 +277,14 @@ def warn_if_exposed(host: str | None, api_key: str | None) -> bool:
     return True
 
 
-def create_app(load_llm, model_name: str, api_key: str | None = None, host: str | None = None) -> FastAPI:
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+
+def create_app(load_llm, model_name: str, api_key: str | None = None, host: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """`load_llm()` builds the LLM (called in a background thread, so /health can say 503 first).
-    `host`, when given, is the address the server binds: a public one without `api_key` logs a warning."""
+    `host`, when given, is the address the server binds: a public one without `api_key` logs a warning.
+    A request body over `max_body_bytes` is a 413."""
     warn_if_exposed(host, api_key)
     state: dict[str, Any] = {"llm": None, "engine": None, "error": None}
     metrics = Metrics(lambda: state["llm"].engine if state["llm"] else None)
@@ -288,7 +341,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(500, "internal server error", "server_error")
 
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:  # outermost: a request without the key is turned away before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def ready():
@@ -362,13 +416,21 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
             raise APIError(400, f"prompt token ids must be a non-empty list of ints in [0, {vocab})", param="prompt")
         return list(prompt)
 
+    templates: dict[str, jinja2.Template] = {}
+
     def chat_prompt(llm, messages: list[ChatMessage]) -> list[int]:
         if llm.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        template = llm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
-        text = jinja2.Environment().from_string(template).render(
-            messages=[m.model_dump() for m in messages], add_generation_prompt=True,
-            bos_token="", eos_token="")
+        source = llm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
+        if source not in templates:  # a model's template is code from its files: sandboxed, as transformers does
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            templates[source] = env.from_string(source)
+        try:
+            text = templates[source].render(messages=[m.model_dump() for m in messages], add_generation_prompt=True,
+                                            bos_token="", eos_token="")
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"the chat template rejects these messages: {e.message}", param="messages") from e
         return llm.tokenizer.encode(text)
 
     async def run(kind: str, req: _Common, prompt_ids: list[int], params: SamplingParams):
@@ -435,14 +497,14 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
     async def completions(req: CompletionRequest):
         llm, _ = ready()
         check_model(req)
-        ids = encode_prompt(llm, req.prompt)
+        ids = await run_in_threadpool(encode_prompt, llm, req.prompt)  # off the event loop: /health stays live
         return await run("text_completion", req, ids, sampling(req, len(ids), llm, req.max_tokens))
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         llm, _ = ready()
         check_model(req)
-        ids = chat_prompt(llm, req.messages)
+        ids = await run_in_threadpool(chat_prompt, llm, req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await run("chat.completion", req, ids, sampling(req, len(ids), llm, max_tokens))
 

@@ -188,3 +188,44 @@ def test_a_public_bind_without_a_key_warns(caplog):
         assert not warn_if_exposed("127.0.0.1", None) and not warn_if_exposed("::1", None)
         assert not warn_if_exposed("localhost", None) and not warn_if_exposed(None, None)
     assert sum("without --api-key" in r.message for r in caplog.records) == 4
+
+
+def test_a_body_over_the_limit_is_413(srv):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (17 * 2**20)}).encode()
+    r = httpx.post(srv + "/v1/completions", content=big, headers=H, timeout=30)
+    assert_openai_error(r, 413, "over")
+
+    def chunks():  # no Content-Length: the limit holds while the body arrives
+        for i in range(0, len(big), 2**20):
+            yield big[i : i + 2**20]
+
+    r = httpx.post(srv + "/v1/completions", content=chunks(), headers=H, timeout=30)
+    assert_openai_error(r, 413, "over")
+    still_serves(srv)
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenised(srv):
+    """A 3 MB prompt (under the body limit, far over the context) tokenises in a worker thread:
+    /health and a small request answer meanwhile, and the big one ends in a 400."""
+    import threading
+    import time
+
+    result = {}
+
+    def big():
+        body = {"model": MODEL, "prompt": "ab cd ef " * 350_000}
+        result["r"] = httpx.post(srv + "/v1/completions", json=body, headers=H, timeout=120)
+
+    t = threading.Thread(target=big)
+    t.start()
+    worst, polls = 0.0, 0
+    while t.is_alive() and polls < 200:
+        t0 = time.perf_counter()
+        assert httpx.get(srv + "/health", timeout=5).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        polls += 1
+        time.sleep(0.02)
+    t.join(120)
+    assert_openai_error(result["r"], 400, "context")
+    assert worst < 1.0, worst
+    print(f"/health worst {worst * 1000:.0f} ms over {polls} polls")
