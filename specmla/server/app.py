@@ -191,6 +191,53 @@ class ChatRequest(_Common):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
+class Logprobs:
+    """The engine's logprob entries ({"token_id", "logprob", "top": {id: logprob}}) in OpenAI's shapes;
+    keeps the text offset across the chunks of one stream."""
+
+    FLOOR = -9999.0  # JSON has no -inf (a token masked out by top-k / top-p)
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.offset = tokenizer, 0
+
+    def token(self, i: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{i}"
+        return self.tokenizer.decode([i], skip_special_tokens=False)
+
+    def _lp(self, x: float) -> float:
+        return max(x, self.FLOOR) if x == x else self.FLOOR
+
+    def completion(self, entries: list[dict]) -> dict:
+        """`logprobs` of a completions choice: tokens, token_logprobs, top_logprobs, text_offset."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            tok = self.token(e["token_id"])
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(self._lp(e["logprob"]))
+            top = {tok: self._lp(e["logprob"])}  # as vLLM: the chosen token, then the most likely ones
+            for i, lp in sorted(e.get("top", {}).items(), key=lambda kv: -kv[1]):
+                top.setdefault(self.token(i), self._lp(lp))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(tok)
+        return out
+
+    def _chat_item(self, i: int, lp: float) -> dict:
+        tok = self.token(i)
+        return {"token": tok, "logprob": self._lp(lp), "bytes": list(tok.encode("utf-8", "replace"))}
+
+    def chat(self, entries: list[dict]) -> dict:
+        """`logprobs` of a chat choice: content[] of token, logprob, bytes, top_logprobs[]."""
+        content = []
+        for e in entries:
+            item = self._chat_item(e["token_id"], e["logprob"])
+            item["top_logprobs"] = [self._chat_item(i, lp)
+                                    for i, lp in sorted(e.get("top", {}).items(), key=lambda kv: -kv[1])]
+            content.append(item)
+        return {"content": content}
+
+
 class Metrics:
     """Prometheus metrics on a registry of the app's own (several apps can live in one process)."""
 
@@ -434,40 +481,48 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
         return llm.tokenizer.encode(text)
 
     async def run(kind: str, req: _Common, prompt_ids: list[int], params: SamplingParams):
-        _, engine = ready()
+        llm, engine = ready()
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         stream = engine.generate(prompt_ids, params)
+        lp = Logprobs(llm.tokenizer) if params.logprobs is not None else None
+
+        def logprobs_of(entries: list) -> dict | None:
+            if lp is None:
+                return None
+            return lp.completion(entries) if kind == "text_completion" else lp.chat(entries)
+
         if not req.stream:
-            text, tokens, last = [], [], None
+            text, entries, last = [], [], None
             async for u in stream:
                 if u.error:
                     raise APIError(400 if u.finish_reason == "error" else 500, u.error,
                                    "invalid_request_error" if u.finish_reason == "error" else "server_error")
                 text.append(u.text)
-                tokens += u.token_ids
+                entries += u.logprobs or []
                 last = u
             usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                      "total_tokens": last.prompt_tokens + last.completion_tokens}
             if kind == "text_completion":
-                choice = {"index": 0, "text": "".join(text), "finish_reason": last.finish_reason, "logprobs": None}
+                choice = {"index": 0, "text": "".join(text), "finish_reason": last.finish_reason,
+                          "logprobs": logprobs_of(entries)}
             else:
                 choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                          "finish_reason": last.finish_reason}
+                          "finish_reason": last.finish_reason, "logprobs": logprobs_of(entries)}
             return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
                     "usage": usage}
 
         obj = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(delta: str | None, finish=None, role=False):
+        def chunk(delta: str | None, finish=None, role=False, logprobs=None):
             if kind == "text_completion":
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
             else:
                 d = {"role": "assistant"} if role else {}
                 if delta:
                     d["content"] = delta
-                choice = {"index": 0, "delta": d, "finish_reason": finish}
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": logprobs}
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model_name,
                                           "choices": [choice]}) + "\n\n"
 
@@ -482,8 +537,9 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
                                          else "invalid_request_error", "param": None, "code": None}}
                     yield "data: " + json.dumps(payload) + "\n\n"
                     break
-                if u.text or u.finished:
-                    yield chunk(u.text, u.finish_reason if u.finished else None)
+                if u.text or u.finished or u.logprobs:
+                    yield chunk(u.text, u.finish_reason if u.finished else None,
+                                logprobs=logprobs_of(u.logprobs) if u.logprobs else None)
             if include_usage and last is not None:
                 usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                          "total_tokens": last.prompt_tokens + last.completion_tokens}

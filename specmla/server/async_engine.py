@@ -33,6 +33,7 @@ class Update:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list | None = None  # the engine's entries for `token_ids` when the request asked for logprobs
     seq: Sequence | None = None
 
 
@@ -124,6 +125,7 @@ class AsyncEngine:
                 text=s.text[req.sent_text : safe], token_ids=s.output_ids[req.sent_tokens :],
                 finished=s.is_finished, finish_reason=s.finish_reason, prompt_tokens=len(s.prompt_ids),
                 completion_tokens=n_tok, seq=s,
+                logprobs=s.logprobs[req.sent_tokens : n_tok] if s.params.logprobs is not None else None,
             )
             if s.is_finished and s.finish_reason == "error":
                 update.error, update.text = s.text, ""
