@@ -8,6 +8,7 @@ status; the server keeps serving after each. The model loads in the background: 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import ipaddress
@@ -20,7 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import jinja2
 import jinja2.sandbox
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -325,6 +326,7 @@ def warn_if_exposed(host: str | None, api_key: str | None) -> bool:
 
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 def create_app(load_llm, model_name: str, api_key: str | None = None, host: str | None = None,
@@ -480,7 +482,7 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
             raise APIError(400, f"the chat template rejects these messages: {e.message}", param="messages") from e
         return llm.tokenizer.encode(text)
 
-    async def run(kind: str, req: _Common, prompt_ids: list[int], params: SamplingParams):
+    async def run(kind: str, req: _Common, prompt_ids: list[int], params: SamplingParams, request: Request):
         llm, engine = ready()
         rid = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -493,21 +495,34 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
             return lp.completion(entries) if kind == "text_completion" else lp.chat(entries)
 
         if not req.stream:
-            text, entries, last = [], [], None
-            async for u in stream:
-                if u.error:
-                    raise APIError(400 if u.finish_reason == "error" else 500, u.error,
-                                   "invalid_request_error" if u.finish_reason == "error" else "server_error")
-                text.append(u.text)
-                entries += u.logprobs or []
-                last = u
+            async def collect():
+                text, entries, last = [], [], None
+                async for u in stream:
+                    if u.error:
+                        raise APIError(400 if u.finish_reason == "error" else 500, u.error,
+                                       "invalid_request_error" if u.finish_reason == "error" else "server_error")
+                    text.append(u.text)
+                    entries += u.logprobs or []
+                    last = u
+                return "".join(text), entries, last
+
+            # the client may hang up while it waits: then the request is aborted (cancelling the task
+            # closes the engine stream, which aborts it and frees its pages)
+            task = asyncio.ensure_future(collect())
+            while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return Response(status_code=499)  # nobody reads it; uvicorn drops it
+            text, entries, last = task.result()
             usage = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
                      "total_tokens": last.prompt_tokens + last.completion_tokens}
             if kind == "text_completion":
-                choice = {"index": 0, "text": "".join(text), "finish_reason": last.finish_reason,
+                choice = {"index": 0, "text": text, "finish_reason": last.finish_reason,
                           "logprobs": logprobs_of(entries)}
             else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                choice = {"index": 0, "message": {"role": "assistant", "content": text},
                           "finish_reason": last.finish_reason, "logprobs": logprobs_of(entries)}
             return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
                     "usage": usage}
@@ -550,18 +565,18 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         llm, _ = ready()
         check_model(req)
         ids = await run_in_threadpool(encode_prompt, llm, req.prompt)  # off the event loop: /health stays live
-        return await run("text_completion", req, ids, sampling(req, len(ids), llm, req.max_tokens))
+        return await run("text_completion", req, ids, sampling(req, len(ids), llm, req.max_tokens), request)
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         llm, _ = ready()
         check_model(req)
         ids = await run_in_threadpool(chat_prompt, llm, req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        return await run("chat.completion", req, ids, sampling(req, len(ids), llm, max_tokens))
+        return await run("chat.completion", req, ids, sampling(req, len(ids), llm, max_tokens), request)
 
     return app

@@ -229,3 +229,31 @@ def test_health_answers_while_a_huge_prompt_is_tokenised(srv):
     assert_openai_error(result["r"], 400, "context")
     assert worst < 1.0, worst
     print(f"/health worst {worst * 1000:.0f} ms over {polls} polls")
+
+
+def metric_value(base, name, label=""):
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + label + " ") or (not label and line.startswith(name + " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_non_streaming_client_that_hangs_up_is_aborted(srv):
+    """The client gives up after 0.5 s on a request that would decode ~480 tokens: the server
+    aborts it (counted as an abort) and frees its pages instead of decoding to the end."""
+    import time
+
+    aborts = metric_value(srv, "specmla:requests_total", '{finish_reason="abort"}')
+    generated = metric_value(srv, "specmla:generation_tokens_total")
+    body = {"model": MODEL, "messages": MSG, "ignore_eos": True}  # default max_tokens: the rest of the context
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv + "/v1/chat/completions", json=body, headers=H, timeout=httpx.Timeout(5, read=0.5))
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if metric_value(srv, "specmla:requests_total", '{finish_reason="abort"}') > aborts:
+            break
+        time.sleep(0.05)
+    assert metric_value(srv, "specmla:requests_total", '{finish_reason="abort"}') == aborts + 1
+    assert metric_value(srv, "specmla:num_requests_running") == 0
+    assert metric_value(srv, "specmla:kv_pages_used") == 0
+    assert metric_value(srv, "specmla:generation_tokens_total") - generated < 400
