@@ -356,6 +356,7 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
 
     app = FastAPI(title="specmla", lifespan=lifespan)
     app.state.specmla = state
+    app.state.api_key = api_key
     app.state.metrics = metrics
 
     @app.exception_handler(APIError)
@@ -499,8 +500,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
                 text, entries, last = [], [], None
                 async for u in stream:
                     if u.error:
-                        raise APIError(400 if u.finish_reason == "error" else 500, u.error,
-                                       "invalid_request_error" if u.finish_reason == "error" else "server_error")
+                        status = u.status or (400 if u.finish_reason == "error" else 500)
+                        raise APIError(status, u.error, "invalid_request_error" if status < 500 else "server_error")
                     text.append(u.text)
                     entries += u.logprobs or []
                     last = u
@@ -580,3 +581,44 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
         return await run("chat.completion", req, ids, sampling(req, len(ids), llm, max_tokens), request)
 
     return app
+
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+    """Run `app` under uvicorn until SIGINT / SIGTERM. The first signal drains: no new connections,
+    requests in flight go on for up to `shutdown_timeout` seconds, then end with a 503 error (an SSE
+    error event on a stream) and the server exits. A second signal exits at once."""
+    import os
+    import signal
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if self.should_exit:
+                log.warning("second %s: exiting now", signal.Signals(sig).name)
+                os._exit(1)
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            async def deadline():
+                await asyncio.sleep(shutdown_timeout)
+                engine = app.state.specmla["engine"]
+                if engine is not None:
+                    log.warning("shutdown timeout (%.0f s) passed: ending the requests in flight", shutdown_timeout)
+                    engine.fail_all("the server is shutting down")
+
+            timer = asyncio.ensure_future(deadline())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    # uvicorn cancels what still runs a little after the deadline (the failed requests have then answered)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=shutdown_timeout + 2)
+    warn_if_exposed(host, getattr(app.state, "api_key", None))
+    Server(config).run()

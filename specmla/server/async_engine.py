@@ -33,6 +33,7 @@ class Update:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    status: int | None = None  # the HTTP status of an error, where it is not the default (400 / 500)
     logprobs: list | None = None  # the engine's entries for `token_ids` when the request asked for logprobs
     seq: Sequence | None = None
 
@@ -58,6 +59,7 @@ class AsyncEngine:
         self._active: dict[int, _Request] = {}
         self._ids = itertools.count()
         self._stop = False
+        self._failing: tuple[str, int] | None = None  # set by fail_all: (message, status) for every request
         self._on_finish = on_finish  # callback(seq, finish_reason) on the engine thread (metrics)
         self._on_step = on_step
         self._thread = threading.Thread(target=self._run, name="specmla-engine", daemon=True)
@@ -77,6 +79,11 @@ class AsyncEngine:
         finally:
             if not req.done:
                 self._submit(("abort", req))
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """End every request in flight (and any that arrives later) with an error: the server's
+        shutdown deadline has passed."""
+        self._submit(("fail_all", (message, status)))
 
     def shutdown(self) -> None:
         self._stop = True
@@ -100,7 +107,13 @@ class AsyncEngine:
                 kind, req = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "fail_all":
+                self._failing = req
+                for r in list(self._active.values()):
+                    self._fail(r, *req)
+            elif kind == "add" and self._failing:
+                self._fail(req, *self._failing)
+            elif kind == "add":
                 try:
                     req.seq = self.engine.add_request(req.prompt, req.params)
                     self._active[req.rid] = req
@@ -112,6 +125,13 @@ class AsyncEngine:
                 self.engine.abort(req.seq)
                 if self._on_finish:
                     self._on_finish(req.seq, "abort")
+
+    def _fail(self, req: _Request, message: str, status: int) -> None:
+        if req.seq is not None:
+            self.engine.abort(req.seq)
+            if self._on_finish:
+                self._on_finish(req.seq, "abort")
+        self._push(req, Update(finished=True, finish_reason="abort", error=message, status=status))
 
     def _publish(self) -> None:
         for req in list(self._active.values()):
