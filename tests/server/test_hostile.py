@@ -257,3 +257,46 @@ def test_a_non_streaming_client_that_hangs_up_is_aborted(srv):
     assert metric_value(srv, "specmla:num_requests_running") == 0
     assert metric_value(srv, "specmla:kv_pages_used") == 0
     assert metric_value(srv, "specmla:generation_tokens_total") - generated < 400
+
+
+def test_a_victim_stream_completes_unchanged_beside_hostile_requests(srv):
+    """A greedy stream gives the same text as alone while malformed, invalid, oversized, logprob and
+    disconnecting requests run beside it; every hostile one gets its 4xx (or is dropped by its client)."""
+    import threading
+
+    victim = {"model": MODEL, "prompt": "the victim", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    alone = httpx.post(srv + "/v1/completions", json=victim, headers=H, timeout=60).json()["choices"][0]["text"]
+    got = {}
+
+    def stream():
+        text = []
+        with httpx.stream("POST", srv + "/v1/completions", json={**victim, "stream": True}, headers=H,
+                          timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    payload = json.loads(line[6:])
+                    assert "error" not in payload, payload
+                    text.append(payload["choices"][0]["text"])
+        got["text"] = "".join(text)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    hostile = [
+        (b'{"model": "tiny", "prompt": "\xff"}', 400),
+        (b'{"model": "tiny", "prompt": "\\ud800"}', 400),
+        (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400),
+        (json.dumps({"model": MODEL, "prompt": "x", "stop": ["s"] * 200_000}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 10000}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": "x", "seed": 2**64, "top_k": 2**64}).encode(), 400),
+        (json.dumps({"model": MODEL, "prompt": "y " * 400_000}).encode(), 400),
+        (b"x" * (17 * 2**20), 413),
+    ]
+    for content, status in hostile:
+        assert_openai_error(httpx.post(srv + "/v1/completions", content=content, headers=H, timeout=30), status)
+    chat_lp = {"model": MODEL, "messages": MSG, "max_tokens": 4, "logprobs": True, "top_logprobs": 20}
+    assert httpx.post(srv + "/v1/chat/completions", json=chat_lp, headers=H, timeout=30).status_code == 200
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv + "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "ignore_eos": True},
+                   headers=H, timeout=httpx.Timeout(5, read=0.3))
+    t.join(60)
+    assert got["text"] == alone
