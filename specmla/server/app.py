@@ -587,16 +587,25 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
     """Run `app` under uvicorn until SIGINT / SIGTERM. The first signal drains: no new connections,
     requests in flight go on for up to `shutdown_timeout` seconds, then end with a 503 error (an SSE
-    error event on a stream) and the server exits. A second signal exits at once."""
+    error event on a stream) and the server exits. A second signal exits at once. A model that fails
+    to load (its reason is logged) stops the server. Returns the exit status: 1 after a failed load, else 0."""
     import os
     import signal
 
     import uvicorn
 
     class Server(uvicorn.Server):
+        load_failed = False
+
+        async def on_tick(self, counter):
+            if app.state.specmla["error"] is not None and not self.should_exit:
+                log.error("exiting: the model failed to load")
+                self.load_failed = self.should_exit = True
+            return await super().on_tick(counter)
+
         def handle_exit(self, sig, frame):
             if self.should_exit:
                 log.warning("second %s: exiting now", signal.Signals(sig).name)
@@ -621,4 +630,6 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: st
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout + 2)
     warn_if_exposed(host, getattr(app.state, "api_key", None))
-    Server(config).run()
+    server = Server(config)
+    server.run()
+    return 1 if server.load_failed else 0

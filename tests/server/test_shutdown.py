@@ -117,3 +117,14 @@ def test_a_second_sigterm_exits_at_once(tiny_model_dir):
         t.join(10)
     finally:
         proc.kill()
+
+
+def test_a_model_that_fails_to_load_stops_the_server_with_its_reason(tmp_path):
+    port = free_port()
+    script = ("import sys\nfrom specmla import LLM\nfrom specmla.server.app import create_app, serve\n"
+              f"sys.exit(serve(create_app(lambda: LLM({str(tmp_path / 'nonexistent')!r}, device='cpu'), 'x'),"
+              f" '127.0.0.1', {port}))\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "the model failed to load" in proc.stderr and "nonexistent" in proc.stderr
