@@ -167,6 +167,8 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 for req in list(self._active.values()):
                     self.engine.abort(req.seq)
+                    if self._on_finish:
+                        self._on_finish(req.seq, "error")
                     self._push(req, Update(finished=True, finish_reason="abort",
                                            error="internal error while generating"))
                 continue

@@ -300,3 +300,27 @@ def test_a_victim_stream_completes_unchanged_beside_hostile_requests(srv):
                    headers=H, timeout=httpx.Timeout(5, read=0.3))
     t.join(60)
     assert got["text"] == alone
+
+
+def test_a_failed_engine_step_is_a_500_without_internals_and_counted(tiny_model_dir):
+    from fastapi.testclient import TestClient
+
+    from specmla import LLM
+    from specmla.server.app import create_app
+
+    def load():
+        llm = LLM(tiny_model_dir, device="cpu")
+
+        def broken_step():
+            raise RuntimeError(f"CUDA exploded in {tiny_model_dir}")
+
+        llm.engine.step = broken_step
+        return llm
+
+    with TestClient(create_app(load, MODEL)) as c:
+        wait_healthy(c)
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        err = assert_openai_error(r, 500, "internal error while generating")
+        assert err["type"] == "server_error" and "exploded" not in r.text
+        assert 'specmla:requests_total{finish_reason="error"} 1.0' in c.get("/metrics").text
+        assert c.get("/health").status_code == 200
