@@ -226,7 +226,8 @@ class Logprobs:
 
     def _chat_item(self, i: int, lp: float) -> dict:
         tok = self.token(i)
-        return {"token": tok, "logprob": self._lp(lp), "bytes": list(tok.encode("utf-8", "replace"))}
+        raw = self.tokenizer.token_bytes(i) if self.tokenizer is not None else tok.encode()
+        return {"token": tok, "logprob": self._lp(lp), "bytes": list(raw)}
 
     def chat(self, entries: list[dict]) -> dict:
         """`logprobs` of a chat choice: content[] of token, logprob, bytes, top_logprobs[]."""

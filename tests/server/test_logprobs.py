@@ -68,9 +68,11 @@ def test_chat_logprobs_with_the_openai_client(srv):
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens == 5
     for item in content:
-        assert item.logprob <= 0 and item.bytes == list(item.token.encode("utf-8", "replace"))
+        assert item.logprob <= 0 and item.token == bytes(item.bytes).decode("utf-8", "replace")
         assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)  # greedy
+    # the raw bytes of the tokens (some hold part of a UTF-8 character) join into the reply's text
+    assert b"".join(bytes(x.bytes) for x in content).decode("utf-8", "replace") == r.choices[0].message.content
     r0 = c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, temperature=0, logprobs=True,
                                    extra_body={"ignore_eos": True})
     assert [x.token for x in r0.choices[0].logprobs.content] == [x.token for x in content]
