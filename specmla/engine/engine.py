@@ -64,16 +64,22 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Admit one request, or raise ValueError (naming the bad field) before any engine state changes."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # fields may have changed since construction
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids")
             ids, text = self.tokenizer.encode(prompt), prompt
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt")
         vocab = self.model.config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len}")
