@@ -7,7 +7,10 @@ form; requests that finish free their pages at once and new ones join the next s
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,13 +18,15 @@ import torch
 from specmla.engine.detokenizer import IncrementalDetokenizer
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner
-from specmla.engine.scheduler import Scheduler
+from specmla.engine.scheduler import ScheduledBatch, Scheduler
 from specmla.engine.sequence import Sequence, Status
 from specmla.engine.spec import SpecStats, greedy_accept, verify
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.ops.kv_cache import row_spec
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
+
+log = logging.getLogger("specmla.engine")
 
 
 @dataclass
@@ -35,9 +40,41 @@ class RequestOutput:
     logprobs: list | None = None
     metrics: dict = field(default_factory=dict)
     finished: bool = True
+    error: str | None = None  # finish_reason "error": why (also in `text`)
+    error_reason: str | None = None  # finish_reason "error": a metrics label, one of LLMEngine.FAILURE_REASONS
+
+
+@dataclass
+class _Snapshot:
+    """What a step may change in one request, taken before the step so a failed step can be undone."""
+
+    num_output: int
+    num_logprobs: int
+    num_cached: int
+    text: str
+    detok: tuple | None
+    drafts: list[int]
+
+    @classmethod
+    def of(cls, s: Sequence) -> "_Snapshot":
+        d = s.detok
+        return cls(len(s.output_ids), len(s.logprobs), s.num_cached, s.text,
+                   None if d is None else (d.prefix, d.read, d.text), list(s.drafts))
+
+    def restore(self, s: Sequence) -> None:
+        s.truncate(self.num_output)
+        del s.logprobs[self.num_logprobs :]
+        s.num_cached, s.text, s.drafts = self.num_cached, self.text, list(self.drafts)
+        if self.detok is None:
+            s.detok = None
+        else:
+            s.detok.prefix, s.detok.read, s.detok.text = self.detok
 
 
 class LLMEngine:
+    # labels of `failures` and of Sequence.error_reason
+    FAILURE_REASONS = ("invalid_request", "kv_capacity", "step_error")
+
     def __init__(
         self,
         model: DeepseekForCausalLM,
@@ -47,7 +84,10 @@ class LLMEngine:
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 2048,
         proposer=None,
+        fault_hook: Callable[[list[Sequence]], None] | None = None,
     ):
+        """`fault_hook` (tests): called with the requests about to be sampled in every model call; an
+        exception it raises is handled like any failure inside a step."""
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.runner = ModelRunner(model, pool)
         self.proposer = proposer  # speculative decoding when set
@@ -61,10 +101,23 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self.naive_decode = False  # tests: run decode through the MHA form instead of the absorbed one
+        self.fault_hook = fault_hook
+        self.failures: Counter[str] = Counter()  # requests ended with an error, by FAILURE_REASONS label
+        self.num_failed_steps = 0  # steps that raised and were retried request by request
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Admit one request, or raise ValueError (naming the bad field) before any engine state changes."""
+        try:
+            ids, text = self._check_request(prompt, params)
+        except ValueError:
+            self.failures["invalid_request"] += 1
+            raise
+        seq = Sequence(prompt_ids=ids, params=params, prompt=text)
+        self.scheduler.add(seq)
+        return seq
+
+    def _check_request(self, prompt, params) -> tuple[list[int], str | None]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()  # fields may have changed since construction
@@ -83,9 +136,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len}")
-        seq = Sequence(prompt_ids=ids, params=params, prompt=text)
-        self.scheduler.add(seq)
-        return seq
+        return ids, text
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -101,12 +152,30 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Schedule, run the decode and prefill parts, sample where a request's tokens are all
-        computed; returns the sequences that got a new token or finished."""
+        computed; returns the sequences that got a new token or finished.
+
+        A step that raises is undone and its requests run again one at a time, so the failure is
+        attributed: a request that fails alone finishes with finish_reason "error" (its pages freed),
+        the others advance exactly as they would have."""
         step_start = time.perf_counter()
         batch = self.scheduler.schedule()
         for seq, why in batch.rejected:
-            seq.text = why
-            self._finish(seq, "error")
+            self._fail(seq, why, "kv_capacity")
+        members = batch.decode + [s for s, _ in batch.prefill]
+        snaps = {s.seq_id: _Snapshot.of(s) for s in members}
+        try:
+            ready = self._run(batch)
+            out = batch.decode + ready
+        except Exception:
+            log.exception("an engine step over %d requests failed; retrying them one by one", len(members))
+            self.num_failed_steps += 1
+            out = self._retry_alone(batch, snaps)
+        out += [s for s, _ in batch.rejected]
+        self._stamp_handed_back(out, step_start)
+        return out
+
+    def _run(self, batch: ScheduledBatch) -> list[Sequence]:
+        """One model pass over the batch's decodes and prefill chunks; returns the requests sampled."""
         ready: list[Sequence] = []
         logits = []
         if batch.decode and self.proposer is not None:
@@ -132,8 +201,38 @@ class LLMEngine:
             items = [(s, st, h) for (s, _), st, h in zip(batch.prefill, starts, rows) if not s.is_finished]
             if items:
                 self.runner.mtp_catch_up_and_draft(items, self._drafts_after_prefill())
-        out = batch.decode + ready + [s for s, _ in batch.rejected]
-        self._stamp_handed_back(out, step_start)
+        return ready
+
+    def _retry_alone(self, batch: ScheduledBatch, snaps: dict[int, "_Snapshot"]) -> list[Sequence]:
+        """Undo a failed step and run each of its unfinished requests as a batch of one, in the step's
+        order; one that fails again is the culprit and finishes with an error. A request that finished
+        in the failed step keeps its (complete, valid) result. Returns the requests handed back."""
+        out: list[Sequence] = []
+        items = [(s, 0) for s in batch.decode] + list(batch.prefill)
+        for seq, _ in items:
+            if seq.is_finished:
+                out.append(seq)
+            else:
+                snaps[seq.seq_id].restore(seq)
+        lookahead = self.scheduler.lookahead
+        for seq, chunk in items:
+            if seq.is_finished:
+                continue
+            snap = snaps[seq.seq_id]
+            try:
+                if chunk == 0:  # a decode: its slots (and the speculative lookahead's) again
+                    self.pool.allocate(seq.seq_id, seq.total_len + lookahead)
+                    alone = ScheduledBatch(decode=[seq])
+                else:
+                    self.pool.allocate(seq.seq_id, seq.num_cached + chunk)
+                    alone = ScheduledBatch(prefill=[(seq, chunk)])
+                self._run(alone)
+            except Exception as e:
+                log.exception("request %d failed inside an engine step", seq.seq_id)
+                if not seq.is_finished:
+                    snap.restore(seq)
+                    self._fail(seq, f"the request failed inside the engine ({type(e).__name__})", "step_error")
+            out.append(seq)
         return out
 
     @staticmethod
@@ -160,6 +259,8 @@ class LLMEngine:
 
     def _speculative_decode(self, seqs: list[Sequence]) -> None:
         """Draft, verify all drafts in one S = 1 + k pass, keep the accepted prefix + one token."""
+        if self.fault_hook is not None:
+            self.fault_hook(seqs)
         k = self.proposer.k
         caps = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.total_len - 1))
                 for s in seqs]
@@ -233,6 +334,8 @@ class LLMEngine:
         self._check_finish(s, token)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(seqs)
         out = self.runner.sample(seqs, logits)
         tokens = out.tokens.tolist()
         lps = out.logprobs.tolist() if any(s.params.logprobs is not None for s in seqs) else None
@@ -275,6 +378,13 @@ class LLMEngine:
         s.status, s.finish_reason, s.finish_time = Status.FINISHED, reason, time.perf_counter()
         self.scheduler.remove(s)
 
+    def _fail(self, s: Sequence, why: str, reason: str) -> None:
+        """Finish `s` with finish_reason "error": `why` (client-safe) in `error` and `text`, `reason` a
+        FAILURE_REASONS label counted in `failures`."""
+        s.error, s.error_reason, s.text = why, reason, why
+        self.failures[reason] += 1
+        self._finish(s, "error")
+
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
             self._finish(seq, "abort")
@@ -303,6 +413,8 @@ class LLMEngine:
                 "spec": s.spec_stats.as_dict(),
             },
             finished=s.is_finished,
+            error=s.error,
+            error_reason=s.error_reason,
         )
 
 
