@@ -104,18 +104,48 @@ class LLMEngine:
         self.fault_hook = fault_hook
         self.failures: Counter[str] = Counter()  # requests ended with an error, by FAILURE_REASONS label
         self.num_failed_steps = 0  # steps that raised and were retried request by request
+        self._unfinished: dict[int, Sequence] = {}  # request_id → its sequence, until it finishes
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens) one request may ever hold: the context, or less where
+        the KV pool (with the speculative lookahead) is smaller."""
+        lookahead = self.scheduler.lookahead
+        return min(self.max_model_len, self.pool.num_pages * self.pool.page_size - lookahead + 1)
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Admit one request, or raise ValueError (naming the bad field) before any engine state changes."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams, admit_unfittable: bool = False
+                    ) -> Sequence:
+        """Admit one request, or raise ValueError (naming the bad field) before any engine state changes.
+
+        A request whose prompt + max_tokens (capped by the context) can never fit in the KV pool is
+        rejected here too; with `admit_unfittable` (offline `LLM.generate`) it is returned instead,
+        already finished with finish_reason "error" and the reason in `error`."""
         try:
             ids, text = self._check_request(prompt, params)
         except ValueError:
             self.failures["invalid_request"] += 1
             raise
         seq = Sequence(prompt_ids=ids, params=params, prompt=text)
+        why = self._never_fits(seq)
+        if why is not None:
+            if not admit_unfittable:
+                self.failures["kv_capacity"] += 1
+                raise ValueError(why)
+            self._fail(seq, why, "kv_capacity")
+            return seq
+        self._unfinished[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        total = min(seq.total_len + seq.params.max_tokens, self.max_model_len)
+        if total <= self.max_total_tokens:
+            return None
+        page = self.pool.page_size
+        need = -(-(total - 1 + self.scheduler.lookahead) // page)
+        return (f"the request needs {need} KV pages (prompt {seq.total_len} + max_tokens {seq.params.max_tokens} "
+                f"tokens); the pool has {self.pool.num_pages}: at most {self.max_total_tokens} tokens per request")
 
     def _check_request(self, prompt, params) -> tuple[list[int], str | None]:
         if not isinstance(params, SamplingParams):
@@ -376,6 +406,7 @@ class LLMEngine:
 
     def _finish(self, s: Sequence, reason: str) -> None:
         s.status, s.finish_reason, s.finish_time = Status.FINISHED, reason, time.perf_counter()
+        self._unfinished.pop(s.seq_id, None)
         self.scheduler.remove(s)
 
     def _fail(self, s: Sequence, why: str, reason: str) -> None:
@@ -385,9 +416,15 @@ class LLMEngine:
         self.failures[reason] += 1
         self._finish(s, "error")
 
-    def abort(self, seq: Sequence) -> None:
-        if not seq.is_finished:
-            self._finish(seq, "abort")
+    def abort(self, request: Sequence | int) -> bool:
+        """End a request (a Sequence or its request_id) with finish_reason "abort", waiting or running,
+        and free its KV pages at once; False when it is unknown or already finished. Call it between
+        steps (the thread that steps the engine)."""
+        seq = self._unfinished.get(request) if isinstance(request, int) else request
+        if seq is None or seq.is_finished:
+            return False
+        self._finish(seq, "abort")
+        return True
 
     # ---- outputs -----------------------------------------------------------------------------------
     @staticmethod

@@ -1,4 +1,5 @@
-"""Request isolation: a failure inside a step ends only the request it belongs to."""
+"""Request isolation: a failure inside a step ends only the request it belongs to, aborts free pages at
+once, and a request that can never fit the KV pool is refused at admission."""
 
 import pytest
 
@@ -62,4 +63,40 @@ def test_a_parameter_broken_after_admission_fails_only_its_request(tiny_model_di
         engine.step()
     assert bad.finish_reason == "error" and bad.error_reason == "step_error"
     assert [s.output_ids for s in seqs] == clean[:4]
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+
+
+def test_abort_by_id_frees_pages_at_once_running_or_waiting(tiny_model_dir):
+    llm = make(tiny_model_dir, max_num_seqs=2)
+    engine, pool = llm.engine, llm.kv_pool
+    long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(p, long) for p in PROMPTS[:3]]
+    for _ in range(4):
+        engine.step()
+    running, waiting = seqs[:2], seqs[2]
+    assert all(s in engine.running for s in running) and waiting in engine.waiting
+    used = pool.num_used_pages()
+    assert engine.abort(running[0].seq_id) is True
+    assert running[0].finish_reason == "abort" and running[0] not in engine.running
+    assert pool.num_used_pages() < used and not pool.pages_of(running[0].seq_id)
+    assert engine.abort(waiting.seq_id) is True and waiting not in engine.waiting
+    assert engine.abort(running[1]) is True  # a Sequence works too
+    assert pool.num_free_pages() == pool.num_pages and not engine.has_unfinished()
+    assert engine.abort(running[1].seq_id) is False and engine.abort(10**9) is False
+    assert llm.generate(PROMPTS[0], GREEDY)[0].finish_reason == "length"
+
+
+def test_a_request_that_can_never_fit_the_pool_is_refused_at_admission(tiny_model_dir, clean):
+    llm = make(tiny_model_dir, num_pages=8)  # 32 token slots
+    engine = llm.engine
+    assert engine.max_total_tokens == 33
+    with pytest.raises(ValueError, match="KV pages"):
+        engine.add_request([1] * 20, SamplingParams(max_tokens=14))  # 34 tokens
+    assert not engine.has_unfinished() and engine.failures["kv_capacity"] == 1
+    engine.add_request([1] * 20, SamplingParams(max_tokens=13))  # 33: fits
+    engine.abort(next(iter(engine.waiting)))
+    outs = llm.generate([[3] * 30] + PROMPTS[:2], [GREEDY] + PARAMS[:2])  # offline: an error output, the rest run
+    assert outs[0].finish_reason == "error" and outs[0].error_reason == "kv_capacity"
+    assert "KV pages" in outs[0].error and outs[0].token_ids == []
+    assert [o.token_ids for o in outs[1:]] == clean[:2]
     assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
