@@ -7,7 +7,10 @@ form; requests that finish free their pages at once and new ones join the next s
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -15,13 +18,15 @@ import torch
 from specmla.engine.detokenizer import IncrementalDetokenizer
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner
-from specmla.engine.scheduler import Scheduler
+from specmla.engine.scheduler import ScheduledBatch, Scheduler
 from specmla.engine.sequence import Sequence, Status
 from specmla.engine.spec import SpecStats, greedy_accept, verify
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.ops.kv_cache import row_spec
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
+
+log = logging.getLogger("specmla.engine")
 
 
 @dataclass
@@ -35,9 +40,41 @@ class RequestOutput:
     logprobs: list | None = None
     metrics: dict = field(default_factory=dict)
     finished: bool = True
+    error: str | None = None  # finish_reason "error": why (also in `text`)
+    error_reason: str | None = None  # finish_reason "error": a metrics label, one of LLMEngine.FAILURE_REASONS
+
+
+@dataclass
+class _Snapshot:
+    """What a step may change in one request, taken before the step so a failed step can be undone."""
+
+    num_output: int
+    num_logprobs: int
+    num_cached: int
+    text: str
+    detok: tuple | None
+    drafts: list[int]
+
+    @classmethod
+    def of(cls, s: Sequence) -> "_Snapshot":
+        d = s.detok
+        return cls(len(s.output_ids), len(s.logprobs), s.num_cached, s.text,
+                   None if d is None else (d.prefix, d.read, d.text), list(s.drafts))
+
+    def restore(self, s: Sequence) -> None:
+        s.truncate(self.num_output)
+        del s.logprobs[self.num_logprobs :]
+        s.num_cached, s.text, s.drafts = self.num_cached, self.text, list(self.drafts)
+        if self.detok is None:
+            s.detok = None
+        else:
+            s.detok.prefix, s.detok.read, s.detok.text = self.detok
 
 
 class LLMEngine:
+    # labels of `failures` and of Sequence.error_reason
+    FAILURE_REASONS = ("invalid_request", "kv_capacity", "step_error")
+
     def __init__(
         self,
         model: DeepseekForCausalLM,
@@ -47,7 +84,10 @@ class LLMEngine:
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 2048,
         proposer=None,
+        fault_hook: Callable[[list[Sequence]], None] | None = None,
     ):
+        """`fault_hook` (tests): called with the requests about to be sampled in every model call; an
+        exception it raises is handled like any failure inside a step."""
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.runner = ModelRunner(model, pool)
         self.proposer = proposer  # speculative decoding when set
@@ -61,25 +101,72 @@ class LLMEngine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self.naive_decode = False  # tests: run decode through the MHA form instead of the absorbed one
+        self.fault_hook = fault_hook
+        self.failures: Counter[str] = Counter()  # requests ended with an error, by FAILURE_REASONS label
+        self.num_failed_steps = 0  # steps that raised and were retried request by request
+        self._unfinished: dict[int, Sequence] = {}  # request_id → its sequence, until it finishes
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens) one request may ever hold: the context, or less where
+        the KV pool (with the speculative lookahead) is smaller."""
+        lookahead = self.scheduler.lookahead
+        return min(self.max_model_len, self.pool.num_pages * self.pool.page_size - lookahead + 1)
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt: str | list[int], params: SamplingParams, admit_unfittable: bool = False
+                    ) -> Sequence:
+        """Admit one request, or raise ValueError (naming the bad field) before any engine state changes.
+
+        A request whose prompt + max_tokens (capped by the context) can never fit in the KV pool is
+        rejected here too; with `admit_unfittable` (offline `LLM.generate`) it is returned instead,
+        already finished with finish_reason "error" and the reason in `error`."""
+        try:
+            ids, text = self._check_request(prompt, params)
+        except ValueError:
+            self.failures["invalid_request"] += 1
+            raise
+        seq = Sequence(prompt_ids=ids, params=params, prompt=text)
+        why = self._never_fits(seq)
+        if why is not None:
+            if not admit_unfittable:
+                self.failures["kv_capacity"] += 1
+                raise ValueError(why)
+            self._fail(seq, why, "kv_capacity")
+            return seq
+        self._unfinished[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        total = min(seq.total_len + seq.params.max_tokens, self.max_model_len)
+        if total <= self.max_total_tokens:
+            return None
+        page = self.pool.page_size
+        need = -(-(total - 1 + self.scheduler.lookahead) // page)
+        return (f"the request needs {need} KV pages (prompt {seq.total_len} + max_tokens {seq.params.max_tokens} "
+                f"tokens); the pool has {self.pool.num_pages}: at most {self.max_total_tokens} tokens per request")
+
+    def _check_request(self, prompt, params) -> tuple[list[int], str | None]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # fields may have changed since construction
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids")
             ids, text = self.tokenizer.encode(prompt), prompt
-        else:
+        elif isinstance(prompt, (list, tuple)):
             ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt")
         vocab = self.model.config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context is {self.max_model_len}")
-        seq = Sequence(prompt_ids=ids, params=params, prompt=text)
-        self.scheduler.add(seq)
-        return seq
+        return ids, text
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -95,12 +182,30 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Schedule, run the decode and prefill parts, sample where a request's tokens are all
-        computed; returns the sequences that got a new token or finished."""
+        computed; returns the sequences that got a new token or finished.
+
+        A step that raises is undone and its requests run again one at a time, so the failure is
+        attributed: a request that fails alone finishes with finish_reason "error" (its pages freed),
+        the others advance exactly as they would have."""
         step_start = time.perf_counter()
         batch = self.scheduler.schedule()
         for seq, why in batch.rejected:
-            seq.text = why
-            self._finish(seq, "error")
+            self._fail(seq, why, "kv_capacity")
+        members = batch.decode + [s for s, _ in batch.prefill]
+        snaps = {s.seq_id: _Snapshot.of(s) for s in members}
+        try:
+            ready = self._run(batch)
+            out = batch.decode + ready
+        except Exception:
+            log.exception("an engine step over %d requests failed; retrying them one by one", len(members))
+            self.num_failed_steps += 1
+            out = self._retry_alone(batch, snaps)
+        out += [s for s, _ in batch.rejected]
+        self._stamp_handed_back(out, step_start)
+        return out
+
+    def _run(self, batch: ScheduledBatch) -> list[Sequence]:
+        """One model pass over the batch's decodes and prefill chunks; returns the requests sampled."""
         ready: list[Sequence] = []
         logits = []
         if batch.decode and self.proposer is not None:
@@ -126,8 +231,38 @@ class LLMEngine:
             items = [(s, st, h) for (s, _), st, h in zip(batch.prefill, starts, rows) if not s.is_finished]
             if items:
                 self.runner.mtp_catch_up_and_draft(items, self._drafts_after_prefill())
-        out = batch.decode + ready + [s for s, _ in batch.rejected]
-        self._stamp_handed_back(out, step_start)
+        return ready
+
+    def _retry_alone(self, batch: ScheduledBatch, snaps: dict[int, "_Snapshot"]) -> list[Sequence]:
+        """Undo a failed step and run each of its unfinished requests as a batch of one, in the step's
+        order; one that fails again is the culprit and finishes with an error. A request that finished
+        in the failed step keeps its (complete, valid) result. Returns the requests handed back."""
+        out: list[Sequence] = []
+        items = [(s, 0) for s in batch.decode] + list(batch.prefill)
+        for seq, _ in items:
+            if seq.is_finished:
+                out.append(seq)
+            else:
+                snaps[seq.seq_id].restore(seq)
+        lookahead = self.scheduler.lookahead
+        for seq, chunk in items:
+            if seq.is_finished:
+                continue
+            snap = snaps[seq.seq_id]
+            try:
+                if chunk == 0:  # a decode: its slots (and the speculative lookahead's) again
+                    self.pool.allocate(seq.seq_id, seq.total_len + lookahead)
+                    alone = ScheduledBatch(decode=[seq])
+                else:
+                    self.pool.allocate(seq.seq_id, seq.num_cached + chunk)
+                    alone = ScheduledBatch(prefill=[(seq, chunk)])
+                self._run(alone)
+            except Exception as e:
+                log.exception("request %d failed inside an engine step", seq.seq_id)
+                if not seq.is_finished:
+                    snap.restore(seq)
+                    self._fail(seq, f"the request failed inside the engine ({type(e).__name__})", "step_error")
+            out.append(seq)
         return out
 
     @staticmethod
@@ -154,6 +289,8 @@ class LLMEngine:
 
     def _speculative_decode(self, seqs: list[Sequence]) -> None:
         """Draft, verify all drafts in one S = 1 + k pass, keep the accepted prefix + one token."""
+        if self.fault_hook is not None:
+            self.fault_hook(seqs)
         k = self.proposer.k
         caps = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.total_len - 1))
                 for s in seqs]
@@ -227,6 +364,8 @@ class LLMEngine:
         self._check_finish(s, token)
 
     def _sample_and_append(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(seqs)
         out = self.runner.sample(seqs, logits)
         tokens = out.tokens.tolist()
         lps = out.logprobs.tolist() if any(s.params.logprobs is not None for s in seqs) else None
@@ -267,11 +406,25 @@ class LLMEngine:
 
     def _finish(self, s: Sequence, reason: str) -> None:
         s.status, s.finish_reason, s.finish_time = Status.FINISHED, reason, time.perf_counter()
+        self._unfinished.pop(s.seq_id, None)
         self.scheduler.remove(s)
 
-    def abort(self, seq: Sequence) -> None:
-        if not seq.is_finished:
-            self._finish(seq, "abort")
+    def _fail(self, s: Sequence, why: str, reason: str) -> None:
+        """Finish `s` with finish_reason "error": `why` (client-safe) in `error` and `text`, `reason` a
+        FAILURE_REASONS label counted in `failures`."""
+        s.error, s.error_reason, s.text = why, reason, why
+        self.failures[reason] += 1
+        self._finish(s, "error")
+
+    def abort(self, request: Sequence | int) -> bool:
+        """End a request (a Sequence or its request_id) with finish_reason "abort", waiting or running,
+        and free its KV pages at once; False when it is unknown or already finished. Call it between
+        steps (the thread that steps the engine)."""
+        seq = self._unfinished.get(request) if isinstance(request, int) else request
+        if seq is None or seq.is_finished:
+            return False
+        self._finish(seq, "abort")
+        return True
 
     # ---- outputs -----------------------------------------------------------------------------------
     @staticmethod
@@ -297,6 +450,8 @@ class LLMEngine:
                 "spec": s.spec_stats.as_dict(),
             },
             finished=s.is_finished,
+            error=s.error,
+            error_reason=s.error_reason,
         )
 
 

@@ -182,7 +182,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        # a request that can never fit the KV pool comes back finished with finish_reason "error"
+        seqs = [self.engine.add_request(p, sp, admit_unfittable=True) for p, sp in zip(prompts, params)]
         bar = tqdm(total=len(seqs), desc="generating", disable=not use_tqdm)
         done = 0
         while self.engine.has_unfinished():

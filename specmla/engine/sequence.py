@@ -38,6 +38,8 @@ class Sequence:
     spec_stats: SpecStats = field(default_factory=SpecStats)  # speculative decoding counters
     drafts: list[int] = field(default_factory=list)  # the MTP proposer's drafts for the next step
     detok: object | None = None  # the engine's IncrementalDetokenizer for `text`
+    error: str | None = None  # why the request ended with finish_reason "error" (safe to show a client)
+    error_reason: str | None = None  # a short label for metrics: LLMEngine.FAILURE_REASONS
 
     def __post_init__(self):
         # A seed per request makes sampling reproducible and independent of batch composition.
@@ -47,6 +49,11 @@ class Sequence:
     def append_token(self, token: int) -> None:
         self.output_ids.append(token)
         self._all_ids.append(token)
+
+    def truncate(self, num_output: int) -> None:
+        """Drop output tokens beyond the first `num_output` (a failed step's partial work)."""
+        del self.output_ids[num_output:]
+        del self._all_ids[len(self.prompt_ids) + num_output :]
 
     @property
     def all_ids(self) -> list[int]:
