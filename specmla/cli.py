@@ -10,13 +10,15 @@ import re
 import socket
 import sys
 import time
+from pathlib import Path
 
 from specmla.bench import (format_report, format_spec_rows, load_prompts, run_spec_sweep, run_throughput,
                            run_transformers)
 from specmla.distributed import launched_by_torchrun
 from specmla.engine.llm import LLM, worker_main
+from specmla.config import ModelConfig
 from specmla.model.default import default_model_path
-from specmla.model.loader import CheckpointError
+from specmla.model.loader import CheckpointError, _checkpoint_files
 from specmla.sampling_params import SamplingParams
 
 
@@ -135,6 +137,27 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"argument --host: cannot resolve {args.host!r} ({e})")
 
 
+def preflight_model(model, need_tokenizer: bool, speculative: str | None = None) -> None:
+    """Fail fast, with a one-line reason, on the model directory problems that would otherwise surface
+    only after (or, under `serve`, in the background of) a load: no directory, an unreadable or invalid
+    config.json, no weights, no tokenizer, MTP speculation on a checkpoint without MTP layers."""
+    if model is None:
+        return  # the embedded default model (built on first run)
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist" if not path.exists()
+                                else f"{path} is not a model directory")
+    cfg = ModelConfig.from_file(path)
+    names = _checkpoint_files(path)
+    if need_tokenizer and not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    if speculative in ("mtp", "hybrid"):
+        mtp = cfg.num_nextn_predict_layers and any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.")
+                                                   for n in names)
+        if not mtp:
+            raise ValueError(f"--speculative {speculative} needs a model with MTP layers; {path} has none")
+
+
 def _spec_kwargs(args: argparse.Namespace) -> dict:
     """Speculative-decoding and tensor-parallel options shared by the commands that build an LLM."""
     return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
@@ -161,6 +184,7 @@ def _stream(llm: LLM, prompt: str, params: SamplingParams):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    preflight_model(args.model, need_tokenizer=True, speculative=args.speculative)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
@@ -203,6 +227,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    preflight_model(args.model, need_tokenizer=bool(args.dataset), speculative=args.speculative)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **_spec_kwargs(args))
@@ -234,6 +259,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
                    speculative=mode, num_speculative_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                    tensor_parallel_size=args.tp)
 
+    preflight_model(args.model, need_tokenizer=bool(args.dataset),
+                    speculative="mtp" if {"mtp", "hybrid"} & set(args.modes) else None)
     vocab = make_llm(None, 1, 1).model.config.vocab_size
     results = []
     for B in args.batch:  # B requests at a time (max_num_seqs), over max(B, --num-prompts) prompts
@@ -254,17 +281,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specmla.server.app import create_app
 
     model = args.model_pos or args.model
+    preflight_model(model, need_tokenizer=True, speculative=args.speculative)
     name = args.served_model_name or (str(model) if model else "specmla-default")
+    failure: list[BaseException] = []
 
     def load():
-        return LLM(model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                   **_spec_kwargs(args))
+        try:
+            return LLM(model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                       num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                       **_spec_kwargs(args))
+        except BaseException as e:  # a server without a model serves nothing: stop it, exit non-zero
+            failure.append(e)
+            server.should_exit = True
+            raise
 
     app = create_app(load, name, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server.run()
+    if failure:
+        e = failure[0]
+        print(f"specmla: error: loading the model failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ model loads); the end-to-end cases run `python -m specmla.cli` in subprocesses s
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -93,6 +94,12 @@ def test_config_errors_name_the_file(tmp_path):
     assert str(cfg) in str(exc.value)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _model_variant(src, dst, config=None, drop=lambda name: False, remove=()):
     shutil.copytree(src, dst)
     if config is not None:
@@ -112,9 +119,12 @@ def cli_runs(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli_errors")
     tiny = str(tiny_model_dir)
     corrupt = _model_variant(tiny_model_dir, tmp / "corrupt", config='{"vocab_size": 259,')
+    missing = _model_variant(tiny_model_dir, tmp / "missing", drop=lambda n: n == "model.layers.0.mlp.down_proj.weight")
     cases = {
-        "generate_corrupt_config": ["generate", "--model", str(corrupt), "--prompt", "x", "--device", "cpu"],
         "port_99999": ["serve", tiny, "--port", "99999"],
+        "serve_nonexistent": ["serve", "--model", str(tmp / "nonexistent"), "--device", "cpu"],
+        "serve_corrupt_config": ["serve", str(corrupt), "--device", "cpu"],
+        "serve_load_fails": ["serve", str(missing), "--device", "cpu", "--port", str(_free_port())],
         "generate_pool_too_small": ["generate", "--model", tiny, "--device", "cpu", "--prompt", "hello",
                                     "--max-tokens", "100", "--num-pages", "1"],
     }
@@ -136,7 +146,10 @@ def cli_runs(tiny_model_dir, tmp_path_factory):
 
 E2E = {
     "port_99999": (2, "specmla serve: error: argument --port: 99999 is out of range"),
-    "generate_corrupt_config": (2, "specmla: error: {tmp}/corrupt/config.json is not valid JSON"),
+    "serve_nonexistent": (2, "specmla: error: model directory {tmp}/nonexistent does not exist"),
+    "serve_corrupt_config": (2, "specmla: error: {tmp}/corrupt/config.json is not valid JSON"),
+    "serve_load_fails": (1, "specmla: error: loading the model failed: CheckpointError: {tmp}/missing: missing "
+                            "tensor(s) ['model.layers.0.mlp.down_proj.weight']"),
     "generate_pool_too_small": (2, "need 2 KV pages of 64 tokens; the pool has 1 (raise --num-pages)"),
 }
 
@@ -183,6 +196,31 @@ def test_generate_exits_nonzero_with_the_reason_when_the_request_fails(tiny_mode
     assert out.startswith("hello") and "injected" not in out
     assert "specmla: error: the request failed: injected failure" in err
     assert "finish:" not in err
+
+
+def test_model_directory_problems_are_found_before_loading(tiny_model_dir, tmp_path, capsys):
+    """`serve` checks the directory in the foreground (no server starts): the failures exit at once."""
+    variants = {
+        "no_tok": dict(remove=["tokenizer.json"]),
+        "no_weights": dict(remove=["model.safetensors"]),
+        "no_mtp": dict(drop=lambda n: n.startswith("model.layers.2.")),
+        "corrupt": dict(config='{"vocab_size": 259,'),
+    }
+    for name, kw in variants.items():
+        _model_variant(tiny_model_dir, tmp_path / name, **kw)
+    for argv, reason in [
+        (["serve", str(tmp_path / "no_tok")], f"no tokenizer.json in {tmp_path}/no_tok"),
+        (["serve", str(tmp_path / "no_weights")], f"{tmp_path}/no_weights has neither model.safetensors"),
+        (["serve", str(tmp_path / "no_mtp"), "--speculative", "mtp"], "--speculative mtp needs a model with MTP"),
+        (["generate", "--model", str(tmp_path / "no_mtp"), "--prompt", "x", "--speculative", "hybrid"],
+         "--speculative hybrid needs a model with MTP"),
+        (["generate", "--model", str(tmp_path / "corrupt"), "--prompt", "x"],
+         f"{tmp_path}/corrupt/config.json is not valid JSON"),
+        (["bench", "throughput", "--model", str(tmp_path / "nothing")], f"model directory {tmp_path}/nothing does"),
+    ]:
+        assert main([*argv, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("specmla: error: ") and err.count("\n") == 1 and reason in err, err
 
 
 def test_dataset_and_json_paths_are_checked_before_the_model_loads(tmp_path, capsys):
