@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,11 +131,18 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     """Checks across flags (argparse's one-line error, exit code 2)."""
     if getattr(args, "ngram_min", 1) > getattr(args, "ngram_max", 1):
         parser.error(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")
-    if getattr(args, "command", None) == "serve":
+    if getattr(args, "command", None) == "serve" and (not launched_by_torchrun() or os.environ["RANK"] == "0"):
         try:
             socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError) as e:
             parser.error(f"argument --host: cannot resolve {args.host!r} ({e})")
+        try:  # a port in use fails here, before the model starts loading
+            family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+                s.bind((args.host, args.port))
+        except OSError as e:
+            parser.error(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}")
 
 
 def preflight_model(model, need_tokenizer: bool, speculative: str | None = None) -> None:
@@ -196,7 +204,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[specmla] model {llm.model_path} loaded in {load_s:.1f} s", file=sys.stderr)
     n_prompt = len(llm.tokenizer.encode(args.prompt))
     pool = llm.kv_pool
-    need = -(-(n_prompt + args.max_tokens) // pool.page_size)
+    need = -(-min(n_prompt + args.max_tokens, llm.engine.max_model_len) // pool.page_size)  # decoding ends there
     if need > pool.num_pages:
         raise ValueError(f"the prompt ({n_prompt} tokens) and --max-tokens {args.max_tokens} need {need} KV pages "
                          f"of {pool.page_size} tokens; the pool has {pool.num_pages} (raise --num-pages)")
@@ -226,12 +234,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_prompts(args: argparse.Namespace, vocab_size: int, n: int | None = None) -> list:
+    """The benchmark's prompts; a bad --dataset file is an error that names it."""
+    try:
+        prompts = load_prompts(args.dataset, n or args.num_prompts, args.input_len, vocab_size, args.seed)
+    except (KeyError, TypeError, ValueError) as e:  # a JSON line without "prompt", not UTF-8, no prompts
+        if not args.dataset:
+            raise
+        what = f"a JSON line has no {e.args[0]!r} key" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"--dataset {args.dataset}: {what}") from e
+    if args.dataset and not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"--dataset {args.dataset}: every \"prompt\" must be a string")
+    return prompts
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     preflight_model(args.model, need_tokenizer=bool(args.dataset), speculative=args.speculative)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **_spec_kwargs(args))
-    prompts = load_prompts(args.dataset, args.num_prompts, args.input_len, llm.model.config.vocab_size, args.seed)
+    prompts = _load_prompts(args, llm.model.config.vocab_size)
     result = {"specmla": run_throughput(llm, prompts, args.output_len)}
     print(format_report(result["specmla"]))
     if args.compare_transformers:
@@ -264,7 +286,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     vocab = make_llm(None, 1, 1).model.config.vocab_size
     results = []
     for B in args.batch:  # B requests at a time (max_num_seqs), over max(B, --num-prompts) prompts
-        prompts = load_prompts(args.dataset, max(B, args.num_prompts or B), args.input_len, vocab, args.seed)
+        prompts = _load_prompts(args, vocab, max(B, args.num_prompts or B))
         rows = run_spec_sweep(lambda mode, k, B=B: make_llm(mode, k, B), prompts, args.output_len, args.modes,
                               args.k, batch=B, rounds=args.rounds)
         print(f"batch {B}:\n{format_spec_rows(rows)}")
@@ -284,6 +306,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     preflight_model(model, need_tokenizer=True, speculative=args.speculative)
     name = args.served_model_name or (str(model) if model else "specmla-default")
     failure: list[BaseException] = []
+    loaded = threading.Event()  # the loader thread is done (returned or raised)
 
     def load():
         try:
@@ -295,15 +318,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
             failure.append(e)
             server.should_exit = True
             raise
+        finally:
+            loaded.set()
 
     app = create_app(load, name, api_key=args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    server.run()
+    try:
+        server.run()
+        code = 0 if server.started else 1
+    except SystemExit as e:  # uvicorn's startup failures (e.g. the port taken since the check)
+        code = e.code if isinstance(e.code, int) else 1
     if failure:
         e = failure[0]
         print(f"specmla: error: loading the model failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0 if server.started else 1
+        code = 1
+    if not loaded.is_set():  # interpreter teardown under a thread still inside torch aborts (SIGABRT)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import specmla.cli as cli_module
 from specmla.cli import build_parser, main
 from specmla.config import ModelConfig
 
@@ -230,3 +231,33 @@ def test_dataset_and_json_paths_are_checked_before_the_model_loads(tmp_path, cap
         with pytest.raises(SystemExit):
             main(["bench", "throughput", "--model", str(tmp_path / "never-read"), *argv])
         assert reason in capsys.readouterr().err
+
+
+def test_serve_on_a_port_in_use_fails_before_loading(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--model", "/never/read", "--port", str(port)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument --port: cannot listen on 127.0.0.1:{port}" in err, err
+
+
+def test_bad_dataset_lines_are_errors_that_name_the_file(tiny_model_dir, tmp_path, capsys):
+    cases = {"nokey.jsonl": ('{"text": "x"}\n', "a JSON line has no 'prompt' key"),
+             "int.jsonl": ('{"prompt": 5}\n', 'every "prompt" must be a string'),
+             "binary.txt": (b"\xff\xfe bad\n", "can't decode byte 0xff"),
+             "blank.txt": ("\n\n", "holds no prompts")}
+    for name, (body, reason) in cases.items():
+        f = tmp_path / name
+        f.write_bytes(body if isinstance(body, bytes) else body.encode())
+        with pytest.raises(ValueError) as exc:
+            cli_module._load_prompts(build_parser().parse_args(
+                ["bench", "throughput", "--dataset", str(f), "--num-prompts", "2"]), 259)
+        assert str(exc.value).startswith(f"--dataset {f}: ") and reason in str(exc.value), exc.value
+    rc = main(["bench", "throughput", "--model", str(tiny_model_dir), "--device", "cpu", "--dataset",
+               str(tmp_path / "nokey.jsonl"), "--num-prompts", "2", "--output-len", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"specmla: error: --dataset {tmp_path / 'nokey.jsonl'}: a JSON line has no" in err, err
