@@ -4,32 +4,166 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
+import socket
 import sys
+import threading
 import time
+from pathlib import Path
 
 from specmla.bench import (format_report, format_spec_rows, load_prompts, run_spec_sweep, run_throughput,
                            run_transformers)
 from specmla.distributed import launched_by_torchrun
 from specmla.engine.llm import LLM, worker_main
+from specmla.config import ModelConfig
 from specmla.model.default import default_model_path
+from specmla.model.loader import CheckpointError, _checkpoint_files
 from specmla.sampling_params import SamplingParams
+
+
+DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_ds_mla", "fp8", "tbq4")
+MAX_PAGE_SIZE = 1024
+INT64_MAX = 2**63 - 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the reason and where to look, not the whole usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+def _int(lo: int | None = None, hi: int | None = None, what: str = "an integer"):
+    """argparse type: an int in [lo, hi]; a bad value is a one-line argparse error (exit code 2)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} is out of range: expected {what}")
+        return v
+    return parse
+
+
+def _float(lo: float, hi: float, what: str, lo_open: bool = False):
+    """argparse type: a finite float in [lo, hi] ((lo, hi] with lo_open)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {what}")
+        return v
+    return parse
+
+
+def _page_size(text: str) -> int:
+    v = _int(1, MAX_PAGE_SIZE, f"a power of two from 1 to {MAX_PAGE_SIZE}")(text)
+    if v & (v - 1):
+        raise argparse.ArgumentTypeError(f"{v} is not a power of two (1, 2, 4, ..., {MAX_PAGE_SIZE})")
+    return v
+
+
+def _device(text: str) -> str:
+    """cpu | cuda | cuda:N, and a CUDA device only where torch sees one."""
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: expected cpu, cuda or cuda:N")
+    if text.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            why = "torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available ({why}); use --device cpu")
+        if m.group(1) is not None and int(m.group(1)) >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def _input_file(text: str) -> str:
+    """A file to read, checked before the model loads."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not readable")
+    return text
+
+
+def _output_file(text: str) -> str:
+    """A file to write at the end of a benchmark: its directory must exist now, not after the run."""
+    parent = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r} (no such writable directory, or a directory)")
+    return text
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+    p.add_argument("--device", type=_device, default=None,
+                   help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--page-size", type=_page_size, default=64, help="tokens per KV page: a power of two")
+    p.add_argument("--num-pages", type=_int(1, None, ">= 1"), default=None,
+                   help="KV pool size in pages (default: sized from the free memory)")
+    p.add_argument("--max-model-len", type=_int(1, None, ">= 1"), default=None)
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_int(1, 1024, ">= 1"), default=1,
                    help="tensor-parallel ranks (spawned here, or the ranks of a torchrun launch)")
     p.add_argument("--speculative", choices=["ngram", "mtp", "hybrid"], default=None,
                    help="speculative decoding proposer (default: none)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3)
-    p.add_argument("--ngram-min", type=int, default=1)
-    p.add_argument("--ngram-max", type=int, default=3)
+    p.add_argument("--num-speculative-tokens", type=_int(1, 64, "1 to 64"), default=3)
+    p.add_argument("--ngram-min", type=_int(1, 1024, "1 to 1024"), default=1)
+    p.add_argument("--ngram-max", type=_int(1, 1024, "1 to 1024"), default=3)
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks across flags (argparse's one-line error, exit code 2)."""
+    if getattr(args, "ngram_min", 1) > getattr(args, "ngram_max", 1):
+        parser.error(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")
+    if getattr(args, "command", None) == "serve" and (not launched_by_torchrun() or os.environ["RANK"] == "0"):
+        try:
+            socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            parser.error(f"argument --host: cannot resolve {args.host!r} ({e})")
+        try:  # a port in use fails here, before the model starts loading
+            family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+                s.bind((args.host, args.port))
+        except OSError as e:
+            parser.error(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+
+
+def preflight_model(model, need_tokenizer: bool, speculative: str | None = None) -> None:
+    """Fail fast, with a one-line reason, on the model directory problems that would otherwise surface
+    only after (or, under `serve`, in the background of) a load: no directory, an unreadable or invalid
+    config.json, no weights, no tokenizer, MTP speculation on a checkpoint without MTP layers."""
+    if model is None:
+        return  # the embedded default model (built on first run)
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist" if not path.exists()
+                                else f"{path} is not a model directory")
+    cfg = ModelConfig.from_file(path)
+    names = _checkpoint_files(path)
+    if need_tokenizer and not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    if speculative in ("mtp", "hybrid"):
+        mtp = cfg.num_nextn_predict_layers and any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.")
+                                                   for n in names)
+        if not mtp:
+            raise ValueError(f"--speculative {speculative} needs a model with MTP layers; {path} has none")
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:
@@ -38,29 +172,59 @@ def _spec_kwargs(args: argparse.Namespace) -> dict:
                 ngram_min=args.ngram_min, ngram_max=args.ngram_max, tensor_parallel_size=args.tp)
 
 
+def _stream(llm: LLM, prompt: str, params: SamplingParams):
+    """Yield the request's text as it grows (LLM.stream's loop); a failed request yields nothing more: the
+    engine puts its reason in the text, which goes to stderr, not into the output."""
+    seq = llm.engine.add_request(prompt, params)
+    holdback = max((len(s) for s in params.stop), default=1) - 1  # a stop string may be forming
+    emitted = 0
+    while not seq.is_finished:
+        llm.engine.step()
+        if seq.finish_reason == "error":
+            break
+        safe = len(seq.text) - (0 if seq.is_finished else holdback)
+        if safe > emitted:
+            yield seq.text[emitted:safe]
+            emitted = safe
+    if seq.finish_reason != "error" and len(seq.text) > emitted:
+        yield seq.text[emitted:]
+    llm.last_output = llm.engine.output_of(seq)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-              num_pages=args.num_pages, max_model_len=args.max_model_len, **_spec_kwargs(args))
-    load_s = time.perf_counter() - t0
+    preflight_model(args.model, need_tokenizer=True, speculative=args.speculative)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
     )
+    t0 = time.perf_counter()
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+              num_pages=args.num_pages, max_model_len=args.max_model_len, **_spec_kwargs(args))
+    load_s = time.perf_counter() - t0
     print(f"[specmla] model {llm.model_path} loaded in {load_s:.1f} s", file=sys.stderr)
+    n_prompt = len(llm.tokenizer.encode(args.prompt))
+    pool = llm.kv_pool
+    need = -(-min(n_prompt + args.max_tokens, llm.engine.max_model_len) // pool.page_size)  # decoding ends there
+    if need > pool.num_pages:
+        raise ValueError(f"the prompt ({n_prompt} tokens) and --max-tokens {args.max_tokens} need {need} KV pages "
+                         f"of {pool.page_size} tokens; the pool has {pool.num_pages} (raise --num-pages)")
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    for delta in llm.stream(args.prompt, params):
+    for delta in _stream(llm, args.prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    m = llm.last_output.metrics
+    out = llm.last_output
+    if out.finish_reason == "error":
+        print(f"specmla: error: the request failed: {out.text or 'no reason given'}", file=sys.stderr)
+        return 1
+    m = out.metrics
     n = m["generated_tokens"]
     decode_s = (m["tpot_s"] or 0.0) * max(n - 1, 0)
     tps = (n - 1) / decode_s if decode_s > 0 else float("nan")
     print(
         f"[specmla] {n} tokens in {m['e2e_s']:.2f} s | prompt {m['prompt_tokens']} tokens, "
-        f"TTFT {m['ttft_s'] * 1000:.0f} ms | decode {tps:.1f} tokens/s | finish: {llm.last_output.finish_reason}",
+        f"TTFT {m['ttft_s'] * 1000:.0f} ms | decode {tps:.1f} tokens/s | finish: {out.finish_reason}",
         file=sys.stderr,
     )
     if args.speculative:
@@ -70,11 +234,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_prompts(args: argparse.Namespace, vocab_size: int, n: int | None = None) -> list:
+    """The benchmark's prompts; a bad --dataset file is an error that names it."""
+    try:
+        prompts = load_prompts(args.dataset, n or args.num_prompts, args.input_len, vocab_size, args.seed)
+    except (KeyError, TypeError, ValueError) as e:  # a JSON line without "prompt", not UTF-8, no prompts
+        if not args.dataset:
+            raise
+        what = f"a JSON line has no {e.args[0]!r} key" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"--dataset {args.dataset}: {what}") from e
+    if args.dataset and not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"--dataset {args.dataset}: every \"prompt\" must be a string")
+    return prompts
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    preflight_model(args.model, need_tokenizer=bool(args.dataset), speculative=args.speculative)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **_spec_kwargs(args))
-    prompts = load_prompts(args.dataset, args.num_prompts, args.input_len, llm.model.config.vocab_size, args.seed)
+    prompts = _load_prompts(args, llm.model.config.vocab_size)
     result = {"specmla": run_throughput(llm, prompts, args.output_len)}
     print(format_report(result["specmla"]))
     if args.compare_transformers:
@@ -102,10 +281,12 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
                    speculative=mode, num_speculative_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                    tensor_parallel_size=args.tp)
 
+    preflight_model(args.model, need_tokenizer=bool(args.dataset),
+                    speculative="mtp" if {"mtp", "hybrid"} & set(args.modes) else None)
     vocab = make_llm(None, 1, 1).model.config.vocab_size
     results = []
     for B in args.batch:  # B requests at a time (max_num_seqs), over max(B, --num-prompts) prompts
-        prompts = load_prompts(args.dataset, max(B, args.num_prompts or B), args.input_len, vocab, args.seed)
+        prompts = _load_prompts(args, vocab, max(B, args.num_prompts or B))
         rows = run_spec_sweep(lambda mode, k, B=B: make_llm(mode, k, B), prompts, args.output_len, args.modes,
                               args.k, batch=B, rounds=args.rounds)
         print(f"batch {B}:\n{format_spec_rows(rows)}")
@@ -122,77 +303,107 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specmla.server.app import create_app
 
     model = args.model_pos or args.model
+    preflight_model(model, need_tokenizer=True, speculative=args.speculative)
     name = args.served_model_name or (str(model) if model else "specmla-default")
+    failure: list[BaseException] = []
+    loaded = threading.Event()  # the loader thread is done (returned or raised)
 
     def load():
-        return LLM(model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
-                   **_spec_kwargs(args))
+        try:
+            return LLM(model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                       num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                       **_spec_kwargs(args))
+        except BaseException as e:  # a server without a model serves nothing: stop it, exit non-zero
+            failure.append(e)
+            server.should_exit = True
+            raise
+        finally:
+            loaded.set()
 
     app = create_app(load, name, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    try:
+        server.run()
+        code = 0 if server.started else 1
+    except SystemExit as e:  # uvicorn's startup failures (e.g. the port taken since the check)
+        code = e.code if isinstance(e.code, int) else 1
+    if failure:
+        e = failure[0]
+        print(f"specmla: error: loading the model failed: {type(e).__name__}: {e}", file=sys.stderr)
+        code = 1
+    if not loaded.is_set():  # interpreter teardown under a thread still inside torch aborts (SIGABRT)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specmla", description="MLA inference engine")
+    parser = _Parser(prog="specmla", description="MLA inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     _add_model_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--prompt", required=True, type=_nonempty)
+    g.add_argument("--max-tokens", type=_int(1, None, ">= 1"), default=64)
+    g.add_argument("--temperature", type=_float(0.0, 100.0, "a number from 0 to 100"), default=0.0,
+                   help="0 = greedy (default)")
+    g.add_argument("--top-p", type=_float(0.0, 1.0, "a number in (0, 1]", lo_open=True),
+                   default=1.0)
+    g.add_argument("--top-k", type=_int(-1, 2**31 - 1, "-1 (off), 0 (off) or >= 1"), default=-1)
+    g.add_argument("--seed", type=_int(0, INT64_MAX, f"0 to {INT64_MAX}"), default=None)
+    g.add_argument("--stop", action="append", type=_nonempty, default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     sv.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="model directory")
     _add_model_args(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", default=None)
-    sv.add_argument("--served-model-name", default=None)
-    sv.add_argument("--max-num-seqs", type=int, default=64)
-    sv.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    sv.add_argument("--kv-cache-dtype", default="auto",
-                    choices=["auto", "bf16", "fp16", "fp32", "fp8_ds_mla", "fp8", "tbq4"])
-    sv.add_argument("--log-level", default="warning")
+    sv.add_argument("--host", type=_nonempty, default="127.0.0.1")
+    sv.add_argument("--port", type=_int(1, 65535, "1 to 65535"), default=8000)
+    sv.add_argument("--api-key", type=_nonempty, default=None)
+    sv.add_argument("--served-model-name", type=_nonempty, default=None)
+    sv.add_argument("--max-num-seqs", type=_int(1, None, ">= 1"), default=64)
+    sv.add_argument("--max-num-batched-tokens", type=_int(1, None, ">= 1"),
+                    default=2048)
+    sv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    sv.add_argument("--log-level", default="warning",
+                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     sv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     t = bench.add_parser("throughput", help="offline throughput of N prompts: tok/s, TTFT, TPOT")
     _add_model_args(t)
-    t.add_argument("--num-prompts", type=int, default=32)
-    t.add_argument("--input-len", type=int, default=128, help="random prompt length (no --dataset)")
-    t.add_argument("--output-len", type=int, default=128)
-    t.add_argument("--dataset", default=None, help="file: one prompt per line, or JSON lines with 'prompt'")
-    t.add_argument("--max-num-seqs", type=int, default=64)
-    t.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--num-prompts", type=_int(1, None, ">= 1"), default=32)
+    t.add_argument("--input-len", type=_int(1, None, ">= 1"), default=128, help="random prompt length (no --dataset)")
+    t.add_argument("--output-len", type=_int(1, None, ">= 1"), default=128)
+    t.add_argument("--dataset", type=_input_file, default=None,
+                   help="file: one prompt per line, or JSON lines with 'prompt'")
+    t.add_argument("--max-num-seqs", type=_int(1, None, ">= 1"), default=64)
+    t.add_argument("--max-num-batched-tokens", type=_int(1, None, ">= 1"),
+                   default=2048)
+    t.add_argument("--seed", type=_int(0, INT64_MAX, f"0 to {INT64_MAX}"), default=0)
     t.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate")
-    t.add_argument("--hf-batch", type=int, default=None, help="transformers batch size (default: all prompts)")
-    t.add_argument("--json", default=None, help="write the results here")
+    t.add_argument("--hf-batch", type=_int(1, None, ">= 1"), default=None,
+                   help="transformers batch size (default: all prompts)")
+    t.add_argument("--json", type=_output_file, default=None, help="write the results here")
     t.set_defaults(func=cmd_bench_throughput)
 
     sp = bench.add_parser("spec", help="speculative decoding sweep: none / mtp / ngram / hybrid × k × batch")
     _add_model_args(sp)
     sp.add_argument("--modes", nargs="+", default=["none", "mtp", "ngram", "hybrid"],
                     choices=["none", "mtp", "ngram", "hybrid"])
-    sp.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="draft lengths")
-    sp.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    sp.add_argument("--input-len", type=int, default=128)
-    sp.add_argument("--num-prompts", type=int, default=None, help="prompts in all (default: the batch size)")
-    sp.add_argument("--output-len", type=int, default=128)
-    sp.add_argument("--dataset", default=None, help="prompts file (e.g. code-editing prompts)")
-    sp.add_argument("--seed", type=int, default=0)
-    sp.add_argument("--rounds", type=int, default=1,
+    sp.add_argument("--k", type=_int(1, 64, "1 to 64"), nargs="+", default=[1, 2, 3, 4], help="draft lengths")
+    sp.add_argument("--batch", type=_int(1, None, ">= 1"), nargs="+", default=[1, 32])
+    sp.add_argument("--input-len", type=_int(1, None, ">= 1"), default=128)
+    sp.add_argument("--num-prompts", type=_int(1, None, ">= 1"), default=None,
+                    help="prompts in all (default: the batch size)")
+    sp.add_argument("--output-len", type=_int(1, None, ">= 1"), default=128)
+    sp.add_argument("--dataset", type=_input_file, default=None, help="prompts file (e.g. code-editing prompts)")
+    sp.add_argument("--seed", type=_int(0, INT64_MAX, f"0 to {INT64_MAX}"), default=0)
+    sp.add_argument("--rounds", type=_int(1, None, ">= 1"), default=1,
                     help="time every configuration this many times, interleaved, and report medians")
-    sp.add_argument("--json", default=None)
+    sp.add_argument("--json", type=_output_file, default=None)
     sp.set_defaults(func=cmd_bench_spec, speculative=None)
     return parser
 
@@ -212,7 +423,9 @@ def _torchrun_worker(args: argparse.Namespace) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     if launched_by_torchrun() and getattr(args, "num_pages", 0) is None:
         print("specmla: error: under torchrun pass --num-pages, so that every rank's KV pool has the same size",
               file=sys.stderr)
@@ -223,9 +436,12 @@ def main(argv: list[str] | None = None) -> int:
             return code
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, OSError, NotImplementedError, CheckpointError) as e:
         print(f"specmla: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("specmla: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

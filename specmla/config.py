@@ -24,6 +24,10 @@ class UnsupportedModelError(ValueError):
     """The checkpoint is not a model family specmla can run."""
 
 
+class ConfigError(ValueError):
+    """A config.json that cannot be read or parsed, or lacks a required key; the message names the file."""
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN attention-temperature factor (DeepSeek's `yarn_get_mscale`)."""
     if factor <= 1:
@@ -221,5 +225,20 @@ class ModelConfig:
             path = path / "config.json"
         if not path.exists():
             raise FileNotFoundError(f"no config.json at {path}")
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        try:
+            with open(path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
+        try:
+            return cls.from_dict(cfg)
+        except UnsupportedModelError as e:
+            raise UnsupportedModelError(f"{path}: {e}") from e
+        except KeyError as e:
+            raise ConfigError(f"{path} lacks the key {e.args[0]!r}") from e
+        except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type or shape
+            raise ConfigError(f"{path} has an invalid value: {e}") from e

@@ -33,9 +33,15 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
     """tensor name → file holding it."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: path / fname for name, fname in weight_map.items()}
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            return {name: path / fname for name, fname in weight_map.items()}
+        except OSError as e:
+            raise CheckpointError(f"cannot read {index}: {e.strerror or e}") from e
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # bad JSON or no {"weight_map": {...}}
+            raise CheckpointError(f"{index} is not a valid safetensors index (a JSON object with a "
+                                  f"'weight_map' object): {e!r}") from e
     single = path / "model.safetensors"
     if not single.exists():
         raise CheckpointError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
