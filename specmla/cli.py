@@ -298,9 +298,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn  # the web stack loads for `serve` only
-
-    from specmla.server.app import create_app
+    from specmla.server.app import build_server, create_app  # the web stack loads for `serve` only
 
     model = args.model_pos or args.model
     preflight_model(model, need_tokenizer=True, speculative=args.speculative)
@@ -321,11 +319,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             loaded.set()
 
-    app = create_app(load, name, api_key=args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    app = create_app(load, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    server = build_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     try:
         server.run()
-        code = 0 if server.started else 1
+        code = 0 if server.started and not server.load_failed else 1
     except SystemExit as e:  # uvicorn's startup failures (e.g. the port taken since the check)
         code = e.code if isinstance(e.code, int) else 1
     if failure:
@@ -369,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     sv.add_argument("--log-level", default="warning",
                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+    sv.add_argument("--shutdown-timeout", type=_float(0.0, 86400.0, "seconds from 0 to 86400"), default=30.0,
+                    help="after SIGTERM, requests in flight get this long, then end with an error (default 30)")
+    sv.add_argument("--max-body-bytes", type=_int(1, None, ">= 1"), default=16 << 20,
+                    help="larger request bodies get a 413 (default 16 MiB)")
     sv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

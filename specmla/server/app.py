@@ -589,10 +589,19 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> int:
-    """Run `app` under uvicorn until SIGINT / SIGTERM. The first signal drains: no new connections,
-    requests in flight go on for up to `shutdown_timeout` seconds, then end with a 503 error (an SSE
-    error event on a stream) and the server exits. A second signal exits at once. A model that fails
-    to load (its reason is logged) stops the server. Returns the exit status: 1 after a failed load, else 0."""
+    """Run `app` under uvicorn until SIGINT / SIGTERM (see `build_server`). Returns the exit status: 1 after a
+    failed model load, else 0."""
+    server = build_server(app, host, port, log_level, shutdown_timeout)
+    server.run()
+    return 1 if server.load_failed else 0
+
+
+def build_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
+    """A uvicorn server for `app`. The first SIGINT / SIGTERM drains: no new connections, requests in flight go
+    on for up to `shutdown_timeout` seconds, then end with a 503 error (an SSE error event on a stream) and the
+    server exits. A second signal exits at once. A model that fails to load (its reason is logged) stops the
+    server and sets its `load_failed`."""
     import os
     import signal
 
@@ -631,6 +640,4 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: st
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=shutdown_timeout + 2)
     warn_if_exposed(host, getattr(app.state, "api_key", None))
-    server = Server(config)
-    server.run()
-    return 1 if server.load_failed else 0
+    return Server(config)
