@@ -312,14 +312,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
                        **_spec_kwargs(args))
-        except BaseException as e:  # a server without a model serves nothing: stop it, exit non-zero
-            failure.append(e)
-            server.should_exit = True
-            raise
         finally:
             loaded.set()
 
-    app = create_app(load, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    def load_failed(e: BaseException) -> None:  # a server without a model serves nothing: stop it, exit non-zero
+        failure.append(e)
+        server.should_exit = True
+
+    app = create_app(load, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     on_load_error=load_failed)
     server = build_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
     try:
         server.run()

@@ -330,9 +330,15 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
+def _log_load_error(e: Exception) -> None:
+    log.error("the model failed to load: %s: %s", type(e).__name__, e)
+    log.debug("the model failed to load", exc_info=e)
+
+
 def create_app(load_llm, model_name: str, api_key: str | None = None, host: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """`load_llm()` builds the LLM (called in a background thread, so /health can say 503 first).
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_load_error=_log_load_error) -> FastAPI:
+    """`load_llm()` builds the LLM (called in a background thread, so /health can say 503 first); if it raises,
+    `on_load_error(exception)` reports it (default: the log) and the server stops (`build_server`).
     `host`, when given, is the address the server binds: a public one without `api_key` logs a warning.
     A request body over `max_body_bytes` is a 413."""
     warn_if_exposed(host, api_key)
@@ -344,8 +350,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
             llm = load_llm()
             state["engine"] = AsyncEngine(llm.engine, on_finish=metrics.finished)
             state["llm"] = llm
-        except Exception:  # /health reports that it failed; the reason (which may name paths) goes to the log
-            log.exception("the model failed to load")
+        except Exception as e:  # /health reports that it failed; the reason (which may name paths) is reported
+            on_load_error(e)
             state["error"] = "the model failed to load; see the server log"
 
     @contextlib.asynccontextmanager
