@@ -149,6 +149,8 @@ class AsyncEngine:
             )
             if s.is_finished and s.finish_reason == "error":
                 update.error, update.text = s.text, ""
+                if s.error_reason == "step_error":  # the engine failed it in a step: a server error
+                    update.error, update.status = "internal error while generating", 500
             req.sent_text, req.sent_tokens = safe, n_tok
             if s.is_finished and self._on_finish:
                 self._on_finish(s, s.finish_reason)
