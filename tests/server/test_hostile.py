@@ -6,17 +6,9 @@ import json
 import httpx
 import pytest
 
-from test_server import KEY, MODEL, start_server
+from test_server import KEY, MODEL
 
 H = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir):
-    proc, base, _ = start_server(tiny_model_dir, "--num-pages", "256", "--max-num-seqs", "16")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 def assert_openai_error(r, status, fragment=""):

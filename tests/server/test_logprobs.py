@@ -6,18 +6,10 @@ import json
 import httpx
 import pytest
 
-from test_server import KEY, MODEL, client, start_server
+from test_server import KEY, MODEL, client
 
 H = {"Authorization": f"Bearer {KEY}"}
 MSGS = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model_dir):
-    proc, base, _ = start_server(tiny_model_dir, "--num-pages", "256", "--max-num-seqs", "16")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 def stream_chunks(base, route, body):

@@ -175,6 +175,17 @@ def metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
+def wait_until_idle(base: str, timeout: float = 30.0) -> str:
+    """The server's /metrics once no request runs and no KV page is used (or when `timeout` runs out)."""
+    deadline = time.time() + timeout
+    while True:
+        m = httpx.get(base + "/metrics").text
+        idle = metric(m, "specmla:kv_pages_used") == 0 and metric(m, "specmla:num_requests_running") == 0
+        if idle or time.time() > deadline:
+            return m
+        time.sleep(0.1)
+
+
 def test_load_with_disconnects_and_preemption(tiny_model_dir):
     """64 concurrent streaming clients (a quarter hang up mid-stream) on a pool small enough to
     preempt: every other request completes with LLM.generate's greedy output, nothing returns 5xx,
@@ -214,12 +225,7 @@ def test_load_with_disconnects_and_preemption(tiny_model_dir):
         for i, (got, w) in enumerate(zip(results, want)):
             if i not in leave:
                 assert got == w.text, i
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            m = httpx.get(base + "/metrics").text
-            if metric(m, "specmla:kv_pages_used") == 0 and metric(m, "specmla:num_requests_running") == 0:
-                break
-            time.sleep(0.1)
+        m = wait_until_idle(base)
         assert metric(m, "specmla:kv_pages_used") == 0
         assert metric(m, "specmla:num_preemptions") > 0  # the pool was small enough to preempt
         assert metric(m, "specmla:spec_decode_num_drafts_total") > 0

@@ -9,7 +9,7 @@ import statistics
 import time
 
 import httpx
-from test_server import MODEL, metric, start_server
+from test_server import MODEL, metric, start_server, wait_until_idle
 
 CLIENTS, ROUNDS = 64, 3
 
@@ -82,12 +82,7 @@ def test_soak_with_disconnects_on_a_tiny_pool(tiny_model_dir):
         asyncio.run(asyncio.wait_for(main(), 240))
         assert len(outcomes) == CLIENTS * ROUNDS and outcomes.count("done") >= CLIENTS  # most complete
         assert health and max(t for t, _ in health) < 1.0 and all(code == 200 for _, code in health)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            m = httpx.get(base + "/metrics").text
-            if metric(m, "specmla:kv_pages_used") == 0 and metric(m, "specmla:num_requests_running") == 0:
-                break
-            time.sleep(0.1)
+        m = wait_until_idle(base)
         assert metric(m, "specmla:kv_pages_used") == 0 and metric(m, "specmla:num_requests_running") == 0
         p99 = statistics.quantiles(ttft, n=100)[98]
         print(f"soak: {outcomes.count('done')} done, {outcomes.count('left')} left, {outcomes.count('error')} errors;"
