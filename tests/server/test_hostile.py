@@ -231,15 +231,15 @@ def metric_value(base, name, label=""):
 
 
 def test_a_non_streaming_client_that_hangs_up_is_aborted(srv):
-    """The client gives up after 0.5 s on a request that would decode ~480 tokens: the server
-    aborts it (counted as an abort) and frees its pages instead of decoding to the end."""
+    """The client gives up after 0.1 s on a request that would decode ~480 tokens: the server notices within its
+    disconnect poll, aborts it (counted as an abort) and frees its pages instead of decoding to the end."""
     import time
 
     aborts = metric_value(srv, "specmla:requests_total", '{finish_reason="abort"}')
     generated = metric_value(srv, "specmla:generation_tokens_total")
     body = {"model": MODEL, "messages": MSG, "ignore_eos": True}  # default max_tokens: the rest of the context
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv + "/v1/chat/completions", json=body, headers=H, timeout=httpx.Timeout(5, read=0.5))
+        httpx.post(srv + "/v1/chat/completions", json=body, headers=H, timeout=httpx.Timeout(5, read=0.1))
     deadline = time.time() + 10
     while time.time() < deadline:
         if metric_value(srv, "specmla:requests_total", '{finish_reason="abort"}') > aborts:
@@ -248,7 +248,7 @@ def test_a_non_streaming_client_that_hangs_up_is_aborted(srv):
     assert metric_value(srv, "specmla:requests_total", '{finish_reason="abort"}') == aborts + 1
     assert metric_value(srv, "specmla:num_requests_running") == 0
     assert metric_value(srv, "specmla:kv_pages_used") == 0
-    assert metric_value(srv, "specmla:generation_tokens_total") - generated < 400
+    assert metric_value(srv, "specmla:generation_tokens_total") - generated < 450
 
 
 def test_a_victim_stream_completes_unchanged_beside_hostile_requests(srv):
