@@ -153,7 +153,7 @@ def test_bad_widths_are_rejected():
 @pytest.fixture(scope="module")
 def model_dc128(tmp_path_factory):
     """The small test model with kv_lora_rank 128 (quantised formats work in 128-wide blocks)."""
-    from conftest import TINY_TEST_CONFIG
+    from helpers.tiny_config import TINY_TEST_CONFIG
 
     from specmla.model.default import build_random_model_dir
 
