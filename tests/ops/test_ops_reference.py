@@ -705,3 +705,18 @@ def test_chunked_prefill_over_cached_prefix_equals_full_prefill():
     offs = [0, total[0]]
     ref = torch.cat([y_full[o + a : o + t] for o, a, t in zip(offs, first, total)])
     assert _row_rel_err(y, ref) <= 1e-5
+
+
+def test_public_ops_are_the_contract_callables():
+    """`from specmla.ops import mla_decode, mla_prefill, ngram_propose` gives C1–C3's functions, and no package of
+    specmla.ops shadows a public function's name."""
+    import inspect
+
+    import specmla.ops as ops
+    from specmla.ops import mla_decode, mla_prefill, ngram_propose
+
+    for fn, first in ((mla_decode, "q"), (mla_prefill, "q"), (ngram_propose, "tokens")):
+        assert inspect.isfunction(fn) and next(iter(inspect.signature(fn).parameters)) == first
+    for name in ops.__all__:
+        assert not inspect.ismodule(getattr(ops, name)), name
+    assert "backend" in inspect.signature(mla_decode).parameters and "opts" in inspect.signature(mla_decode).parameters
