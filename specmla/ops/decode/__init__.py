@@ -9,41 +9,31 @@ with one split) and merges the splits (stage 2). Kernels: `triton.py` (portable)
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
 from specmla.ops.decode import dispatch
+from specmla.ops.decode.hopper import common as hopper_common
 from specmla.ops.decode.reference import check_args, mla_decode_torch
-from specmla.ops.decode.triton import combine_splits
+from specmla.ops.decode.triton import LOG2E, combine_splits
 from specmla.ops.kv_cache.rotation import combine_rotate, rotate_rows
 
 __all__ = ["mla_decode", "mla_decode_torch"]
 
-LOG2E = 1.4426950408889634
-_MODULES = {"triton": "specmla.ops.decode.triton", "bf16": "specmla.ops.decode.hopper.bf16",
-            "bf16_seesaw": "specmla.ops.decode.hopper.bf16_seesaw", "dequant": "specmla.ops.decode.hopper.dequant",
-            "fp8": "specmla.ops.decode.hopper.fp8", "tbq4": "specmla.ops.decode.hopper.tbq4"}
+def _module_name(kernel: str) -> str:
+    return f"{__name__}.{kernel}" if kernel == "triton" else f"{__name__}.hopper.{kernel}"
 
 
 def kernel_module(name: str):
-    """The module of a decode kernel ("triton", "bf16", "bf16_seesaw", "dequant", "fp8", "tbq4")."""
-    return importlib.import_module(_MODULES[name])
+    """The module of a decode kernel (one of `dispatch.KERNELS`)."""
+    return importlib.import_module(_module_name(name))
 
 
 def _kernel_of(opts) -> str:
-    for name, module in _MODULES.items():
-        if type(opts).__module__ == module:
+    for name in dispatch.KERNELS:
+        if type(opts).__module__ == _module_name(name):
             return name
     raise TypeError(f"opts must be the Options of a decode kernel module, got {type(opts).__name__}")
-
-
-def _hopper_available(q: torch.Tensor) -> bool:
-    """A Hopper GPU outside the interpreter, with Gluon: where the kernels in `hopper/` can run."""
-    if not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    from specmla.ops.decode.hopper import common
-    return common.HAVE_GLUON and torch.cuda.get_device_capability(q.device)[0] == 9
 
 
 def _sm_count(device: torch.device) -> int:
@@ -59,7 +49,7 @@ def route(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, *,
     dc = D - 64 if head_dim_v is None else head_dim_v
     kernel = None if opts is None else _kernel_of(opts)
     topts = opts if kernel == "triton" else None
-    hopper = backend != "triton" and _hopper_available(q)
+    hopper = backend != "triton" and hopper_common.on_hopper(q)
 
     def supports(name: str, block_m: int) -> bool:
         module = kernel_module(name)

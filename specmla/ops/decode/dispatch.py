@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from triton import cdiv, next_power_of_2
+
+from specmla.ops.kv_cache.layout import QUANTIZED
+
 KERNELS = ("triton", "bf16", "bf16_seesaw", "dequant", "fp8", "tbq4")
-HOPPER_KERNELS = KERNELS[1:]
-QUANTIZED = ("fp8", "fp8_ds_mla", "tbq4")
 E4M3_KERNEL = {"fp8": "fp8", "fp8_ds_mla": "fp8", "tbq4": "tbq4"}  # the 16-row Hopper kernel of each format
 E4M3_ROWS = 16
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
@@ -45,14 +47,6 @@ def fold_factor(S: int, block_h: int, max_rows: int = MAX_ROWS) -> int:
         if S % f == 0 and f * block_h <= max_rows:
             return f
     return 1
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def row_tile(S: int, H: int, max_rows: int = MAX_ROWS) -> int:

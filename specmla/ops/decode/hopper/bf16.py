@@ -18,7 +18,6 @@ reference, and a CPU test compiles it for sm_90 (`scripts/offline_sm90.py`).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -178,10 +177,7 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, block_m: 
     """Whether this kernel can take the call: Hopper outside the interpreter, a 16-bit cache of q's dtype, Dc
     (`head_dim_v`, default D - 64) a multiple of 64 up to 512, Dr a multiple of 16 up to 64, row tiles of at most
     64 rows, rows contiguous in their last dimension."""
-    if (not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-            or kv_format not in FORMATS):
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if kv_format not in FORMATS or not G.on_hopper(q):
         return False
     D = q.shape[-1]
     dc = D - 64 if head_dim_v is None else head_dim_v

@@ -8,6 +8,7 @@ rule and its partial layout, so one combine kernel merges any of them.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -110,6 +111,12 @@ if HAVE_GLUON:
             gl.store(gl.expand_dims(mo_rows, 1) + gl.expand_dims(cols_o, 0), out, mask=mask)
             if STORE_LSE:
                 gl.store(MID_LSE + b * stride_mlb + s_idx * stride_mls + h_s * stride_mlh + split, lse2, mask=ok_s)
+
+
+def on_hopper(t: torch.Tensor) -> bool:
+    """Whether `t` lives where the Gluon kernels run: a Hopper GPU (sm_90), outside Triton's interpreter."""
+    return (HAVE_GLUON and t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(t.device)[0] == 9)
 
 
 def source_key(path: str) -> int:

@@ -7,7 +7,6 @@ shares the Triton kernel's grid, split rule and partial layout (the Triton combi
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -69,9 +68,7 @@ def hopper_rows_supported(q: torch.Tensor, kv_cache: torch.Tensor, row_bytes: in
     aligned (the kernels read 16- or 8-byte vectors or TMA boxes)."""
     if head_dim_v not in (None, DC):
         return False
-    if not G.HAVE_GLUON or not q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not G.on_hopper(q):
         return False
     return (q.dtype == torch.bfloat16 and q.shape[-1] == DC + DR and kv_cache.dtype == torch.uint8
             and kv_cache.is_contiguous() and kv_cache.shape[-1] == row_bytes and kv_cache.data_ptr() % 16 == 0)
