@@ -3,7 +3,7 @@ ops live in packages (`decode`, `prefill`, `kv_cache`), the others in one file e
 
 from specmla.ops.decode import mla_decode
 from specmla.ops.kv_cache import decode_rows, gather_kv_cache, row_spec, write_kv_cache
-from specmla.ops.moe import RouteSpec, moe_experts_torch, moe_experts_triton, moe_route, moe_route_torch
+from specmla.ops.moe import RouteSpec, fused_moe, fused_moe_torch, moe_route, moe_route_torch
 from specmla.ops.ngram import ngram_propose
 from specmla.ops.norm import rms_norm, rms_norm_pair
 from specmla.ops.prefill import mla_prefill
@@ -13,7 +13,7 @@ from specmla.ops.spec_accept import accept_and_place, greedy_verify
 
 __all__ = [
     "RouteSpec", "SamplingTensors", "accept_and_place", "apply_rope", "apply_rope_", "apply_top_k_top_p",
-    "decode_rows", "gather_kv_cache", "greedy_verify", "mla_decode", "mla_prefill", "moe_experts_torch",
-    "moe_experts_triton", "moe_route", "moe_route_torch", "ngram_propose", "rms_norm", "rms_norm_pair", "row_spec",
+    "decode_rows", "gather_kv_cache", "greedy_verify", "mla_decode", "mla_prefill", "fused_moe",
+    "fused_moe_torch", "moe_route", "moe_route_torch", "ngram_propose", "rms_norm", "rms_norm_pair", "row_spec",
     "sample", "write_kv_cache",
 ]

@@ -1,0 +1,40 @@
+"""Mixture of experts (contract C6): the router and the fused expert compute, each beside its torch reference.
+
+    from specmla.ops import fused_moe, moe_route
+    weights, ids = moe_route(x, router_weight, bias, RouteSpec.from_config(cfg))
+    y = fused_moe(x, w_gate_up, w_down, weights, ids, shared=(w_gate_up_shared, w_down_shared))
+
+- `route.py`: `moe_route` (one Triton kernel) and `moe_route_torch`;
+- `reference.py`: `fused_moe_torch`, the same signature as `fused_moe`;
+- `triton.py`: the align kernel, the two grouped GEMMs and the top-k sum;
+- `tuning.py` + `configs/`: tile configurations per device and shape (benchmarks/tune_moe.py makes them).
+"""
+
+from __future__ import annotations
+
+from specmla.ops.backend import pick_backend
+from specmla.ops.moe.reference import check_moe_args, fused_moe_torch
+from specmla.ops.moe.route import RouteSpec, moe_route, moe_route_torch, moe_route_triton
+from specmla.ops.moe.triton import fused_moe_triton
+
+__all__ = ["RouteSpec", "fused_moe", "fused_moe_torch", "moe_route", "moe_route_torch", "moe_route_triton"]
+
+
+def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
+              w_down_scale=None, out=None, backend="auto"):
+    """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]
+    (an id outside [0, E) adds nothing), plus shared = (w_gate_up_shared [2·Is, H], w_down_shared [H, Is])
+    with weight 1.
+
+    x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_weights fp32 [T, k];
+    topk_ids int32/int64 [T, k]. Any T ≥ 0, no host synchronisation, CUDA-graph capturable.
+    backend: "auto" (Triton on CUDA without gradients, else the torch reference), "triton", "torch".
+    """
+    check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out)
+    args = dict(shared=shared, out=out)
+    if pick_backend(backend, x, w_gate_up, w_down, *(shared or ())) == "torch":
+        return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
+                               w_down_scale=w_down_scale, **args)
+    if w_gate_up_scale is not None or w_down_scale is not None:
+        raise ValueError("fused_moe: float8 block-scaled experts run on the torch backend only")
+    return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, **args)

@@ -1,0 +1,75 @@
+"""Torch reference of the fused MoE (contract C6): the same signature as `fused_moe`, fp32 inside."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def dequant_blocks(w: torch.Tensor, scale: torch.Tensor | None, block: int = 128) -> torch.Tensor:
+    """float8 weight [..., R, C] with fp32 scales [..., ⌈R/block⌉, ⌈C/block⌉] → fp32 (weight · scale per
+    block, DeepSeek's weight_scale_inv); other weights → fp32 as they are."""
+    if scale is None:
+        return w.float()
+    R, C = w.shape[-2:]
+    s = scale.float().repeat_interleave(block, dim=-2)[..., :R, :].repeat_interleave(block, dim=-1)[..., :C]
+    return w.float() * s
+
+
+def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out):
+    """Shapes and dtypes of a `fused_moe` call; raises ValueError naming the offending argument."""
+    if x.dim() != 2:
+        raise ValueError(f"fused_moe: x must be [T, H], got {tuple(x.shape)}")
+    T, H = x.shape
+    if w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError("fused_moe: w_gate_up must be [E, 2I, H] and w_down [E, H, I]")
+    E, two_i, hw = w_gate_up.shape
+    I = w_down.shape[2]
+    if hw != H or two_i != 2 * I or tuple(w_down.shape[:2]) != (E, H):
+        raise ValueError(f"fused_moe: w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} do not fit "
+                         f"x [T, {H}] as [E, 2I, H] and [E, H, I]")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids {tuple(topk_ids.shape)} "
+                         f"must both be [T={T}, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.shape[1] < 1:
+        raise ValueError("fused_moe: topk_ids must be int32 or int64 with k ≥ 1")
+    if shared is not None:
+        sgu, sd = shared
+        if sgu.dim() != 2 or sd.dim() != 2 or sgu.shape[1] != H or sgu.shape[0] % 2 or sgu.shape[0] < 2 \
+                or tuple(sd.shape) != (H, sgu.shape[0] // 2):
+            raise ValueError(f"fused_moe: shared must be (w_gate_up [2·Is, {H}], w_down [{H}, Is]), got "
+                             f"{tuple(sgu.shape)} and {tuple(sd.shape)}")
+    fp8 = w_gate_up.dtype == torch.float8_e4m3fn
+    if fp8 != (w_gate_up_scale is not None) or (w_down.dtype == torch.float8_e4m3fn) != (w_down_scale is not None):
+        raise ValueError("fused_moe: float8_e4m3fn experts need w_gate_up_scale / w_down_scale, other dtypes none")
+    if out is not None and (tuple(out.shape) != (T, H) or out.dtype != x.dtype or out.device != x.device):
+        raise ValueError(f"fused_moe: out must be [{T}, {H}] {x.dtype} on {x.device}")
+
+
+def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
+                    w_down_scale=None, out=None):
+    """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]; an id
+    outside [0, E) adds nothing; plus the shared experts (w_gate_up_shared [2·Is, H], w_down_shared [H, Is])
+    with weight 1. fp32 inside, x's dtype out; one pass per expert that has tokens (never a host sync
+    beyond torch's own indexing)."""
+    check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out)
+    T, H = x.shape
+    E, I = w_down.shape[0], w_down.shape[2]
+    xf = x.float()
+    acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < E)
+    for e in ids[valid].unique().tolist():
+        tok, slot = ((ids == e) & valid).nonzero(as_tuple=True)
+        gu = xf[tok] @ dequant_blocks(w_gate_up[e], None if w_gate_up_scale is None else w_gate_up_scale[e]).T
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        y = h @ dequant_blocks(w_down[e], None if w_down_scale is None else w_down_scale[e]).T
+        acc.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
+    if shared is not None:
+        sgu, sd = (w.float() for w in shared)
+        Is = sd.shape[1]
+        gu = xf @ sgu.T
+        acc += (F.silu(gu[:, :Is]) * gu[:, Is:]) @ sd.T
+    if out is None:
+        return acc.to(x.dtype)
+    return out.copy_(acc)

@@ -1,0 +1,347 @@
+"""Fused MoE in Triton: (token, slot) pairs aligned by expert, two grouped GEMMs, one sum.
+
+A token's slots are its top-k routed experts followed by the shared experts, cut into pseudo-experts
+of the routed width I (expert ids E, E+1, ...; the activation is per intermediate unit, so the cut is
+exact; the last one may be narrower). Pair p = t·S + j (S = k + shared slots).
+
+1. `align_pairs` (one program; skipped at T = 1, where a token's experts are distinct): counts the
+   pairs per expert, pads each expert's run to BLOCK_M rows, and writes the pair ids in expert order
+   plus each block's expert (-1 past the real blocks). Sizes come from the static bound
+   Σ_e ⌈n_e / BLOCK_M⌉ ≤ (P + min(P, E_slots)·(BLOCK_M − 1)) / BLOCK_M, so no host sync and the
+   launch is CUDA-graph capturable; programs of the unused blocks exit at once.
+2. `_gate_up_kernel`: per (block, BLOCK_N intermediate units) silu(x·Wg)·(x·Wu) with both
+   accumulators in one program, stored per pair.
+3. `_down_kernel`: per (block, BLOCK_N output columns) the down projection times the pair's routing
+   weight, stored per pair.
+4. `_sum_kernel`: out[t] = Σ_j of the token's valid pairs (ids outside [0, E) add nothing).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specmla.ops.moe.tuning import Config, lookup
+
+
+@triton.jit
+def _expert_of(IDS, p, P, stride_ids, E: tl.constexpr, TOP_K: tl.constexpr, S: tl.constexpr, DROP: tl.constexpr):
+    """Expert slot of pair p (routed id, E + c for shared pseudo-expert c), DROP for invalid pairs."""
+    t = p // S
+    j = p % S
+    routed = j < TOP_K
+    e = tl.load(IDS + t * stride_ids + j, mask=(p < P) & routed, other=-1).to(tl.int32)
+    e = tl.where(routed, e, E + j - TOP_K)
+    ok = (p < P) & (e >= 0) & ((e < E) | (~routed))
+    return tl.where(ok, e, DROP)
+
+
+@triton.jit
+def _align_kernel(
+    IDS, SORTED, BLOCK_EXPERT, P, stride_ids, max_blocks,
+    E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr, CH: tl.constexpr, BB: tl.constexpr,
+):
+    S: tl.constexpr = TOP_K + N_SHARED
+    DROP: tl.constexpr = E_PAD - 1  # bin of dropped pairs (E_PAD > E + N_SHARED)
+    offs_e = tl.arange(0, E_PAD)
+    offs_c = tl.arange(0, CH)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for p0 in range(0, P, CH):
+        ex = _expert_of(IDS, p0 + offs_c, P, stride_ids, E, TOP_K, S, DROP)
+        counts += tl.histogram(ex, E_PAD)
+    counts = tl.where(offs_e == DROP, 0, counts)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    blk_end = tl.cumsum(nblk, 0)  # inclusive
+    blk_start = blk_end - nblk
+    total = tl.sum(nblk, 0)
+    # block → expert: the number of experts whose run ends at or before the block
+    for b0 in range(0, max_blocks, BB):
+        b = b0 + tl.arange(0, BB)
+        e_of_b = tl.sum((blk_end[None, :] <= b[:, None]).to(tl.int32), 1)
+        tl.store(BLOCK_EXPERT + b, tl.where(b < total, e_of_b, -1), mask=b < max_blocks)
+    # padding rows of each expert's last block point past the pairs (P: masked in the GEMMs)
+    offs_r = tl.arange(0, BLOCK_M)
+    pad_row = (blk_end * BLOCK_M - BLOCK_M)[:, None] + offs_r[None, :]
+    is_pad = (nblk[:, None] > 0) & (pad_row >= (blk_start * BLOCK_M + counts)[:, None])
+    tl.store(SORTED + pad_row, tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32) + P, mask=is_pad)
+    # pairs in order, each after the earlier pairs of its expert
+    cursor = blk_start * BLOCK_M
+    earlier = offs_c[None, :] < offs_c[:, None]
+    for p0 in range(0, P, CH):
+        p = p0 + offs_c
+        ex = _expert_of(IDS, p, P, stride_ids, E, TOP_K, S, DROP)
+        rank = tl.sum(((ex[:, None] == ex[None, :]) & earlier).to(tl.int32), 1)
+        dest = tl.gather(cursor, ex, 0) + rank
+        tl.store(SORTED + dest, p, mask=ex != DROP)
+        cursor += tl.histogram(ex, E_PAD)
+
+
+def max_blocks(pairs: int, expert_slots: int, block_m: int) -> int:
+    """Upper bound of Σ_e ⌈n_e / block_m⌉ over experts with n_e pairs, Σ n_e ≤ pairs."""
+    return (pairs + min(pairs, expert_slots) * (block_m - 1)) // block_m
+
+
+def align_pairs(topk_ids: torch.Tensor, n_experts: int, n_shared: int, block_m: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] → (sorted_pairs int32 [max_blocks·block_m], block_expert int32 [max_blocks]):
+    block b covers rows b·block_m.. of sorted_pairs, pairs of expert slot block_expert[b] in pair
+    order, padded with P = T·(k + n_shared); block_expert is -1 past the real blocks. Rows past the
+    real blocks are left unwritten."""
+    T, k = topk_ids.shape
+    P = T * (k + n_shared)
+    nb = max_blocks(P, n_experts + n_shared, block_m)
+    sorted_pairs = torch.empty(max(nb, 1) * block_m, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(max(nb, 1), dtype=torch.int32, device=topk_ids.device)
+    if P == 0:
+        block_expert.fill_(-1)
+        return sorted_pairs, block_expert
+    _align_kernel[(1,)](
+        topk_ids, sorted_pairs, block_expert, P, topk_ids.stride(0), nb,
+        E=n_experts, TOP_K=k, N_SHARED=n_shared, BLOCK_M=block_m,
+        E_PAD=triton.next_power_of_2(n_experts + n_shared + 1), CH=64, BB=64, num_warps=4,
+    )
+    return sorted_pairs, block_expert
+
+
+def align_pairs_torch(topk_ids: torch.Tensor, n_experts: int, n_shared: int, block_m: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of `align_pairs` (rows past the real blocks are P here)."""
+    T, k = topk_ids.shape
+    S = k + n_shared
+    P = T * S
+    nb = max_blocks(P, n_experts + n_shared, block_m)
+    ids = torch.cat([topk_ids.long(), n_experts + torch.arange(n_shared).expand(T, n_shared)], 1).reshape(-1)
+    valid = ids >= 0
+    valid[: T * S].view(T, S)[:, :k] &= topk_ids < n_experts
+    rows, experts = [], []
+    for e in range(n_experts + n_shared):
+        pairs = ((ids == e) & valid).nonzero().flatten().tolist()
+        n = -(-len(pairs) // block_m)
+        rows += pairs + [P] * (n * block_m - len(pairs))
+        experts += [e] * n
+    sorted_pairs = torch.full((max(nb, 1) * block_m,), P, dtype=torch.int32)
+    sorted_pairs[: len(rows)] = torch.tensor(rows, dtype=torch.int32)
+    block_expert = torch.full((max(nb, 1),), -1, dtype=torch.int32)
+    block_expert[: len(experts)] = torch.tensor(experts, dtype=torch.int32)
+    return sorted_pairs, block_expert
+
+
+@triton.jit
+def _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids,
+                E: tl.constexpr, TOP_K: tl.constexpr, S: tl.constexpr, BLOCK_M: tl.constexpr,
+                PAIR_BLOCKS: tl.constexpr):
+    """(expert slot or -1, pair ids [BLOCK_M], row mask) of block pid_m."""
+    offs_m = tl.arange(0, BLOCK_M)
+    if PAIR_BLOCKS:  # block b is pair b alone
+        e = _expert_of(IDS, pid_m, P, stride_ids, E, TOP_K, S, -1)
+        rows = pid_m + offs_m * 0
+        row_ok = offs_m == 0
+    else:
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        rows = tl.load(SORTED + pid_m * BLOCK_M + offs_m)
+        row_ok = rows < P
+    return e, rows, row_ok
+
+
+@triton.jit
+def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped order: GROUP_M consecutive row blocks sweep the column tiles together (L2 reuse)."""
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gate_up_kernel(
+    X, IDS, SORTED, BLOCK_EXPERT, WGU, WS, HB,
+    P, H, I, Is, num_m, stride_ids, stride_x, stride_we, stride_wr, stride_sr, stride_hb,
+    E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    S: tl.constexpr = TOP_K + N_SHARED
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    e, rows, row_ok = _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids, E, TOP_K, S, BLOCK_M,
+                                  PAIR_BLOCKS)
+    if e < 0:
+        return
+    if e < E:
+        g_base = WGU + e.to(tl.int64) * stride_we
+        u_base = g_base + I * stride_wr
+        rs = stride_wr
+        n_lim = I
+    else:  # shared pseudo-expert c: gate rows c·I.., up rows Is + c·I.. of the shared gate‖up
+        c = e - E
+        g_base = WS + c * I * stride_sr
+        u_base = WS + (Is + c * I) * stride_sr
+        rs = stride_sr
+        n_lim = tl.minimum(I, Is - c * I)
+    if pid_n * BLOCK_N >= n_lim:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_lim
+    offs_k = tl.arange(0, BLOCK_K)
+    tok = rows // S
+    a_ptrs = X + tok[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+    g_ptrs = g_base + offs_n[None, :] * rs + offs_k[:, None]
+    u_ptrs = u_base + offs_n[None, :] * rs + offs_k[:, None]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            wg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k + k0 < H
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc_g = tl.dot(a, wg, acc_g)
+        acc_u = tl.dot(a, wu, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out = HB + rows[:, None].to(tl.int64) * stride_hb + offs_n[None, :]
+    tl.store(out, h.to(HB.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    HB, IDS, WTS, SORTED, BLOCK_EXPERT, WD, WSD, OUT,
+    P, H, I, Is, num_m, stride_ids, stride_wts, stride_hb, stride_de, stride_dr, stride_sdr, stride_o,
+    E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    S: tl.constexpr = TOP_K + N_SHARED
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    e, rows, row_ok = _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids, E, TOP_K, S, BLOCK_M,
+                                  PAIR_BLOCKS)
+    if e < 0:
+        return
+    if e < E:
+        b_base = WD + e.to(tl.int64) * stride_de
+        rs = stride_dr
+        k_lim = I
+    else:  # shared pseudo-expert c: columns c·I.. of the shared down projection
+        c = e - E
+        b_base = WSD + c * I
+        rs = stride_sdr
+        k_lim = tl.minimum(I, Is - c * I)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = HB + rows[:, None].to(tl.int64) * stride_hb + offs_k[None, :]
+    b_ptrs = b_base + offs_n[None, :] * rs + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_lim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k + k0 < k_lim
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    j = rows % S
+    w = tl.load(WTS + (rows // S) * stride_wts + j, mask=row_ok & (j < TOP_K), other=1.0)
+    acc = acc * w[:, None]
+    out = OUT + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(Y, IDS, OUT, T, H, stride_ids, stride_y, stride_o,
+                E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_H: tl.constexpr):
+    S: tl.constexpr = TOP_K + N_SHARED
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = offs_t < T
+    m = t_ok[:, None] & (offs_h < H)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(S):
+        if j < TOP_K:
+            e = tl.load(IDS + offs_t * stride_ids + j, mask=t_ok, other=-1)
+            ok = (e >= 0) & (e < E)
+        else:
+            ok = t_ok
+        y = tl.load(Y + (offs_t * S + j)[:, None].to(tl.int64) * stride_y + offs_h[None, :],
+                    mask=m & ok[:, None], other=0.0)
+        acc += y.to(tl.float32)
+    tl.store(OUT + offs_t[:, None].to(tl.int64) * stride_o + offs_h[None, :], acc.to(OUT.dtype.element_ty), mask=m)
+
+
+def shared_slots(shared, inter: int) -> int:
+    """Pseudo-experts of width `inter` the shared experts make (0 without shared experts)."""
+    return 0 if shared is None else triton.cdiv(shared[1].shape[1], inter)
+
+
+def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, out=None,
+                     up_config: Config | None = None, down_config: Config | None = None):
+    """`fused_moe` on bf16 / fp16 / fp32 experts (tile configurations from `tuning.lookup` unless given)."""
+    T, H = x.shape
+    E, _, _ = w_gate_up.shape
+    I = w_down.shape[2]
+    for w in (x, w_gate_up, w_down, *(shared or ())):
+        if w.stride(-1) != 1:
+            raise ValueError("fused_moe: x and the expert weights must be contiguous in their last dimension")
+    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype or any(w.dtype != x.dtype for w in shared or ()):
+        raise ValueError(f"fused_moe: expert weights must have x's dtype {x.dtype}")
+    k = topk_ids.shape[1]
+    ns = shared_slots(shared, I)
+    S = k + ns
+    P = T * S
+    out = torch.empty_like(x) if out is None else out
+    if T == 0:
+        return out
+    sgu, sd = shared if shared is not None else (w_gate_up, w_down)
+    Is = sd.shape[1] if shared is not None else 0
+    ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
+    wts = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
+    up_cfg = up_config or lookup("up", E, I, H, T, x.device, k)
+    down_cfg = down_config or lookup("down", E, H, I, T, x.device, k)
+    pair_blocks = T == 1  # a token's experts are distinct: every pair its own block, no align launch
+    if pair_blocks:
+        sorted_pairs = block_expert = ids
+        m_up = m_down = P
+    else:
+        if up_cfg.block_m != down_cfg.block_m:
+            raise ValueError("fused_moe: the up and down configurations must share block_m")
+        sorted_pairs, block_expert = align_pairs(ids, E, ns, up_cfg.block_m)
+        m_up = m_down = block_expert.shape[0]
+    hb = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    common = dict(E=E, TOP_K=k, N_SHARED=ns, PAIR_BLOCKS=pair_blocks)
+    c = up_cfg
+    _gate_up_kernel[(m_up * triton.cdiv(I, c.block_n),)](
+        x, ids, sorted_pairs, block_expert, w_gate_up, sgu, hb,
+        P, H, I, Is, m_up, ids.stride(0), x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0),
+        hb.stride(0), **common, BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=H % c.block_k == 0, num_warps=c.num_warps,
+        num_stages=c.num_stages,
+    )
+    c = down_cfg
+    _down_kernel[(m_down * triton.cdiv(H, c.block_n),)](
+        hb, ids, wts, sorted_pairs, block_expert, w_down, sd, y,
+        P, H, I, Is, m_down, ids.stride(0), wts.stride(0), hb.stride(0), w_down.stride(0), w_down.stride(1),
+        sd.stride(0), y.stride(0), **common, BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=I % c.block_k == 0 and (shared is None or Is % I == 0),
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )
+    block_t, block_h = (1, 1024) if T <= 16 else (4, 256)
+    _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
+        y, ids, out, T, H, ids.stride(0), y.stride(0), out.stride(0),
+        E=E, TOP_K=k, N_SHARED=ns, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )
+    return out

@@ -1,0 +1,71 @@
+"""Tile configurations of the fused-MoE GEMMs, shipped as data per device.
+
+`configs/<device>.json` (written by benchmarks/tune_moe.py) maps "up|down,E,N,K" to a list of
+[max_tokens, config] rows in increasing max_tokens; a call takes the first row whose max_tokens
+covers its token count. Shapes or devices without a file fall back to `default_config`, which
+follows the same buckets: narrow row blocks and deep pipelines while the GEMMs stream weights,
+128-row blocks once they are compute-bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).with_name("configs")
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_config(kind: str, tokens_per_expert: float) -> Config:
+    """A configuration by the mean rows per expert (kind: "up" or "down")."""
+    if tokens_per_expert <= 8:
+        return Config(16, 64, 128, 1, 4, 4) if kind == "up" else Config(16, 64, 128, 1, 4, 4)
+    if tokens_per_expert <= 48:
+        return Config(32, 64, 128, 4, 4, 4)
+    if tokens_per_expert <= 96:
+        return Config(64, 64, 64, 8, 4, 4) if kind == "up" else Config(64, 128, 64, 8, 4, 4)
+    return Config(128, 64, 64, 8, 8, 4) if kind == "up" else Config(128, 128, 64, 8, 8, 4)
+
+
+def device_key(device: torch.device) -> str:
+    """File stem of a device's configurations, e.g. "NVIDIA_H100_80GB_HBM3"."""
+    return torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_")
+
+
+@functools.lru_cache(maxsize=None)
+def _table(stem: str) -> dict:
+    path = CONFIG_DIR / f"{stem}.json"
+    if not path.exists():
+        return {}
+    return {key: [(int(m), Config(**cfg)) for m, cfg in rows] for key, rows in json.loads(path.read_text()).items()}
+
+
+def shape_key(kind: str, E: int, N: int, K: int) -> str:
+    return f"{kind},{E},{N},{K}"
+
+
+def lookup(kind: str, E: int, N: int, K: int, tokens: int, device: torch.device, top_k: int = 8) -> Config:
+    """The configuration for `kind` GEMMs of E experts, N output columns and K reduction, at `tokens`."""
+    rows = _table(device_key(device)).get(shape_key(kind, E, N, K)) if device.type == "cuda" else None
+    if rows:
+        for max_tokens, cfg in rows:
+            if tokens <= max_tokens:
+                return cfg
+        return rows[-1][1]
+    return default_config(kind, tokens * top_k / E)
