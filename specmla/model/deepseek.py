@@ -24,7 +24,7 @@ from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.decode import mla_decode
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
-from specmla.ops.moe import RouteSpec, moe_experts_triton, moe_route, moe_route_torch
+from specmla.ops.moe import RouteSpec, fused_moe, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
 from specmla.ops.prefill import mla_prefill
 from specmla.ops.rope import apply_rope, apply_rope_
@@ -77,20 +77,14 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts stored stacked ([E, 2I, H] gate‖up, transformers' fused layout, and [E, H, I]
-    down; the checkpoint's per-expert tensors are views into them) plus shared experts.
+    """Routed experts stacked ([E, 2I, H] gate‖up, transformers' fused layout, and [E, H, I] down) and the
+    shared experts fused the same way ([2·Is, H] gate‖up, [H, Is] down); the checkpoint's per-expert and
+    shared-expert tensors are views into them. One path for every batch: `ops.moe_route`, then
+    `ops.fused_moe` (Triton on CUDA, its torch reference on CPU or with gradients).
 
-    Dispatch paths, all the same math:
-    - grouped (eager): tokens sorted by expert, one GEMM pair per expert that has tokens; needs the
-      per-expert counts on the host, so it syncs;
-    - gather (sync-free, few tokens): each (token, expert) pair multiplies by its gathered expert
-      weights — reads only the chosen experts, for T·k ≤ E;
-    - dense (sync-free, many tokens): every expert on every token, weighted by the (mostly zero)
-      routing matrix — reads every expert once, which a large batch does anyway.
-    The sync-free paths are used while a CUDA graph is being captured, when `sync_free` is set, and on
-    CUDA for eager batches whose dense intermediate is small (`_dense_is_cheap`).
-    On CUDA, small batches (T·k ≤ 2E) take none of these: `ops.moe.moe_experts_triton` computes
-    routed and shared experts in two kernels (the router is one more, `ops.moe.moe_route`).
+    Expert parallelism (`model.sharding`) keeps only this rank's experts [e0, e1) and its column slice of
+    the shared experts; ids are shifted by e0, so other ranks' experts fall outside [0, E_local) and add
+    nothing, and one all-reduce sums the ranks' partial outputs.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -100,107 +94,34 @@ class MoE(nn.Module):
         self.inter = I
         self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w_down = nn.Parameter(torch.empty(E, H, I))
-        self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
-        )
-        self.sync_free = False
+        Is = I * (cfg.n_shared_experts or 0)
+        self.shared_gate_up = nn.Parameter(torch.empty(2 * Is, H)) if Is else None
+        self.shared_down = nn.Parameter(torch.empty(H, Is)) if Is else None
+
+    tp_reduce = False
+    local_experts: tuple[int, int] | None = None  # expert parallelism: the global ids [e0, e1) held here
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Per-expert checkpoint names (relative to this module) → views of the stacked tensors."""
+        """Checkpoint names (relative to this module) → views of the stacked tensors."""
         out, I = {}, self.inter
         for e in range(self.w_down.shape[0]):
             out[f"experts.{e}.gate_proj.weight"] = self.w_gate_up[e, :I]
             out[f"experts.{e}.up_proj.weight"] = self.w_gate_up[e, I:]
             out[f"experts.{e}.down_proj.weight"] = self.w_down[e]
+        if self.shared_down is not None:
+            Is = self.shared_down.shape[1]
+            out["shared_experts.gate_proj.weight"] = self.shared_gate_up[:Is]
+            out["shared_experts.up_proj.weight"] = self.shared_gate_up[Is:]
+            out["shared_experts.down_proj.weight"] = self.shared_down
         return out
-
-    def _act(self, gu: torch.Tensor) -> torch.Tensor:
-        g, u = gu.split(self.inter, dim=-1)
-        return F.silu(g) * u
-
-    tp_reduce = False
-    local_experts: tuple[int, int] | None = None  # expert-parallel: the experts this rank computes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x)
-        if self._fusable(x, idx):  # small batches on CUDA: 2 kernels, shared experts included, no sync
-            return moe_experts_triton(x, idx, weights, self.w_gate_up, self.w_down, self._shared_weights())
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        weights = weights.to(x.dtype)
-        if self.local_experts is not None:  # other ranks add the other experts' shares
-            e0, e1 = self.local_experts
-            weights = weights * ((idx >= e0) & (idx < e1)).to(weights.dtype)
-        if not (capturing or self.sync_free or self._dense_is_cheap(x)):
-            out = self._grouped(x, weights, idx)
-        elif idx.numel() <= self.w_down.shape[0]:
-            out = self._gather(x, weights, idx)
-        else:
-            out = self._dense(x, weights, idx)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if self.local_experts is not None:
+            idx = idx - self.local_experts[0]
+        shared = None if self.shared_down is None else (self.shared_gate_up, self.shared_down)
+        out = fused_moe(x, self.w_gate_up, self.w_down, weights, idx, shared=shared)
         return all_reduce_(out) if self.tp_reduce else out
-
-    def _fusable(self, x, idx) -> bool:
-        """The Triton small-batch path: CUDA, no tensor/expert parallelism, and few enough
-        (token, expert) pairs that reading each chosen expert per token costs at most about what the
-        dense path's one read of every expert does."""
-        shared = self.shared_experts
-        return (self._whole_on_cuda(x) and (shared is None or not shared.tp_reduce)
-                and idx.numel() <= 2 * self.w_down.shape[0])
-
-    def _whole_on_cuda(self, x) -> bool:
-        """On CUDA, with every expert's share computed here (no tensor or expert parallelism)."""
-        return x.is_cuda and self.local_experts is None and not self.tp_reduce
-
-    dense_max_elements = 1 << 24  # [E, T, 2I] intermediate of the eager dense path on CUDA (32 MB in bf16)
-
-    def _dense_is_cheap(self, x) -> bool:
-        """Eager batches on CUDA too large for the fused kernels but small enough that computing every
-        expert on every token costs less than the grouped path's host work: a sync for the per-expert
-        counts, then about seven launches per expert, which outweighs a short prefill's whole GPU time.
-        The size limit sends big models to the grouped path beyond a few tokens (DeepSeek-V3: beyond
-        T = 16); CPU runs always group, since the extra expert FLOPs are not free there."""
-        E, two_i = self.w_gate_up.shape[:2]
-        return self._whole_on_cuda(x) and E * x.shape[0] * two_i <= self.dense_max_elements
-
-    def _shared_weights(self):
-        s = self.shared_experts
-        return None if s is None else (s.gate_proj.weight, s.up_proj.weight, s.down_proj.weight)
-
-    def _grouped(self, x, weights, idx):
-        out = torch.zeros_like(x)
-        flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.w_down.shape[0]).tolist()
-        token_of = order // idx.shape[1]
-        w_sorted = weights.reshape(-1)[order]
-        start = 0
-        e0, e1 = self.local_experts or (0, len(counts))
-        for e, n in enumerate(counts):
-            if n == 0 or not e0 <= e < e1:
-                start += n
-                continue
-            tok = token_of[start : start + n]
-            h = self._act(x[tok] @ self.w_gate_up[e].T)
-            out.index_add_(0, tok, (h @ self.w_down[e].T) * w_sorted[start : start + n, None])
-            start += n
-        return out
-
-    def _gather(self, x, weights, idx):
-        T, k = idx.shape
-        flat = idx.reshape(-1)
-        xr = x.repeat_interleave(k, dim=0)[:, :, None]  # [T·k, H, 1]
-        h = self._act(torch.bmm(self.w_gate_up[flat], xr)[..., 0])  # [T·k, I]
-        y = torch.bmm(self.w_down[flat], h[:, :, None])[..., 0] * weights.reshape(-1, 1)  # [T·k, H]
-        return y.view(T, k, -1).sum(dim=1)
-
-    def _dense(self, x, weights, idx):
-        E = self.w_down.shape[0]
-        route = torch.zeros(x.shape[0], E, dtype=x.dtype, device=x.device)
-        route.scatter_(1, idx, weights)  # [T, E], zero for experts a token did not choose
-        h = self._act(torch.matmul(x, self.w_gate_up.transpose(1, 2)))  # [E, T, I]: one batched GEMM
-        y = torch.bmm(h, self.w_down.transpose(1, 2))  # [E, T, H]
-        return (y * route.T[:, :, None]).sum(dim=0)
 
 
 class MLAttention(nn.Module):
@@ -372,7 +293,7 @@ class DeepseekForCausalLM(nn.Module):
         num_hidden_layers + k; its embedding/head are the trunk's and are not listed again."""
         n = self.config.num_hidden_layers
         out: dict[str, torch.Tensor] = {}
-        stacked = {"w_gate_up", "w_down"}
+        stacked = {"w_gate_up", "w_down", "shared_gate_up", "shared_down"}  # listed by MoE.checkpoint_tensors
         for name, t in list(self.named_parameters()) + [
             (b, t) for b, t in self.named_buffers() if b.endswith("e_score_correction_bias")
         ]:

@@ -6,9 +6,9 @@ Layout for rank r of `world`:
   same on every rank and each rank keeps a full copy of the paged latent cache while its decode
   kernel sees H/world heads;
 - dense MLP: gate/up column-parallel, down row-parallel, all-reduce;
-- MoE: expert-parallel: rank r computes the routed experts [r·E/world, (r+1)·E/world) (routing is
-  replicated, so every rank agrees on it) plus its column/row slice of the shared experts; one
-  all-reduce sums the partial outputs;
+- MoE: expert-parallel: rank r keeps and computes the routed experts [r·E/world, (r+1)·E/world)
+  (routing is replicated, so every rank agrees on it) plus its column/row slice of the shared
+  experts; one all-reduce sums the partial outputs;
 - embedding and head replicated; MTP modules sharded like the trunk.
 The layers do their all-reduce themselves (`tp_reduce`), through `specmla.distributed`.
 """
@@ -51,17 +51,31 @@ def shard_model_(model: DeepseekForCausalLM, rank: int, world: int) -> None:
             module.num_heads = h1 - h0
             module.tp_reduce = True
         elif isinstance(module, MoE):
-            E = module.w_down.shape[0]
-            if E % world:
-                raise ValueError(f"{E} experts do not split over tensor_parallel_size={world}")
-            module.local_experts = (E * rank // world, E * (rank + 1) // world)
-            module.tp_reduce = True
-            if module.shared_experts is not None:
-                _split_mlp(module.shared_experts, rank, world)
+            _split_moe(module, rank, world)
     for layer in list(model.model.layers) + list(model.mtp):
         if isinstance(layer.mlp, MLP):
             _split_mlp(layer.mlp, rank, world)
             layer.mlp.tp_reduce = True
+
+
+def _split_moe(moe: MoE, rank: int, world: int) -> None:
+    """Keep experts [r·E/world, (r+1)·E/world) and the column slice r of the shared experts."""
+    E = moe.w_down.shape[0]
+    if E % world:
+        raise ValueError(f"{E} experts do not split over tensor_parallel_size={world}")
+    e0, e1 = E * rank // world, E * (rank + 1) // world
+    moe.w_gate_up = nn.Parameter(moe.w_gate_up.data[e0:e1].clone())
+    moe.w_down = nn.Parameter(moe.w_down.data[e0:e1].clone())
+    moe.local_experts = (e0, e1)
+    moe.tp_reduce = True
+    if moe.shared_down is not None:
+        Is = moe.shared_down.shape[1]
+        if Is % world:
+            raise ValueError(f"shared expert width {Is} does not split over tensor_parallel_size={world}")
+        i0, i1 = Is * rank // world, Is * (rank + 1) // world
+        gu = moe.shared_gate_up.data
+        moe.shared_gate_up = nn.Parameter(torch.cat([gu[i0:i1], gu[Is + i0:Is + i1]]).contiguous())
+        moe.shared_down = nn.Parameter(moe.shared_down.data[:, i0:i1].contiguous())
 
 
 def _split_mlp(mlp: MLP, rank: int, world: int) -> None:

@@ -77,37 +77,65 @@ def moe_route_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 @triton.jit
-def _pick_max(v, taken, offs, BLOCK: tl.constexpr):
-    """Per row of v [R, C]: (value, lowest column) of the largest entry not yet taken."""
-    c = tl.where(taken, float("-inf"), v)
-    m = tl.max(c, 1)
-    i = tl.min(tl.where((c == m[:, None]) & (taken == 0), offs[None, :], BLOCK), 1)
-    return m, i
+def _order_key(v, idx, BLOCK: tl.constexpr):
+    """int64 keys ordered as (v, −idx): one max-reduction finds the largest value and, among equal
+    values, the lowest index (fp32 bits made monotone as signed integers in the high word)."""
+    b = v.to(tl.int32, bitcast=True)
+    b = b ^ ((b >> 31) & 0x7FFFFFFF)
+    return (b.to(tl.int64) << 32) | (BLOCK - 1 - idx).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value a key of `_order_key` holds."""
+    b = (key >> 32).to(tl.int32)
+    return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _moe_route_kernel(
-    X, W, BIAS, W_OUT, I_OUT, T, H, stride_x, stride_w, scaling,
-    E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    X, W, BIAS, W_OUT, I_OUT, PART, COUNT, T, H, h_split, stride_x, stride_w, scaling,
+    SPLIT: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
     N_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_MODE: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, V2: tl.constexpr, FP32_DOT: tl.constexpr,
+    USE_DOT: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
 ):
-    """One program per BLOCK_T tokens: logits [BLOCK_T, E] as one pipelined GEMM over H, then the rule."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Program (token block, split) computes the logits [BLOCK_T, E] over its h_split columns of H as a
+    pipelined GEMM; the last split of a token block to finish (an acq_rel counter) sums the partial
+    logits in split order and applies the rule, then resets its counter for the next call."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = offs_t < T
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    h_end = tl.minimum(H, (pid_s + 1) * h_split)
+    for h0 in range(pid_s * h_split, h_end, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
+        h_ok = offs_h < h_end
         x = tl.load(X + offs_t[:, None] * stride_x + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
-        w = tl.load(W + offs_e[None, :] * stride_w + offs_h[:, None], mask=e_ok[None, :] & h_ok[:, None], other=0.0)
-        if FP32_DOT:  # fp32 (or mixed) inputs: exact fp32 products, as the reference's fp32 linear
-            logits = tl.dot(x.to(tl.float32), w.to(tl.float32), logits, input_precision="ieee")
-        else:  # bf16 / fp16 products are exact in fp32, so the sum differs from fp32 only in order
-            logits = tl.dot(x, w, logits)
+        if USE_DOT:
+            w = tl.load(W + offs_e[None, :] * stride_w + offs_h[:, None], mask=e_ok[None, :] & h_ok[:, None],
+                        other=0.0)
+            if FP32_DOT:  # fp32 (or mixed) inputs: exact fp32 products, as the reference's fp32 linear
+                logits = tl.dot(x.to(tl.float32), w.to(tl.float32), logits, input_precision="ieee")
+            else:  # bf16 / fp16 products are exact in fp32, so the sum differs from fp32 only in order
+                logits = tl.dot(x, w, logits)
+        else:  # a few tokens: fp32 products on the CUDA cores
+            w = tl.load(W + offs_e[:, None] * stride_w + offs_h[None, :], mask=e_ok[:, None] & h_ok[None, :],
+                        other=0.0)
+            logits += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    if SPLIT > 1:
+        tile = tl.arange(0, BLOCK_T)[:, None] * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
+        tl.store(PART + (pid_t * SPLIT + pid_s) * (BLOCK_T * BLOCK_E) + tile, logits)
+        if tl.atomic_add(COUNT + pid_t, 1, sem="acq_rel") != SPLIT - 1:
+            return
+        logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for s in range(SPLIT):
+            logits += tl.load(PART + (pid_t * SPLIT + s) * (BLOCK_T * BLOCK_E) + tile, cache_modifier=".cg")
+        tl.store(COUNT + pid_t, 0)
     cols = offs_e[None, :] + tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
     valid = cols < E
     if SIGMOID:
@@ -120,40 +148,56 @@ def _moe_route_kernel(
     choice = scores
     if HAS_BIAS:
         choice = choice + tl.load(BIAS + offs_e, mask=e_ok, other=0.0)[None, :]
-    none = cols < 0  # an all-false mask
+    LOWEST: tl.constexpr = -(2**63)
     if GROUP_MODE > 0:
-        group = cols // (E // N_GROUP)
-        offs_g = tl.arange(0, BLOCK_G)
-        gcols = offs_g[None, :] + tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
-        gscore = tl.full([BLOCK_T, BLOCK_G], float("-inf"), dtype=tl.float32)
-        for g in tl.static_range(N_GROUP):
-            c = tl.where((group == g) & valid, choice, float("-inf"))
-            m1, i1 = _pick_max(c, none, offs_e, BLOCK_E)
+        if GROUP_RESHAPE:  # power-of-two groups: one reduction over each group's axis
+            G: tl.constexpr = E // N_GROUP
+            gkey = tl.reshape(_order_key(tl.where(valid, choice, float("-inf")), cols, BLOCK_E),
+                              [BLOCK_T, N_GROUP, G])
+            k1 = tl.max(gkey, 2)
+            gscore = _key_value(k1)
             if GROUP_MODE == 1:  # V3: the sum of the group's two best
-                m2, _ = _pick_max(c, cols == i1[:, None], offs_e, BLOCK_E)
-                m1 = m1 + m2
-            gscore = tl.where(gcols == g, m1[:, None], gscore)
-        chosen = gcols < 0
-        for _ in tl.static_range(TOPK_GROUP):
-            _, gi = _pick_max(gscore, chosen | (gcols >= N_GROUP), offs_g, BLOCK_G)
-            chosen = chosen | (gcols == gi[:, None])
-        keep = none
-        for g in tl.static_range(N_GROUP):
-            sel = tl.max(tl.where(chosen & (gcols == g), 1, 0), 1)
-            keep = keep | ((group == g) & (sel[:, None] > 0))
+                gscore += _key_value(tl.max(tl.where(gkey == k1[:, :, None], LOWEST, gkey), 2))
+            gidx = tl.arange(0, N_GROUP)[None, :] + tl.zeros([BLOCK_T, N_GROUP], dtype=tl.int32)
+            gk = _order_key(gscore, gidx, N_GROUP)
+            chosen = gidx < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                best = tl.max(gk, 1)
+                chosen = chosen | (gk == best[:, None])
+                gk = tl.where(gk == best[:, None], LOWEST, gk)
+            keep = tl.reshape(tl.broadcast_to(chosen[:, :, None], [BLOCK_T, N_GROUP, G]), [BLOCK_T, BLOCK_E])
+        else:
+            group = cols // (E // N_GROUP)
+            offs_g = tl.arange(0, BLOCK_G)
+            gcols = offs_g[None, :] + tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
+            gscore = tl.full([BLOCK_T, BLOCK_G], float("-inf"), dtype=tl.float32)
+            for g in tl.static_range(N_GROUP):
+                gk = tl.where((group == g) & valid, _order_key(choice, cols, BLOCK_E), LOWEST)
+                k1 = tl.max(gk, 1)
+                m = _key_value(k1)
+                if GROUP_MODE == 1:  # V3: the sum of the group's two best
+                    m += _key_value(tl.max(tl.where(gk == k1[:, None], LOWEST, gk), 1))
+                gscore = tl.where(gcols == g, m[:, None], gscore)
+            gk = tl.where(gcols < N_GROUP, _order_key(gscore, gcols, BLOCK_G), LOWEST)
+            chosen = gcols < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                best = tl.max(gk, 1)
+                chosen = chosen | (gk == best[:, None])
+                gk = tl.where(gk == best[:, None], LOWEST, gk)
+            keep = cols < 0
+            for g in tl.static_range(N_GROUP):
+                sel = tl.max(tl.where(chosen & (gcols == g), 1, 0), 1)
+                keep = keep | ((group == g) & (sel[:, None] > 0))
         choice = tl.where(keep, choice, float("-inf") if GROUP_MODE == 1 else 0.0)
-    choice = tl.where(valid, choice, float("-inf"))
+    key = tl.where(valid, _order_key(choice, cols, BLOCK_E), LOWEST)
     offs_k = tl.arange(0, BLOCK_K)
     kcols = offs_k[None, :] + tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    picked_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     picked_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    taken = none | (cols >= E)
     for j in tl.static_range(TOP_K):
-        _, i = _pick_max(choice, taken, offs_e, BLOCK_E)
-        hit = cols == i[:, None]
-        taken = taken | hit
-        picked_w = tl.where(kcols == j, tl.sum(tl.where(hit, scores, 0.0), 1)[:, None], picked_w)
-        picked_i = tl.where(kcols == j, i[:, None], picked_i)
+        best = tl.max(key, 1)
+        picked_i = tl.where(kcols == j, BLOCK_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)[:, None], picked_i)
+        key = tl.where(key == best[:, None], LOWEST, key)
+    picked_w = tl.gather(scores, picked_i, 1)
     k_ok = kcols < TOP_K
     total = tl.sum(tl.where(k_ok, picked_w, 0.0), 1)[:, None]
     if V2:
@@ -171,9 +215,26 @@ def _moe_route_kernel(
     tl.store(I_OUT + out, picked_i.to(I_OUT.dtype.element_ty), mask=m)
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+MAX_PROGRAMS = 64  # small batches split H so that about this many programs stream the router weight
+_COUNTERS = 64  # token blocks that may split (one arrival counter each)
+_counter_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Per-device arrival counters of the split router, zero between calls (the last program resets)."""
+    device = torch.device(device)
+    if device not in _counter_cache:
+        _counter_cache[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return _counter_cache[device]
+
+
 def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: RouteSpec,
                      *, ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `moe_route_torch`; one launch, one program per 16 tokens."""
+    """Same contract as `moe_route_torch`; one launch of (16-token block) × (slice of H) programs."""
     T, H = x.shape
     E = weight.shape[0]
     if weight.shape[1] != H or x.stride(-1) != 1 or weight.stride(-1) != 1:
@@ -187,17 +248,23 @@ def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if T == 0:
         return weights, idx
     block_e = max(16, triton.next_power_of_2(E))
-    block_t = 16
-    block_h = max(16, min(triton.next_power_of_2(H), 8192 // block_e))
+    use_dot = T > 1
+    block_t = 16 if use_dot else triton.next_power_of_2(T)
+    block_h = max(16, min(triton.next_power_of_2(H), 128, (16384 if use_dot else 4096 // block_t) // block_e))
     fp32_dot = x.dtype != weight.dtype or x.dtype == torch.float32
-    _moe_route_kernel[(triton.cdiv(T, block_t),)](
-        x, weight, bias if bias is not None else weight, weights, idx, T, H, x.stride(0), weight.stride(0),
-        float(spec.scaling),
-        E=E, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_H=block_h,
+    n_t = triton.cdiv(T, block_t)
+    split = max(1, min(triton.cdiv(H, block_h), MAX_PROGRAMS // n_t)) if n_t <= _COUNTERS else 1
+    h_split = triton.cdiv(triton.cdiv(H, split), block_h) * block_h
+    split = triton.cdiv(H, h_split)
+    part = torch.empty(n_t * split * block_t * block_e if split > 1 else 1, dtype=torch.float32, device=x.device)
+    _moe_route_kernel[(n_t, split)](
+        x, weight, bias if bias is not None else weight, weights, idx, part, _counters(x.device), T, H, h_split,
+        x.stride(0), weight.stride(0), float(spec.scaling),
+        SPLIT=split, E=E, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_H=block_h,
         TOP_K=spec.top_k, BLOCK_K=max(2, triton.next_power_of_2(spec.top_k)),
         N_GROUP=spec.n_group, BLOCK_G=max(2, triton.next_power_of_2(spec.n_group)), TOPK_GROUP=spec.topk_group,
         GROUP_MODE=spec.group_mode, SIGMOID=spec.sigmoid, HAS_BIAS=bias is not None, NORM=spec.norm_topk_prob,
-        V2=spec.v2, FP32_DOT=fp32_dot, num_warps=4, num_stages=3,
+        V2=spec.v2, FP32_DOT=fp32_dot, USE_DOT=use_dot, GROUP_RESHAPE=_pow2(E) and _pow2(spec.n_group) and block_e == E, num_warps=4 if use_dot else 2, num_stages=3,
     )
     return weights, idx
 

@@ -4,9 +4,9 @@ A token's slots are its top-k routed experts followed by the shared experts, cut
 of the routed width I (expert ids E, E+1, ...; the activation is per intermediate unit, so the cut is
 exact; the last one may be narrower). Pair p = t·S + j (S = k + shared slots).
 
-1. `align_pairs` (one program; skipped at T = 1, where a token's experts are distinct): counts the
-   pairs per expert, pads each expert's run to BLOCK_M rows, and writes the pair ids in expert order
-   plus each block's expert (-1 past the real blocks). Sizes come from the static bound
+1. `align_pairs` (skipped at T = 1, where a token's experts are distinct): counts the pairs per
+   expert, pads each expert's run to BLOCK_M rows, and writes the pair ids grouped by expert plus each
+   block's expert (-1 past the real blocks). Sizes come from the static bound
    Σ_e ⌈n_e / BLOCK_M⌉ ≤ (P + min(P, E_slots)·(BLOCK_M − 1)) / BLOCK_M, so no host sync and the
    launch is CUDA-graph capturable; programs of the unused blocks exit at once.
 2. `_gate_up_kernel`: per (block, BLOCK_N intermediate units) silu(x·Wg)·(x·Wu) with both
@@ -31,26 +31,37 @@ def _expert_of(IDS, p, P, stride_ids, E: tl.constexpr, TOP_K: tl.constexpr, S: t
     t = p // S
     j = p % S
     routed = j < TOP_K
-    e = tl.load(IDS + t * stride_ids + j, mask=(p < P) & routed, other=-1).to(tl.int32)
-    e = tl.where(routed, e, E + j - TOP_K)
-    ok = (p < P) & (e >= 0) & ((e < E) | (~routed))
+    e = tl.load(IDS + t * stride_ids + j, mask=(p < P) & routed, other=-1)
+    ok = (p < P) & ((~routed) | ((e >= 0) & (e < E)))  # checked in the ids' own width
+    e = tl.where(routed, e.to(tl.int32), E + j - TOP_K)
     return tl.where(ok, e, DROP)
 
 
 @triton.jit
-def _align_kernel(
-    IDS, SORTED, BLOCK_EXPERT, P, stride_ids, max_blocks,
+def _align_count_kernel(
+    IDS, SORTED, BLOCK_EXPERT, REL, START, COUNTS, ARRIVED, P, stride_ids, max_blocks,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr, CH: tl.constexpr, BB: tl.constexpr,
+    E_PAD: tl.constexpr, CH: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr,
 ):
+    """Program c takes pairs c·CH..: reserves their rows inside each expert's run (atomic per-expert
+    counts) and keeps each pair's rank there (REL). The last program to arrive turns the totals into
+    the block table, the runs' first rows (START) and the padding rows, then zeroes the counts. With a
+    single program (SINGLE) it also places the pairs."""
     S: tl.constexpr = TOP_K + N_SHARED
     DROP: tl.constexpr = E_PAD - 1  # bin of dropped pairs (E_PAD > E + N_SHARED)
     offs_e = tl.arange(0, E_PAD)
     offs_c = tl.arange(0, CH)
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for p0 in range(0, P, CH):
-        ex = _expert_of(IDS, p0 + offs_c, P, stride_ids, E, TOP_K, S, DROP)
-        counts += tl.histogram(ex, E_PAD)
+    p = tl.program_id(0) * CH + offs_c
+    ex = _expert_of(IDS, p, P, stride_ids, E, TOP_K, S, DROP)
+    hist = tl.histogram(ex, E_PAD)
+    before = tl.atomic_add(COUNTS + offs_e, hist, sem="relaxed")
+    rank = tl.sum(((ex[:, None] == ex[None, :]) & (offs_c[None, :] < offs_c[:, None])).to(tl.int32), 1)
+    rel = tl.gather(before, ex, 0) + rank
+    if not SINGLE:
+        tl.store(REL + p, rel, mask=p < P)
+        if tl.atomic_add(ARRIVED, 1, sem="acq_rel") != tl.num_programs(0) - 1:
+            return
+    counts = tl.load(COUNTS + offs_e, cache_modifier=".cg")
     counts = tl.where(offs_e == DROP, 0, counts)
     nblk = (counts + BLOCK_M - 1) // BLOCK_M
     blk_end = tl.cumsum(nblk, 0)  # inclusive
@@ -66,16 +77,25 @@ def _align_kernel(
     pad_row = (blk_end * BLOCK_M - BLOCK_M)[:, None] + offs_r[None, :]
     is_pad = (nblk[:, None] > 0) & (pad_row >= (blk_start * BLOCK_M + counts)[:, None])
     tl.store(SORTED + pad_row, tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32) + P, mask=is_pad)
-    # pairs in order, each after the earlier pairs of its expert
-    cursor = blk_start * BLOCK_M
-    earlier = offs_c[None, :] < offs_c[:, None]
-    for p0 in range(0, P, CH):
-        p = p0 + offs_c
-        ex = _expert_of(IDS, p, P, stride_ids, E, TOP_K, S, DROP)
-        rank = tl.sum(((ex[:, None] == ex[None, :]) & earlier).to(tl.int32), 1)
-        dest = tl.gather(cursor, ex, 0) + rank
+    if SINGLE:
+        dest = tl.gather(blk_start * BLOCK_M, ex, 0) + rel
         tl.store(SORTED + dest, p, mask=ex != DROP)
-        cursor += tl.histogram(ex, E_PAD)
+    else:
+        tl.store(START + offs_e, blk_start * BLOCK_M)
+        tl.store(ARRIVED, 0)
+    tl.store(COUNTS + offs_e, tl.zeros([E_PAD], dtype=tl.int32))
+
+
+@triton.jit
+def _align_place_kernel(IDS, SORTED, REL, START, P, stride_ids,
+                        E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, E_PAD: tl.constexpr,
+                        CH: tl.constexpr):
+    """Pair p goes to row START[its expert] + REL[p]."""
+    p = tl.program_id(0) * CH + tl.arange(0, CH)
+    ex = _expert_of(IDS, p, P, stride_ids, E, TOP_K, TOP_K + N_SHARED, E_PAD - 1)
+    keep = ex != E_PAD - 1
+    dest = tl.load(START + ex, mask=keep, other=0) + tl.load(REL + p, mask=keep, other=0)
+    tl.store(SORTED + dest, p, mask=keep)
 
 
 def max_blocks(pairs: int, expert_slots: int, block_m: int) -> int:
@@ -83,25 +103,51 @@ def max_blocks(pairs: int, expert_slots: int, block_m: int) -> int:
     return (pairs + min(pairs, expert_slots) * (block_m - 1)) // block_m
 
 
+_MAX_E_PAD = 2048  # expert slots (+1) the persistent counters cover
+_scratch_cache: dict[torch.device, torch.Tensor] = {}
+
+
+def _scratch(device: torch.device) -> torch.Tensor:
+    """Per-device per-expert counts and an arrival counter (last slot), zero between calls."""
+    device = torch.device(device)
+    if device not in _scratch_cache:
+        _scratch_cache[device] = torch.zeros(_MAX_E_PAD + 1, dtype=torch.int32, device=device)
+    return _scratch_cache[device]
+
+
 def align_pairs(topk_ids: torch.Tensor, n_experts: int, n_shared: int, block_m: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] → (sorted_pairs int32 [max_blocks·block_m], block_expert int32 [max_blocks]):
-    block b covers rows b·block_m.. of sorted_pairs, pairs of expert slot block_expert[b] in pair
-    order, padded with P = T·(k + n_shared); block_expert is -1 past the real blocks. Rows past the
-    real blocks are left unwritten."""
+    block b covers rows b·block_m.. of sorted_pairs, pairs of expert slot block_expert[b], padded with
+    P = T·(k + n_shared); block_expert is -1 past the real blocks, whose rows are left unwritten. The
+    order of pairs inside a run is unspecified (each row's result does not depend on it). One launch
+    up to 256 pairs, two beyond."""
     T, k = topk_ids.shape
     P = T * (k + n_shared)
     nb = max_blocks(P, n_experts + n_shared, block_m)
-    sorted_pairs = torch.empty(max(nb, 1) * block_m, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(max(nb, 1), dtype=torch.int32, device=topk_ids.device)
+    dev = topk_ids.device
+    sorted_pairs = torch.empty(max(nb, 1) * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max(nb, 1), dtype=torch.int32, device=dev)
     if P == 0:
         block_expert.fill_(-1)
         return sorted_pairs, block_expert
-    _align_kernel[(1,)](
-        topk_ids, sorted_pairs, block_expert, P, topk_ids.stride(0), nb,
-        E=n_experts, TOP_K=k, N_SHARED=n_shared, BLOCK_M=block_m,
-        E_PAD=triton.next_power_of_2(n_experts + n_shared + 1), CH=64, BB=64, num_warps=4,
+    e_pad = triton.next_power_of_2(n_experts + n_shared + 1)
+    if e_pad > _MAX_E_PAD:
+        raise ValueError(f"fused_moe: at most {_MAX_E_PAD - 1} expert slots, got {n_experts + n_shared}")
+    single = P <= 256
+    ch = max(16, triton.next_power_of_2(P)) if single else 128
+    chunks = triton.cdiv(P, ch)
+    scratch = _scratch(dev)
+    rel = torch.empty(1 if single else P, dtype=torch.int32, device=dev)
+    start = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    const = dict(E=n_experts, TOP_K=k, N_SHARED=n_shared, E_PAD=e_pad, CH=ch)
+    _align_count_kernel[(chunks,)](
+        topk_ids, sorted_pairs, block_expert, rel, start, scratch, scratch[_MAX_E_PAD:], P, topk_ids.stride(0), nb,
+        BLOCK_M=block_m, BB=64, SINGLE=single, **const, num_warps=4,
     )
+    if not single:
+        _align_place_kernel[(chunks,)](topk_ids, sorted_pairs, rel, start, P, topk_ids.stride(0), **const,
+                                       num_warps=4)
     return sorted_pairs, block_expert
 
 
@@ -159,8 +205,8 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    X, IDS, SORTED, BLOCK_EXPERT, WGU, WS, HB,
-    P, H, I, Is, num_m, stride_ids, stride_x, stride_we, stride_wr, stride_sr, stride_hb,
+    X, IDS, SORTED, BLOCK_EXPERT, WGU, HB,
+    P, H, I, Is, ws_off, num_m, stride_ids, stride_x, stride_hb,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -171,17 +217,13 @@ def _gate_up_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    if e < E:
-        g_base = WGU + e.to(tl.int64) * stride_we
-        u_base = g_base + I * stride_wr
-        rs = stride_wr
-        n_lim = I
-    else:  # shared pseudo-expert c: gate rows c·I.., up rows Is + c·I.. of the shared gate‖up
-        c = e - E
-        g_base = WS + c * I * stride_sr
-        u_base = WS + (Is + c * I) * stride_sr
-        rs = stride_sr
-        n_lim = tl.minimum(I, Is - c * I)
+    # shared pseudo-expert c: gate rows c·I.., up rows Is + c·I.. of the shared gate‖up (at WGU + ws_off);
+    # one base pointer plus a selected offset keeps the loads' alignment known to the compiler
+    routed = e < E
+    c = e - E
+    g_off = tl.where(routed, e.to(tl.int64) * (2 * I * H), ws_off + c.to(tl.int64) * I * H)
+    u_off = tl.where(routed, g_off + I * H, ws_off + (Is + c.to(tl.int64) * I) * H)
+    n_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
     if pid_n * BLOCK_N >= n_lim:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -189,8 +231,8 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     tok = rows // S
     a_ptrs = X + tok[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-    g_ptrs = g_base + offs_n[None, :] * rs + offs_k[:, None]
-    u_ptrs = u_base + offs_n[None, :] * rs + offs_k[:, None]
+    g_ptrs = WGU + g_off + offs_n[None, :] * H + offs_k[:, None]
+    u_ptrs = WGU + u_off + offs_n[None, :] * H + offs_k[:, None]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -215,8 +257,8 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    HB, IDS, WTS, SORTED, BLOCK_EXPERT, WD, WSD, OUT,
-    P, H, I, Is, num_m, stride_ids, stride_wts, stride_hb, stride_de, stride_dr, stride_sdr, stride_o,
+    HB, IDS, WTS, SORTED, BLOCK_EXPERT, WD, OUT,
+    P, H, I, Is, sd_off, num_m, stride_ids, stride_wts, stride_hb, stride_o,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -227,20 +269,17 @@ def _down_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    if e < E:
-        b_base = WD + e.to(tl.int64) * stride_de
-        rs = stride_dr
-        k_lim = I
-    else:  # shared pseudo-expert c: columns c·I.. of the shared down projection
-        c = e - E
-        b_base = WSD + c * I
-        rs = stride_sdr
-        k_lim = tl.minimum(I, Is - c * I)
+    # shared pseudo-expert c: columns c·I.. of the shared down projection [H, Is] (at WD + sd_off)
+    routed = e < E
+    c = e - E
+    b_off = tl.where(routed, e.to(tl.int64) * H * I, sd_off + c.to(tl.int64) * I)
+    rs = tl.where(routed, I, Is)
+    k_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = HB + rows[:, None].to(tl.int64) * stride_hb + offs_k[None, :]
-    b_ptrs = b_base + offs_n[None, :] * rs + offs_k[:, None]
+    b_ptrs = WD + b_off + offs_n[None, :].to(tl.int64) * rs + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_lim, BLOCK_K):
         if EVEN_K:
@@ -282,6 +321,14 @@ def _sum_kernel(Y, IDS, OUT, T, H, stride_ids, stride_y, stride_o,
     tl.store(OUT + offs_t[:, None].to(tl.int64) * stride_o + offs_h[None, :], acc.to(OUT.dtype.element_ty), mask=m)
 
 
+def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    """Elements from base's storage to t's (the kernels reach the shared weights through the routed pointer)."""
+    delta = t.data_ptr() - base.data_ptr()
+    if delta % t.element_size():
+        raise ValueError("fused_moe: shared and routed weights must be aligned to their element size")
+    return delta // t.element_size()
+
+
 def shared_slots(shared, inter: int) -> int:
     """Pseudo-experts of width `inter` the shared experts make (0 without shared experts)."""
     return 0 if shared is None else triton.cdiv(shared[1].shape[1], inter)
@@ -293,9 +340,8 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
     T, H = x.shape
     E, _, _ = w_gate_up.shape
     I = w_down.shape[2]
-    for w in (x, w_gate_up, w_down, *(shared or ())):
-        if w.stride(-1) != 1:
-            raise ValueError("fused_moe: x and the expert weights must be contiguous in their last dimension")
+    if x.stride(-1) != 1 or not all(w.is_contiguous() for w in (w_gate_up, w_down, *(shared or ()))):
+        raise ValueError("fused_moe: the expert weights must be contiguous and x contiguous in its last dimension")
     if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype or any(w.dtype != x.dtype for w in shared or ()):
         raise ValueError(f"fused_moe: expert weights must have x's dtype {x.dtype}")
     k = topk_ids.shape[1]
@@ -325,17 +371,15 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
     common = dict(E=E, TOP_K=k, N_SHARED=ns, PAIR_BLOCKS=pair_blocks)
     c = up_cfg
     _gate_up_kernel[(m_up * triton.cdiv(I, c.block_n),)](
-        x, ids, sorted_pairs, block_expert, w_gate_up, sgu, hb,
-        P, H, I, Is, m_up, ids.stride(0), x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), sgu.stride(0),
-        hb.stride(0), **common, BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n,
+        x, ids, sorted_pairs, block_expert, w_gate_up, hb,
+        P, H, I, Is, _offset(sgu, w_gate_up), m_up, ids.stride(0), x.stride(0), hb.stride(0), **common, BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n,
         BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=H % c.block_k == 0, num_warps=c.num_warps,
         num_stages=c.num_stages,
     )
     c = down_cfg
     _down_kernel[(m_down * triton.cdiv(H, c.block_n),)](
-        hb, ids, wts, sorted_pairs, block_expert, w_down, sd, y,
-        P, H, I, Is, m_down, ids.stride(0), wts.stride(0), hb.stride(0), w_down.stride(0), w_down.stride(1),
-        sd.stride(0), y.stride(0), **common, BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n,
+        hb, ids, wts, sorted_pairs, block_expert, w_down, y,
+        P, H, I, Is, _offset(sd, w_down), m_down, ids.stride(0), wts.stride(0), hb.stride(0), y.stride(0), **common, BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n,
         BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=I % c.block_k == 0 and (shared is None or Is % I == 0),
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
