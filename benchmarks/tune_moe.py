@@ -24,9 +24,11 @@ A time budget (--budget seconds, default 420) bounds the search: each (shape, bu
 share of what is left, and a search out of time keeps its best so far (coarse before fine).
 
 Writes (merging with the rows already there) `specmla/ops/moe/configs/<tuning.device_key>.json`:
-{"up,E,I,H": [[max_tokens, config], ...], "down,E,H,I": [...]} (N then K of each GEMM), or --out-json PATH.
+{"up,E,I,H": [[max_tokens, config], ...], "down,E,H,I": [...]} (N then K of each GEMM), or --out-json PATH
+(a file, or a folder to hold <device>.json).
 
     PYTHONPATH=. python3 benchmarks/tune_moe.py                          (both shapes, ~8 min on an H100)
+    PYTHONPATH=. python3 benchmarks/tune_moe.py --out-json OUT/ --report OUT/tune_moe.json  (OUT/<device>.json)
     PYTHONPATH=. python3 benchmarks/tune_moe.py --shapes v2-lite --buckets 1 8 32 --out-json /tmp/h100.json
     PYTHONPATH=. python3 benchmarks/tune_moe.py --shape 64,6,2048,1408,2816        (E,k,H,I,Is)
 """
@@ -37,7 +39,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -273,6 +274,15 @@ def fmt(c: Config) -> str:
     return f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages}"
 
 
+def output_path(out_json: str | None, key: str) -> Path:
+    """Where the table goes: configs/<key>.json by default; out_json as a file, or <key>.json in out_json when it
+    is a folder (an existing one, or any path ending in "/")."""
+    if out_json is None:
+        return CONFIG_DIR / f"{key}.json"
+    out = Path(out_json)
+    return out / f"{key}.json" if out.is_dir() or out_json.endswith("/") else out
+
+
 def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     vals = tuple(int(v) for v in text.split(","))
     if len(vals) != 5 or min(vals[:4]) < 1 or vals[4] < 0:
@@ -288,7 +298,9 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, nargs="+", default=BUCKETS)
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole search")
     ap.add_argument("--reps", type=int, default=5, help="timed replays per candidate (median)")
-    ap.add_argument("--out-json", default=None, help="write here instead of specmla/ops/moe/configs/<device>.json")
+    ap.add_argument("--out-json", default=None,
+                    help="write this file (or <device>.json in this folder) instead of "
+                         "specmla/ops/moe/configs/<device>.json")
     ap.add_argument("--report", default=None, help="also write the search's timings (JSON) here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -296,9 +308,9 @@ def main() -> None:
     dev = torch.device("cuda")
     shapes = args.shape or [SHAPES[s] for s in args.shapes]
     buckets = sorted(set(args.buckets))
-    out = Path(args.out_json) if args.out_json else CONFIG_DIR / f"{device_key(dev)}.json"
-    print(f"{torch.cuda.get_device_name(dev)}: tuning {len(shapes)} shape(s) × buckets {buckets} in ≤ {args.budget:.0f}s "
-          f"→ {out}", flush=True)
+    out = output_path(args.out_json, device_key(dev))
+    print(f"{torch.cuda.get_device_name(dev)}: tuning {len(shapes)} shape(s) × buckets {buckets} in ≤ "
+          f"{args.budget:.0f}s → {out}", flush=True)
     start = time.monotonic()
     end = start + args.budget
     items_left = len(shapes) * len(buckets)
