@@ -269,6 +269,9 @@ def bench_shape(key: str, s: Shape, tokens: list[int], copy_bw: float, gemm: flo
             except Exception as e:  # report, time the rest
                 row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 print(f"  T={T} {name}: {row[f'{name}_error']}", flush=True)
+        for graph in graphs.values():  # a captured graph's outputs hold its results only once it has run
+            graph.replay()
+        torch.cuda.synchronize()
         # numbers: ours against the sort (both routings); against the torch reference at the first T
         checks = {}
         if "experts" in outs and "sort_experts" in outs:
