@@ -10,8 +10,26 @@ embedded default model.
 - throughput = output tok/s for B prompts × 256 new tokens (greedy, EOS ignored), specmla vs
   transformers generate on the same weights, same prompts.
 
+With --checkpoint-dir DIR the model is used as a new user would: the random V2-Lite-shaped model is written
+once as an HF checkpoint directory (config.json, ~4 GB safetensors shards with the hub's per-expert
+names, model.safetensors.index.json; no tokenizer: prompts are token ids), reused when DIR already
+holds it, and loaded with `LLM(DIR)` (CUDA graphs, the engine's default). Then, for B fresh random
+prompts of --prompt-len tokens (512 by default here), greedy, EOS ignored:
+- decode step = (time to generate 129 tokens − time to generate 1 token) / 128, B = 1, 8, 32, 64, 128,
+  median over --rounds rounds, each round going through every B (after one untimed warm-up per B);
+- floor = (step_floor_bytes + the KV cache the batch reads at its mid-generation length) / the copy
+  bandwidth of the same run; PASS/MISS against B=1 ≤ 3.5 ms, B=8 ≤ 9, B=32 ≤ 14, B=128 ≤ 20 and "no
+  batch slower than a larger one";
+- an MTP-shaped verify step at B=1: the model's decode forward + logits with S = 1 + 3 query tokens
+  against S = 1, replayed from the engine's static-buffer CUDA graph (GraphedDecoder, as speculative
+  decoding runs it) over a --prompt-len-token context (the speculative engine itself would mix in
+  draft acceptance; this is the step's cost alone).
+The DeepSeek-V2-Lite-shaped checkpoint takes 31 GB of disk.
+
     PYTHONPATH=. python3 benchmarks/bench_engine.py --layers 27 --out DIR      (H100)
+    PYTHONPATH=. python3 benchmarks/bench_engine.py --checkpoint-dir /tmp/v2lite --out DIR      (H100, ~6 min)
     PYTHONPATH=. python3 benchmarks/bench_engine.py --tiny --device cpu        (a CPU smoke run)
+    PYTHONPATH=. python3 benchmarks/bench_engine.py --tiny --device cpu --checkpoint-dir /tmp/tiny --out /tmp
 """
 
 from __future__ import annotations
@@ -21,14 +39,18 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 from limits import copy_bandwidth
+from safetensors.torch import save_file
 
 from specmla import LLM, SamplingParams
 from specmla.bench import run_throughput
 from specmla.config import ModelConfig
+from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.model.deepseek import DeepseekForCausalLM, MoE
 from specmla.model.rope import rope_cos_sin_cache
 
@@ -170,23 +192,254 @@ def bench_model(label, llm: LLM, hf, batches, prompt_len, new_tokens, copy_bw, s
     return res
 
 
+# ---- checkpoint directory mode: decode step at B = 1 .. 128, MTP-shaped verify step ----------------------
+STEP_TARGETS_MS = {1: 3.5, 8: 9.0, 32: 14.0, 128: 20.0}
+
+
+def write_checkpoint(model: DeepseekForCausalLM, cfg_dict: dict, path: Path, shard_bytes: int = 4 << 30) -> None:
+    """The model as an HF checkpoint directory: shards model-0000i-of-0000n.safetensors of about shard_bytes with
+    the hub's tensor names, model.safetensors.index.json, and config.json last (its presence marks the directory
+    complete). One shard at a time goes through host memory."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = model.checkpoint_tensors()
+    shards, cur, size = [], [], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if cur and size + n > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += n
+    if cur:
+        shards.append(cur)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        part = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
+        total += sum(t.numel() * t.element_size() for t in part.values())
+        save_file(part, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, fname))
+        print(f"  wrote {fname} ({len(names)} tensors)", flush=True)
+        del part
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
+
+
+def ensure_checkpoint(path: Path, cfg_dict: dict, device, dtype, shard_bytes: int = 4 << 30) -> float:
+    """Write the random model of cfg_dict to `path` unless it already holds it; seconds spent writing (0: reused).
+    A directory holding another config is refused rather than overwritten."""
+    cfg_file = path / "config.json"
+    if cfg_file.exists():
+        have = json.loads(cfg_file.read_text())
+        if have != json.loads(json.dumps(cfg_dict)):
+            raise SystemExit(f"{path} holds another checkpoint (its config.json differs from this run's); "
+                             "give an empty or new --checkpoint-dir")
+        print(f"reusing the checkpoint in {path}", flush=True)
+        return 0.0
+    t0 = time.perf_counter()
+    print(f"writing a random {cfg_dict['num_hidden_layers']}-layer checkpoint to {path}", flush=True)
+    model = random_model(cfg_dict, device, dtype)
+    write_checkpoint(model, cfg_dict, path, shard_bytes)
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+def kv_read_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 2) -> float:
+    """Latent-cache bytes one decode step reads: batch × context rows of (kv_lora_rank + rope) per layer."""
+    return batch * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem * cfg.num_hidden_layers
+
+
+def timed_generate(llm: LLM, prompts, tokens: int) -> float:
+    dev = llm.kv_pool.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    _sync(dev)
+    return time.perf_counter() - t0
+
+
+def monotone_misses(rows: list[dict]) -> list[str]:
+    """"B=a > B=b" for every batch a whose step is slower than that of a larger batch b."""
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if b["batch"] > a["batch"] and a["step_s"] > b["step_s"]:
+                out.append(f"B={a['batch']} ({a['step_s'] * 1e3:.2f} ms) > B={b['batch']} ({b['step_s'] * 1e3:.2f} ms)")
+    return out
+
+
+def decode_steps(llm: LLM, batches, prompt_len: int, rounds: int, copy_bw: float, new_tokens: int = 129,
+                 seed: int = 1) -> dict:
+    """Decode step per batch size: (t(new_tokens) − t(1)) / (new_tokens − 1) on fresh random prompts, median over
+    rounds that each go through every batch size; one untimed warm-up per batch size first (compiles kernels,
+    captures the graphs its batch sizes need)."""
+    cfg = llm.model.config
+    rng = random.Random(seed)
+
+    def fresh(B):  # new random prompts every call: no prefix-cache hits
+        return [[rng.randrange(3, cfg.vocab_size) for _ in range(prompt_len)] for _ in range(B)]
+
+    for B in batches:
+        timed_generate(llm, fresh(B), new_tokens)
+    samples = {B: [] for B in batches}
+    for r in range(rounds):
+        for B in batches:
+            t1 = timed_generate(llm, fresh(B), 1)
+            tn = timed_generate(llm, fresh(B), new_tokens)
+            samples[B].append((tn - t1) / (new_tokens - 1))
+            print(f"  round {r + 1}/{rounds} B={B}: t(1) {t1 * 1e3:.1f} ms, t({new_tokens}) {tn * 1e3:.1f} ms, "
+                  f"step {samples[B][-1] * 1e3:.2f} ms", flush=True)
+    rows = []
+    for B in batches:
+        step = statistics.median(samples[B])
+        w, kv = step_floor_bytes(cfg, B), kv_read_bytes(cfg, B, prompt_len + new_tokens // 2)
+        row = {"batch": B, "step_s": step, "step_samples_s": samples[B], "weight_bytes": w, "kv_bytes": kv,
+               "floor_step_s": (w + kv) / copy_bw, "weight_floor_step_s": w / copy_bw}
+        row["floor_frac"] = row["floor_step_s"] / step
+        if B in STEP_TARGETS_MS:
+            row["target_ms"] = STEP_TARGETS_MS[B]
+            row["pass"] = step * 1e3 <= STEP_TARGETS_MS[B]
+        rows.append(row)
+    misses = monotone_misses(rows)
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "rounds": rounds, "rows": rows,
+            "monotone": not misses, "monotone_misses": misses}
+
+
+def verify_steps(llm: LLM, context: int, k: int = 3, reps: int = 30, seed: int = 2) -> dict:
+    """B=1 decode forward + logits with S = 1 + k query tokens against S = 1, over a `context`-token cache,
+    through GraphedDecoder (a CUDA graph on CUDA, as the speculative engine's verify step runs; eager on CPU).
+    The cache rows are zeroed pages of the engine's pool, released afterwards."""
+    model, pool = llm.model, llm.kv_pool
+    on_cuda = pool.device.type == "cuda"
+    rng = random.Random(seed)
+    sid = -1  # a sequence id no request has
+    pool.allocate(sid, context + 1 + k)
+    try:
+        pages = pool.pages_of(sid)
+        idx = torch.tensor(pages, device=pool.device)
+        for c in pool.caches:  # defined rows (unwritten memory could hold NaN)
+            c[idx] = 0
+        max_pages = -(-model.max_positions // pool.page_size)
+        out = {"context": context, "k": k, "what": "model forward + logits, B=1, GraphedDecoder "
+                                                   + ("(CUDA graph replay)" if on_cuda else "(eager, CPU)")}
+        for S in (1, 1 + k):
+            dec = GraphedDecoder(model, pool, 1, max_pages, use_graphs=on_cuda, query_len=S)
+            args = ([rng.randrange(3, model.config.vocab_size) for _ in range(S)], list(range(context, context + S)),
+                    pool.slots(sid, context, context + S), [context + S], [pages])
+            dec.run(*args)  # captures
+            dec.run(*args)
+            times = []
+            for _ in range(reps):
+                if on_cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(200_000)  # the host enqueues the step while the GPU spins
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    dec.run(*args)
+                    e.record()
+                    e.synchronize()
+                    times.append(s.elapsed_time(e) / 1e3)
+                else:
+                    t0 = time.perf_counter()
+                    dec.run(*args)
+                    times.append(time.perf_counter() - t0)
+            out[f"step_S{S}_s"] = statistics.median(times)
+            del dec
+        out["ratio"] = out[f"step_S{1 + k}_s"] / out["step_S1_s"]
+        return out
+    finally:
+        pool.free(sid)
+
+
+def format_decode_table(res: dict) -> str:
+    lines = [f"decode step, {res['label']}: {res['prompt_len']}-token prompts, (t({res['new_tokens']}) − t(1)) / "
+             f"{res['new_tokens'] - 1}, median of {res['rounds']} rounds",
+             "| B | step ms | floor ms (weights + KV) | floor / step | target ms | result |",
+             "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        target = r.get("target_ms")
+        verdict = "—" if target is None else ("PASS" if r["pass"] else "MISS")
+        floor = "n/a" if r["floor_step_s"] != r["floor_step_s"] else f"{r['floor_step_s'] * 1e3:.2f}"  # nan on CPU
+        frac = "n/a" if r["floor_frac"] != r["floor_frac"] else f"{r['floor_frac']:.0%}"
+        lines.append(f"| {r['batch']} | {r['step_s'] * 1e3:.2f} | {floor} | {frac} | "
+                     f"{'—' if target is None else f'{target:g}'} | {verdict} |")
+    lines.append("no batch slower than a larger one: " + ("PASS" if res["monotone"] else
+                                                         "MISS (" + "; ".join(res["monotone_misses"]) + ")"))
+    v = res.get("verify")
+    if v:
+        sk = v[f"step_S{1 + v['k']}_s"]
+        lines.append(f"B=1 verify step (S = 1 + {v['k']}) {sk * 1e3:.2f} ms against S = 1 "
+                     f"{v['step_S1_s'] * 1e3:.2f} ms (× {v['ratio']:.2f}; {v['what']}, {v['context']}-token context)")
+    return "\n".join(lines)
+
+
+def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
+    cfg_dict = dict(TINY if args.tiny else V2_LITE, num_hidden_layers=args.layers,
+                    torch_dtype=str(dtype).removeprefix("torch."))
+    path = Path(args.checkpoint_dir)
+    results["checkpoint_dir"] = str(path)
+    results["args"] = vars(args)
+    try:
+        results["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        results["git_commit"] = None
+    results["checkpoint_write_s"] = ensure_checkpoint(path, cfg_dict, dev, dtype, int(args.shard_gb * (1 << 30)))
+    t0 = time.perf_counter()
+    max_len = -(-(args.prompt_len + 256) // 64) * 64
+    extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
+    llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max(args.batches), max_model_len=max_len, **extra)
+    results["load_s"] = time.perf_counter() - t0
+    label = f"V2-Lite-shaped checkpoint ({args.layers} layers, random, {str(dtype).split('.')[-1]}), LLM(path)"
+    print(f"loaded {path} in {results['load_s']:.1f}s; CUDA graphs: {llm.engine.runner.graphed is not None}",
+          flush=True)
+    res = {"label": label, "graphs": llm.engine.runner.graphed is not None,
+           **decode_steps(llm, args.batches, args.prompt_len, args.rounds, copy_bw)}
+    res["verify"] = verify_steps(llm, args.prompt_len)
+    results["decode"] = res
+    print("\n" + format_decode_table(res), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--layers", type=int, default=None, help="trunk layers (default 27; 2 with --tiny)")
     ap.add_argument("--tiny", action="store_true", help="tiny dims (CPU smoke run)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="batch sizes (default 1 32; 1 8 32 64 128 with --checkpoint-dir)")
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="prompt tokens (default 128; 512 with --checkpoint-dir)")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--skip-embedded", action="store_true")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="write (or reuse) the random model as an HF checkpoint here, load it with LLM(dir), and "
+                         "measure the decode step per batch size and the B=1 verify step (bench_engine_decode.json)")
+    ap.add_argument("--rounds", type=int, default=3, help="--checkpoint-dir: rounds of the decode-step measurement")
+    ap.add_argument("--max-batched-tokens", type=int, default=None,
+                    help="--checkpoint-dir: the engine's tokens per step (default: the engine's own)")
+    ap.add_argument("--shard-gb", type=float, default=4.0, help="--checkpoint-dir: safetensors shard size")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    ckpt = args.checkpoint_dir is not None
+    args.layers = args.layers or (2 if args.tiny else 27)
+    args.batches = args.batches or ([1, 8, 32, 64, 128] if ckpt else [1, 32])
+    args.prompt_len = args.prompt_len or (512 if ckpt else 128)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     copy_bw = copy_bandwidth(dev)
     results = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "copy_GBps": copy_bw / 1e9,
                "torch": torch.__version__, "models": []}
+    os.makedirs(args.out, exist_ok=True)
+    if ckpt:
+        del results["models"]
+        checkpoint_mode(args, dev, dtype, copy_bw, results)
+        with open(os.path.join(args.out, "bench_engine_decode.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        return
     cfg_dict = dict(TINY if args.tiny else V2_LITE, num_hidden_layers=args.layers)
     model = random_model(cfg_dict, dev, dtype)
     hf = None if args.no_transformers else transformers_twin(model, cfg_dict, dev, dtype)
@@ -203,7 +456,6 @@ def main():
                                              args.new_tokens, copy_bw))
     with open(os.path.join(args.out, "bench_engine.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
-
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,9 @@
 #   OUT=dir bash benchmarks/run_all.sh decode    # MLA decode, bf16 and quantised caches
 #   OUT=dir bash benchmarks/run_all.sh prefill   # prefill attention against torch SDPA, n-gram proposer
 #   OUT=dir bash benchmarks/run_all.sh engine    # engine against transformers, speculative decoding
+#   OUT=dir bash benchmarks/run_all.sh engine27  # decode step of a 27-layer V2-Lite-shaped checkpoint (CKPT=dir, 31 GB)
+#   OUT=dir bash benchmarks/run_all.sh moe       # one MoE layer against the torch._grouped_mm sort and the floor
+#   OUT=dir bash benchmarks/run_all.sh tune      # fused-MoE tile configurations → $OUT/<device>.json
 #   OUT=dir bash benchmarks/run_all.sh tp        # tensor parallelism (2 GPUs)
 #   OUT=dir bash benchmarks/run_all.sh cpu       # paged-cache memory and quantised-cache quality (no GPU needed)
 # The speculative-decoding workload needs data/stdlib (scripts/prepare_data.py) for its prompt file.
@@ -29,6 +32,15 @@ case ${1:-decode} in
       --k 1 2 3 4 --output-len 128 --modes none mtp --rounds 7 --json "$OUT/bench_spec.json"
     python3 benchmarks/bench_spec_lite.py --json "$OUT/bench_spec_lite.json"
     ;;
+  engine27)
+    python3 benchmarks/bench_engine.py --checkpoint-dir "${CKPT:-/tmp/specmla-v2lite-27}" --out "$OUT"
+    ;;
+  moe)
+    python3 benchmarks/bench_moe.py --out "$OUT"
+    ;;
+  tune)
+    python3 benchmarks/tune_moe.py --out-json "$OUT/" --report "$OUT/tune_moe.json"
+    ;;
   tp)
     python3 benchmarks/bench_tp.py --layers 4 --new-tokens 64 --out "$OUT"
     ;;
@@ -38,7 +50,7 @@ case ${1:-decode} in
       --out "$OUT"
     ;;
   *)
-    echo "usage: OUT=dir bash benchmarks/run_all.sh decode|prefill|engine|tp|cpu" >&2
+    echo "usage: OUT=dir bash benchmarks/run_all.sh decode|prefill|engine|engine27|moe|tune|tp|cpu" >&2
     exit 2
     ;;
 esac
