@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops.moe.tuning import Config, lookup
+from specmla.ops.moe.tuning import Config, fit, lookup
 
 
 @triton.jit
@@ -355,8 +355,8 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
     Is = sd.shape[1] if shared is not None else 0
     ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     wts = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
-    up_cfg = up_config or lookup("up", E, I, H, T, x.device, k)
-    down_cfg = down_config or lookup("down", E, H, I, T, x.device, k)
+    up_cfg = fit(up_config or lookup("up", E, I, H, T, x.device, k), x.element_size(), 2)
+    down_cfg = fit(down_config or lookup("down", E, H, I, T, x.device, k), x.element_size(), 1)
     pair_blocks = T == 1  # a token's experts are distinct: every pair its own block, no align launch
     if pair_blocks:
         sorted_pairs = block_expert = ids

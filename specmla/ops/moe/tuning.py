@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +41,23 @@ def default_config(kind: str, tokens_per_expert: float) -> Config:
     if tokens_per_expert <= 96:
         return Config(64, 64, 64, 8, 4, 4) if kind == "up" else Config(64, 128, 64, 8, 4, 4)
     return Config(128, 64, 64, 8, 8, 4) if kind == "up" else Config(128, 128, 64, 8, 8, 4)
+
+
+SHARED_MEMORY = 227 * 1024  # bytes of shared memory a Hopper program may hold
+
+
+def fit(cfg: Config, elem_bytes: int, b_tiles: int) -> Config:
+    """cfg with fewer pipeline stages (then a shorter block_k) until its stages fit in shared memory:
+    each stage holds the A tile [block_m, block_k] and b_tiles weight tiles [block_k, block_n]."""
+    stages, bk = cfg.num_stages, cfg.block_k
+    while stages * (cfg.block_m + b_tiles * cfg.block_n) * bk * elem_bytes > SHARED_MEMORY:
+        if stages > 2:
+            stages -= 1
+        elif bk > 32:
+            bk //= 2
+        else:
+            break
+    return replace(cfg, num_stages=stages, block_k=bk)
 
 
 def device_key(device: torch.device) -> str:
