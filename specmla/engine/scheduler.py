@@ -91,27 +91,29 @@ class Scheduler:
 
         # 1. decodes, oldest first; make room by preempting the newest running requests
         need = 1 + self.lookahead
+        decoding: set[int] = set()  # seq_ids in batch.decode
         for seq in list(self.running):
             if budget < need:
                 break
-            if seq not in self.running or not self.is_decoding(seq):
+            if seq.status is not Status.RUNNING or not self.is_decoding(seq):  # preempted in this pass
                 continue
             while not pool.can_allocate(seq.seq_id, seq.total_len + self.lookahead):
-                victims = [s for s in self.running if s is not seq and s not in batch.decode]
+                victims = [s for s in self.running if s is not seq and s.seq_id not in decoding]
                 self._preempt(victims[-1] if victims else seq, batch)
                 if not victims:
                     break
-            if seq not in self.running:
+            if seq.status is not Status.RUNNING:
                 continue
             pool.allocate(seq.seq_id, seq.total_len + self.lookahead)
             batch.decode.append(seq)
+            decoding.add(seq.seq_id)
             budget -= need
 
         # 2. prefill chunks of admitted requests, then admit waiting ones in arrival order
         for seq in self.running:
             if budget == 0:
                 break
-            if seq in batch.decode or self.is_decoding(seq):
+            if seq.seq_id in decoding or self.is_decoding(seq):
                 continue
             chunk = self._fit_chunk(seq, budget)
             if chunk == 0:

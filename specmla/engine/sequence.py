@@ -20,7 +20,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity equality keeps `seq in running` O(1) per entry
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams

@@ -132,8 +132,9 @@ def _moe_route_kernel(
         tl.store(PART + (pid_t * SPLIT + pid_s) * (BLOCK_T * BLOCK_E) + tile, logits)
         if tl.atomic_add(COUNT + pid_t, 1, sem="acq_rel") != SPLIT - 1:
             return
+        # unrolled: every split's tile is requested before the sums need them
         logits = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for s in range(SPLIT):
+        for s in tl.static_range(SPLIT):
             logits += tl.load(PART + (pid_t * SPLIT + s) * (BLOCK_T * BLOCK_E) + tile, cache_modifier=".cg")
         tl.store(COUNT + pid_t, 0)
     cols = offs_e[None, :] + tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
