@@ -265,7 +265,9 @@ def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         TOP_K=spec.top_k, BLOCK_K=max(2, triton.next_power_of_2(spec.top_k)),
         N_GROUP=spec.n_group, BLOCK_G=max(2, triton.next_power_of_2(spec.n_group)), TOPK_GROUP=spec.topk_group,
         GROUP_MODE=spec.group_mode, SIGMOID=spec.sigmoid, HAS_BIAS=bias is not None, NORM=spec.norm_topk_prob,
-        V2=spec.v2, FP32_DOT=fp32_dot, USE_DOT=use_dot, GROUP_RESHAPE=_pow2(E) and _pow2(spec.n_group) and block_e == E, num_warps=4 if use_dot else 2, num_stages=3,
+        V2=spec.v2, FP32_DOT=fp32_dot, USE_DOT=use_dot,
+        GROUP_RESHAPE=_pow2(E) and _pow2(spec.n_group) and block_e == E,
+        num_warps=4 if use_dot else 1, num_stages=3,
     )
     return weights, idx
 

@@ -369,19 +369,20 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
     hb = torch.empty(P, I, dtype=x.dtype, device=x.device)
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
     common = dict(E=E, TOP_K=k, N_SHARED=ns, PAIR_BLOCKS=pair_blocks)
-    c = up_cfg
-    _gate_up_kernel[(m_up * triton.cdiv(I, c.block_n),)](
+
+    def tiles(c: Config) -> dict:
+        return dict(BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                    GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages)
+
+    _gate_up_kernel[(m_up * triton.cdiv(I, up_cfg.block_n),)](
         x, ids, sorted_pairs, block_expert, w_gate_up, hb,
-        P, H, I, Is, _offset(sgu, w_gate_up), m_up, ids.stride(0), x.stride(0), hb.stride(0), **common, BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=H % c.block_k == 0, num_warps=c.num_warps,
-        num_stages=c.num_stages,
+        P, H, I, Is, _offset(sgu, w_gate_up), m_up, ids.stride(0), x.stride(0), hb.stride(0),
+        **common, **tiles(up_cfg), EVEN_K=H % up_cfg.block_k == 0,
     )
-    c = down_cfg
-    _down_kernel[(m_down * triton.cdiv(H, c.block_n),)](
+    _down_kernel[(m_down * triton.cdiv(H, down_cfg.block_n),)](
         hb, ids, wts, sorted_pairs, block_expert, w_down, y,
-        P, H, I, Is, _offset(sd, w_down), m_down, ids.stride(0), wts.stride(0), hb.stride(0), y.stride(0), **common, BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, GROUP_M=c.group_m, EVEN_K=I % c.block_k == 0 and (shared is None or Is % I == 0),
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        P, H, I, Is, _offset(sd, w_down), m_down, ids.stride(0), wts.stride(0), hb.stride(0), y.stride(0),
+        **common, **tiles(down_cfg), EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0),
     )
     block_t, block_h = (1, 1024) if T <= 16 else (4, 256)
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
