@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specmla.ops.moe.tuning import CONFIG_DIR, Config, default_config, device_key, shape_key
+from specmla.ops.moe.tuning import CONFIG_DIR, SHARED_MEMORY, Config, default_config, device_key, shape_key
 
 BUCKETS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
 BLOCK_M = (16, 32, 64, 128)
@@ -54,7 +54,7 @@ BLOCK_N = (32, 64, 128, 256)
 BLOCK_K = (64, 128, 256)
 WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
-SMEM_BYTES = 227 * 1024
+SMEM_BYTES = SHARED_MEMORY
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread
 SPIN_CYCLES = 200_000
 SHAPES = {  # name: (E, k, H, I, Is), as in bench_moe.py

@@ -104,10 +104,11 @@ class MoE(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Checkpoint names (relative to this module) → views of the stacked tensors."""
         out, I = {}, self.inter
+        e0 = self.local_experts[0] if self.local_experts is not None else 0  # global id of local expert 0
         for e in range(self.w_down.shape[0]):
-            out[f"experts.{e}.gate_proj.weight"] = self.w_gate_up[e, :I]
-            out[f"experts.{e}.up_proj.weight"] = self.w_gate_up[e, I:]
-            out[f"experts.{e}.down_proj.weight"] = self.w_down[e]
+            out[f"experts.{e0 + e}.gate_proj.weight"] = self.w_gate_up[e, :I]
+            out[f"experts.{e0 + e}.up_proj.weight"] = self.w_gate_up[e, I:]
+            out[f"experts.{e0 + e}.down_proj.weight"] = self.w_down[e]
         if self.shared_down is not None:
             Is = self.shared_down.shape[1]
             out["shared_experts.gate_proj.weight"] = self.shared_gate_up[:Is]

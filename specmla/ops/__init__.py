@@ -1,5 +1,6 @@
 """specmla's kernels. Each op is a public function with a torch reference beside it; the attention
-ops live in packages (`decode`, `prefill`, `kv_cache`), the others in one file each."""
+ops and the mixture of experts live in packages (`decode`, `prefill`, `kv_cache`, `moe`), the others in
+one file each."""
 
 from specmla.ops.decode import mla_decode
 from specmla.ops.kv_cache import decode_rows, gather_kv_cache, row_spec, write_kv_cache
@@ -13,7 +14,7 @@ from specmla.ops.spec_accept import accept_and_place, greedy_verify
 
 __all__ = [
     "RouteSpec", "SamplingTensors", "accept_and_place", "apply_rope", "apply_rope_", "apply_top_k_top_p",
-    "decode_rows", "gather_kv_cache", "greedy_verify", "mla_decode", "mla_prefill", "fused_moe",
-    "fused_moe_torch", "moe_route", "moe_route_torch", "ngram_propose", "rms_norm", "rms_norm_pair", "row_spec",
-    "sample", "write_kv_cache",
+    "decode_rows", "fused_moe", "fused_moe_torch", "gather_kv_cache", "greedy_verify", "mla_decode", "mla_prefill",
+    "moe_route", "moe_route_torch", "ngram_propose", "rms_norm", "rms_norm_pair", "row_spec", "sample",
+    "write_kv_cache",
 ]

@@ -15,8 +15,14 @@ def test_shards_split_heads_and_experts(tiny_model_dir):
     assert a_part.num_heads == a_full.num_heads // 2
     assert a_part.kv_b_proj.weight.shape[0] == a_full.kv_b_proj.weight.shape[0] // 2
     assert a_part.o_proj.weight.shape[1] == a_full.o_proj.weight.shape[1] // 2
-    moe = part.model.layers[1].mlp
+    moe, whole = part.model.layers[1].mlp, full.model.layers[1].mlp
     assert moe.local_experts == (2, 4)
+    assert torch.equal(moe.w_down, whole.w_down[2:4]) and torch.equal(moe.w_gate_up, whole.w_gate_up[2:4])
+    Is = whole.shared_down.shape[1]
+    assert moe.shared_down.shape == (whole.shared_down.shape[0], Is // 2)
+    gate_up = whole.shared_gate_up
+    assert torch.equal(moe.shared_gate_up, torch.cat([gate_up[Is // 2:Is], gate_up[Is + Is // 2:]]))
+    assert set(moe.checkpoint_tensors()) >= {"experts.2.down_proj.weight", "experts.3.gate_proj.weight"}
     with pytest.raises(ValueError, match="heads"):
         shard_model_(load_model(tiny_model_dir, device="cpu", progress=False), 0, 3)
 

@@ -15,8 +15,9 @@ import specmla.ops.moe.route as route_mod
 from specmla.ops import fused_moe, fused_moe_torch, moe_route, moe_route_torch
 from specmla.ops.moe import RouteSpec, moe_route_triton
 from specmla.ops.moe.reference import dequant_blocks
-from specmla.ops.moe.triton import align_pairs, align_pairs_torch, fused_moe_triton, max_blocks
+from specmla.ops.moe.triton import MAX_EXPERT_SLOTS, align_pairs, align_pairs_torch, fused_moe_triton, max_blocks
 from specmla.ops.moe.tuning import Config
+from specmla.ops.scratch import zeroed_scratch
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 TOL = {F32: 1e-5, F16: 3e-3}
@@ -353,6 +354,43 @@ def test_route_matches_reference(name, T, E, H, dtype):
     assert torch.allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["v3_noaux", "v2_greedy"])
+@pytest.mark.parametrize("T,E,H", [(1, 20, 600), (5, 20, 300), (17, 24, 1000)])
+def test_route_split_over_the_hidden_size(name, T, E, H):
+    """Hidden sizes past one block: programs over slices of H, the last to arrive sums their partial logits;
+    its arrival counters are back at zero after the call."""
+    spec = ROUTES[name]
+    x, w, bias = route_case(T, E, H, F32, spec, seed=T + H)
+    got = sorted_route(*moe_route_triton(x, w, bias, spec))
+    want = sorted_route(*moe_route_torch(x, w, bias, spec))
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert (zeroed_scratch("moe_route", route_mod._COUNTERS, x.device) == 0).all()
+
+
+def test_align_scratch_is_zero_after_a_call():
+    ids = random_ids(300, 9, 3, torch.Generator().manual_seed(5))  # 1200 pairs: many programs, two launches
+    align_pairs(ids, 9, 1, 16)
+    assert (zeroed_scratch("moe_align", MAX_EXPERT_SLOTS + 2, ids.device) == 0).all()
+
+
+def test_strided_out_is_filled():
+    case = make_moe_case(5, 7, 2, 40, 24, 24, F32, seed=2)
+    want = fused_moe_torch(*case.args, shared=case.shared)
+    out = torch.full((40, 5), float("nan")).t()  # [T, H] with H strided
+    assert fused_moe(*case.args, shared=case.shared, out=out, backend="triton") is out
+    assert rel_err(out, want) <= 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_too_many_expert_slots_is_a_clear_error(T):
+    E = MAX_EXPERT_SLOTS
+    x, ids = torch.randn(T, 4), torch.zeros(T, 1, dtype=torch.int64)
+    shared = (torch.randn(2, 4), torch.randn(4, 1))  # one more slot
+    with pytest.raises(ValueError, match="expert slots"):
+        fused_moe(x, torch.randn(E, 2, 4), torch.randn(E, 4, 1), torch.ones(T, 1), ids, shared=shared,
+                  backend="triton")
+
+
 def test_route_without_bias_and_int32_ids():
     spec = RouteSpec(top_k=3, n_group=4, topk_group=2, method="noaux_tc", sigmoid=True, norm_topk_prob=True)
     x, w, _ = route_case(17, 24, 40, F32, spec, seed=3)
@@ -430,7 +468,7 @@ def bad_calls():
         ("w_down_not_contiguous", {"w_down": torch.randn(E0, I0, H0).transpose(1, 2)}, "contiguous", ("triton",)),
         ("fp8_on_triton", {"w_gate_up": torch.randn(E0, 2 * I0, H0).to(FP8), "w_gate_up_scale": torch.ones(E0, 1, 1),
                            "w_down": torch.randn(E0, H0, I0).to(FP8), "w_down_scale": torch.ones(E0, 1, 1)},
-         "torch backend", ("triton",)),
+         "no Triton kernel", ("triton",)),
         ("unknown_backend", {}, "backend", ("cuda",)),
     ]
 
@@ -534,6 +572,17 @@ def test_gpu_bf16_matches_reference(shape, T):
     assert fro_err(got, want) <= 1e-2
     assert torch.equal(auto, got)
     assert into is out and torch.equal(out, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_gpu_fp32_experts_multiply_in_fp32(T):
+    """fp32 experts on the GPU are fp32 products (not tf32): the reference to 1e-5."""
+    case = make_moe_case(T, 9, 3, 512, 256, 256, F32, seed=T, device="cuda")
+    with torch.inference_mode():
+        want = fused_moe_torch(*case.args, shared=case.shared)
+        got = fused_moe(*case.args, shared=case.shared, backend="triton")
+    assert fro_err(got, want) <= 1e-5
 
 
 @pytest.mark.gpu

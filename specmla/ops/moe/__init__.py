@@ -28,13 +28,16 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_ga
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_weights fp32 [T, k];
     topk_ids int32/int64 [T, k]. Any T ≥ 0, no host synchronisation, CUDA-graph capturable.
-    backend: "auto" (Triton on CUDA without gradients, else the torch reference), "triton", "torch".
+    backend: "auto" (Triton on CUDA without gradients, else the torch reference; float8 experts take the
+    reference), "triton", "torch".
     """
     check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out)
     args = dict(shared=shared, out=out)
-    if pick_backend(backend, x, w_gate_up, w_down, *(shared or ())) == "torch":
+    fp8 = w_gate_up_scale is not None or w_down_scale is not None
+    chosen = pick_backend(backend, x, w_gate_up, w_down, topk_weights, *(shared or ()))
+    if chosen == "torch" or (fp8 and backend == "auto"):  # fp8 experts: the reference (it syncs) for now
         return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
                                w_down_scale=w_down_scale, **args)
-    if w_gate_up_scale is not None or w_down_scale is not None:
-        raise ValueError("fused_moe: float8 block-scaled experts run on the torch backend only")
+    if fp8:
+        raise ValueError("fused_moe: float8 block-scaled experts have no Triton kernel yet (backend='torch')")
     return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, **args)

@@ -50,8 +50,8 @@ def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None
                     w_down_scale=None, out=None):
     """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]; an id
     outside [0, E) adds nothing; plus the shared experts (w_gate_up_shared [2·Is, H], w_down_shared [H, Is])
-    with weight 1. fp32 inside, x's dtype out; one pass per expert that has tokens (never a host sync
-    beyond torch's own indexing)."""
+    with weight 1. fp32 inside, x's dtype out; one pass per expert that has tokens (the list of those experts
+    is read on the host: a sync)."""
     check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out)
     T, H = x.shape
     E, I = w_down.shape[0], w_down.shape[2]

@@ -1,8 +1,9 @@
 """The DeepSeek router as one Triton kernel beside its torch reference.
 
 In torch the router (fp32 logits, sigmoid/softmax, group-limited selection, top-k, renormalisation) is
-about 20 kernels. Here one program per 16 tokens computes the logits tile as a pipelined GEMM over the
-hidden size, the scores, the group selection (V3 `noaux_tc`: groups ranked by the sum of their top-2
+about 20 kernels. Here programs over (16-token block, slice of H) compute partial logits (a 16-row dot;
+one token alone on the CUDA cores, one warp), and the last program of a block to arrive sums them and
+applies the rule: the scores, the group selection (V3 `noaux_tc`: groups ranked by the sum of their top-2
 biased scores; V2 `group_limited_greedy`: by their best score), the top-k experts and their weights.
 """
 
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from specmla.ops.backend import pick_backend
+from specmla.ops.scratch import zeroed_scratch
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def _moe_route_kernel(
     for h0 in range(pid_s * h_split, h_end, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h < h_end
-        x = tl.load(X + offs_t[:, None] * stride_x + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        x = tl.load(X + offs_t[:, None].to(tl.int64) * stride_x + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
         if USE_DOT:
             w = tl.load(W + offs_e[None, :] * stride_w + offs_h[:, None], mask=e_ok[None, :] & h_ok[:, None],
                         other=0.0)
@@ -130,6 +132,7 @@ def _moe_route_kernel(
     if SPLIT > 1:
         tile = tl.arange(0, BLOCK_T)[:, None] * BLOCK_E + tl.arange(0, BLOCK_E)[None, :]
         tl.store(PART + (pid_t * SPLIT + pid_s) * (BLOCK_T * BLOCK_E) + tile, logits)
+        tl.debug_barrier()  # every thread's partial is issued before the arrival is announced
         if tl.atomic_add(COUNT + pid_t, 1, sem="acq_rel") != SPLIT - 1:
             return
         # unrolled: every split's tile is requested before the sums need them
@@ -222,15 +225,7 @@ def _pow2(n: int) -> bool:
 
 MAX_PROGRAMS = 64  # small batches split H so that about this many programs stream the router weight
 _COUNTERS = 64  # token blocks that may split (one arrival counter each)
-_counter_cache: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Per-device arrival counters of the split router, zero between calls (the last program resets)."""
-    device = torch.device(device)
-    if device not in _counter_cache:
-        _counter_cache[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counter_cache[device]
+MAX_PARTIAL_BYTES = 256 * 1024  # fp32 partial logits the last program of a token block sums
 
 
 def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: RouteSpec,
@@ -254,12 +249,13 @@ def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     block_h = max(16, min(triton.next_power_of_2(H), 128, (16384 if use_dot else 4096 // block_t) // block_e))
     fp32_dot = x.dtype != weight.dtype or x.dtype == torch.float32
     n_t = triton.cdiv(T, block_t)
-    split = max(1, min(triton.cdiv(H, block_h), MAX_PROGRAMS // n_t)) if n_t <= _COUNTERS else 1
+    split = max(1, min(triton.cdiv(H, block_h), MAX_PROGRAMS // n_t, MAX_PARTIAL_BYTES // (4 * block_t * block_e)))
+    split = split if n_t <= _COUNTERS else 1
     h_split = triton.cdiv(triton.cdiv(H, split), block_h) * block_h
     split = triton.cdiv(H, h_split)
     part = torch.empty(n_t * split * block_t * block_e if split > 1 else 1, dtype=torch.float32, device=x.device)
     _moe_route_kernel[(n_t, split)](
-        x, weight, bias if bias is not None else weight, weights, idx, part, _counters(x.device), T, H, h_split,
+        x, weight, bias if bias is not None else weight, weights, idx, part, zeroed_scratch("moe_route", _COUNTERS, x.device), T, H, h_split,
         x.stride(0), weight.stride(0), float(spec.scaling),
         SPLIT=split, E=E, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_H=block_h,
         TOP_K=spec.top_k, BLOCK_K=max(2, triton.next_power_of_2(spec.top_k)),

@@ -4,7 +4,7 @@ A token's slots are its top-k routed experts followed by the shared experts, cut
 of the routed width I (expert ids E, E+1, ...; the activation is per intermediate unit, so the cut is
 exact; the last one may be narrower). Pair p = t·S + j (S = k + shared slots).
 
-1. `align_pairs` (skipped at T = 1, where a token's experts are distinct): counts the pairs per
+1. `align_pairs` (skipped at T = 1, where each pair is its own block): counts the pairs per
    expert, pads each expert's run to BLOCK_M rows, and writes the pair ids grouped by expert plus each
    block's expert (-1 past the real blocks). Sizes come from the static bound
    Σ_e ⌈n_e / BLOCK_M⌉ ≤ (P + min(P, E_slots)·(BLOCK_M − 1)) / BLOCK_M, so no host sync and the
@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from specmla.ops.moe.tuning import Config, fit, lookup
+from specmla.ops.moe.tuning import Config, fit, lookup, shared_memory
+from specmla.ops.scratch import zeroed_scratch
 
 
 @triton.jit
@@ -59,6 +60,7 @@ def _align_count_kernel(
     rel = tl.gather(before, ex, 0) + rank
     if not SINGLE:
         tl.store(REL + p, rel, mask=p < P)
+        tl.debug_barrier()  # every thread's counts and ranks are issued before the arrival is announced
         if tl.atomic_add(ARRIVED, 1, sem="acq_rel") != tl.num_programs(0) - 1:
             return
     counts = tl.load(COUNTS + offs_e, cache_modifier=".cg")
@@ -103,16 +105,7 @@ def max_blocks(pairs: int, expert_slots: int, block_m: int) -> int:
     return (pairs + min(pairs, expert_slots) * (block_m - 1)) // block_m
 
 
-_MAX_E_PAD = 2048  # expert slots (+1) the persistent counters cover
-_scratch_cache: dict[torch.device, torch.Tensor] = {}
-
-
-def _scratch(device: torch.device) -> torch.Tensor:
-    """Per-device per-expert counts and an arrival counter (last slot), zero between calls."""
-    device = torch.device(device)
-    if device not in _scratch_cache:
-        _scratch_cache[device] = torch.zeros(_MAX_E_PAD + 1, dtype=torch.int32, device=device)
-    return _scratch_cache[device]
+MAX_EXPERT_SLOTS = 2047  # routed + shared pseudo-experts the align kernel's counts cover
 
 
 def align_pairs(topk_ids: torch.Tensor, n_experts: int, n_shared: int, block_m: int
@@ -132,17 +125,15 @@ def align_pairs(topk_ids: torch.Tensor, n_experts: int, n_shared: int, block_m: 
         block_expert.fill_(-1)
         return sorted_pairs, block_expert
     e_pad = triton.next_power_of_2(n_experts + n_shared + 1)
-    if e_pad > _MAX_E_PAD:
-        raise ValueError(f"fused_moe: at most {_MAX_E_PAD - 1} expert slots, got {n_experts + n_shared}")
     single = P <= 256
     ch = max(16, triton.next_power_of_2(P)) if single else 128
     chunks = triton.cdiv(P, ch)
-    scratch = _scratch(dev)
+    scratch = zeroed_scratch("moe_align", MAX_EXPERT_SLOTS + 2, dev)  # counts [e_pad], then the arrivals word
     rel = torch.empty(1 if single else P, dtype=torch.int32, device=dev)
     start = torch.empty(e_pad, dtype=torch.int32, device=dev)
     const = dict(E=n_experts, TOP_K=k, N_SHARED=n_shared, E_PAD=e_pad, CH=ch)
     _align_count_kernel[(chunks,)](
-        topk_ids, sorted_pairs, block_expert, rel, start, scratch, scratch[_MAX_E_PAD:], P, topk_ids.stride(0), nb,
+        topk_ids, sorted_pairs, block_expert, rel, start, scratch, scratch[MAX_EXPERT_SLOTS + 1:], P, topk_ids.stride(0), nb,
         BLOCK_M=block_m, BB=64, SINGLE=single, **const, num_warps=4,
     )
     if not single:
@@ -158,7 +149,8 @@ def align_pairs_torch(topk_ids: torch.Tensor, n_experts: int, n_shared: int, blo
     S = k + n_shared
     P = T * S
     nb = max_blocks(P, n_experts + n_shared, block_m)
-    ids = torch.cat([topk_ids.long(), n_experts + torch.arange(n_shared).expand(T, n_shared)], 1).reshape(-1)
+    shared_ids = n_experts + torch.arange(n_shared, device=topk_ids.device).expand(T, n_shared)
+    ids = torch.cat([topk_ids.long(), shared_ids], 1).reshape(-1)
     valid = ids >= 0
     valid[: T * S].view(T, S)[:, :k] &= topk_ids < n_experts
     rows, experts = [], []
@@ -167,9 +159,9 @@ def align_pairs_torch(topk_ids: torch.Tensor, n_experts: int, n_shared: int, blo
         n = -(-len(pairs) // block_m)
         rows += pairs + [P] * (n * block_m - len(pairs))
         experts += [e] * n
-    sorted_pairs = torch.full((max(nb, 1) * block_m,), P, dtype=torch.int32)
+    sorted_pairs = torch.full((max(nb, 1) * block_m,), P, dtype=torch.int32, device=topk_ids.device)
     sorted_pairs[: len(rows)] = torch.tensor(rows, dtype=torch.int32)
-    block_expert = torch.full((max(nb, 1),), -1, dtype=torch.int32)
+    block_expert = torch.full((max(nb, 1),), -1, dtype=torch.int32, device=topk_ids.device)
     block_expert[: len(experts)] = torch.tensor(experts, dtype=torch.int32)
     return sorted_pairs, block_expert
 
@@ -206,10 +198,10 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(
     X, IDS, SORTED, BLOCK_EXPERT, WGU, HB,
-    P, H, I, Is, ws_off, num_m, stride_ids, stride_x, stride_hb,
+    P, H, I, Is, shared_gu_off, num_m, stride_ids, stride_x, stride_hb,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     S: tl.constexpr = TOP_K + N_SHARED
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -217,12 +209,12 @@ def _gate_up_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    # shared pseudo-expert c: gate rows c·I.., up rows Is + c·I.. of the shared gate‖up (at WGU + ws_off);
+    # shared pseudo-expert c: gate rows c·I.., up rows Is + c·I.. of the shared gate‖up (at WGU + shared_gu_off);
     # one base pointer plus a selected offset keeps the loads' alignment known to the compiler
     routed = e < E
     c = e - E
-    g_off = tl.where(routed, e.to(tl.int64) * (2 * I * H), ws_off + c.to(tl.int64) * I * H)
-    u_off = tl.where(routed, g_off + I * H, ws_off + (Is + c.to(tl.int64) * I) * H)
+    g_off = tl.where(routed, e.to(tl.int64) * (2 * I * H), shared_gu_off + c.to(tl.int64) * I * H)
+    u_off = tl.where(routed, g_off + I * H, shared_gu_off + (Is + c.to(tl.int64) * I) * H)
     n_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
     if pid_n * BLOCK_N >= n_lim:
         return
@@ -231,8 +223,8 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     tok = rows // S
     a_ptrs = X + tok[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-    g_ptrs = WGU + g_off + offs_n[None, :] * H + offs_k[:, None]
-    u_ptrs = WGU + u_off + offs_n[None, :] * H + offs_k[:, None]
+    g_ptrs = WGU + g_off + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
+    u_ptrs = WGU + u_off + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -245,8 +237,8 @@ def _gate_up_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, wg, acc_g)
-        acc_u = tl.dot(a, wu, acc_u)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -258,10 +250,10 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     HB, IDS, WTS, SORTED, BLOCK_EXPERT, WD, OUT,
-    P, H, I, Is, sd_off, num_m, stride_ids, stride_wts, stride_hb, stride_o,
+    P, H, I, Is, shared_down_off, num_m, stride_ids, stride_wts, stride_hb, stride_o,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     S: tl.constexpr = TOP_K + N_SHARED
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
@@ -269,10 +261,10 @@ def _down_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    # shared pseudo-expert c: columns c·I.. of the shared down projection [H, Is] (at WD + sd_off)
+    # shared pseudo-expert c: columns c·I.. of the shared down projection [H, Is] (at WD + shared_down_off)
     routed = e < E
     c = e - E
-    b_off = tl.where(routed, e.to(tl.int64) * H * I, sd_off + c.to(tl.int64) * I)
+    b_off = tl.where(routed, e.to(tl.int64) * H * I, shared_down_off + c.to(tl.int64) * I)
     rs = tl.where(routed, I, Is)
     k_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -289,7 +281,7 @@ def _down_kernel(
             k_ok = offs_k + k0 < k_lim
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     j = rows % S
@@ -338,55 +330,64 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
                      up_config: Config | None = None, down_config: Config | None = None):
     """`fused_moe` on bf16 / fp16 / fp32 experts (tile configurations from `tuning.lookup` unless given)."""
     T, H = x.shape
-    E, _, _ = w_gate_up.shape
+    E = w_gate_up.shape[0]
     I = w_down.shape[2]
     if x.stride(-1) != 1 or not all(w.is_contiguous() for w in (w_gate_up, w_down, *(shared or ()))):
         raise ValueError("fused_moe: the expert weights must be contiguous and x contiguous in its last dimension")
     if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype or any(w.dtype != x.dtype for w in shared or ()):
         raise ValueError(f"fused_moe: expert weights must have x's dtype {x.dtype}")
     k = topk_ids.shape[1]
-    ns = shared_slots(shared, I)
-    S = k + ns
-    P = T * S
-    out = torch.empty_like(x) if out is None else out
+    n_shared = shared_slots(shared, I)
+    if E + n_shared > MAX_EXPERT_SLOTS:
+        raise ValueError(f"fused_moe: at most {MAX_EXPERT_SLOTS} routed + shared expert slots, got {E + n_shared}")
+    P = T * (k + n_shared)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.stride(-1) != 1:  # the sum writes rows contiguous in H: go through a temporary
+        return out.copy_(fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared,
+                                          up_config=up_config, down_config=down_config))
     if T == 0:
         return out
-    sgu, sd = shared if shared is not None else (w_gate_up, w_down)
-    Is = sd.shape[1] if shared is not None else 0
+    shared_gu, shared_down = shared if shared is not None else (w_gate_up, w_down)
+    Is = shared_down.shape[1] if shared is not None else 0
     ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
     wts = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
-    up_cfg = fit(up_config or lookup("up", E, I, H, T, x.device, k), x.element_size(), 2)
-    down_cfg = fit(down_config or lookup("down", E, H, I, T, x.device, k), x.element_size(), 1)
-    pair_blocks = T == 1  # a token's experts are distinct: every pair its own block, no align launch
+    smem = shared_memory(x.device)
+    up_cfg = fit(up_config or lookup("up", E, I, H, T, x.device, k), x.element_size(), 2, smem)
+    down_cfg = fit(down_config or lookup("down", E, H, I, T, x.device, k), x.element_size(), 1, smem)
+    pair_blocks = T == 1  # every pair its own block: no align launch
     if pair_blocks:
         sorted_pairs = block_expert = ids
-        m_up = m_down = P
+        num_blocks = P
     else:
         if up_cfg.block_m != down_cfg.block_m:
             raise ValueError("fused_moe: the up and down configurations must share block_m")
-        sorted_pairs, block_expert = align_pairs(ids, E, ns, up_cfg.block_m)
-        m_up = m_down = block_expert.shape[0]
+        sorted_pairs, block_expert = align_pairs(ids, E, n_shared, up_cfg.block_m)
+        num_blocks = block_expert.shape[0]
     hb = torch.empty(P, I, dtype=x.dtype, device=x.device)
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
-    common = dict(E=E, TOP_K=k, N_SHARED=ns, PAIR_BLOCKS=pair_blocks)
+    # fp32 experts multiply in fp32 ("ieee"), not Triton's default tf32
+    common = dict(E=E, TOP_K=k, N_SHARED=n_shared, PAIR_BLOCKS=pair_blocks,
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
 
     def tiles(c: Config) -> dict:
         return dict(BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                     GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages)
 
-    _gate_up_kernel[(m_up * triton.cdiv(I, up_cfg.block_n),)](
+    _gate_up_kernel[(num_blocks * triton.cdiv(I, up_cfg.block_n),)](
         x, ids, sorted_pairs, block_expert, w_gate_up, hb,
-        P, H, I, Is, _offset(sgu, w_gate_up), m_up, ids.stride(0), x.stride(0), hb.stride(0),
+        P, H, I, Is, _offset(shared_gu, w_gate_up), num_blocks, ids.stride(0), x.stride(0), hb.stride(0),
         **common, **tiles(up_cfg), EVEN_K=H % up_cfg.block_k == 0,
     )
-    _down_kernel[(m_down * triton.cdiv(H, down_cfg.block_n),)](
+    _down_kernel[(num_blocks * triton.cdiv(H, down_cfg.block_n),)](
         hb, ids, wts, sorted_pairs, block_expert, w_down, y,
-        P, H, I, Is, _offset(sd, w_down), m_down, ids.stride(0), wts.stride(0), hb.stride(0), y.stride(0),
-        **common, **tiles(down_cfg), EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0),
+        P, H, I, Is, _offset(shared_down, w_down), num_blocks, ids.stride(0), wts.stride(0), hb.stride(0),
+        y.stride(0), **common, **tiles(down_cfg),
+        EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0),
     )
     block_t, block_h = (1, 1024) if T <= 16 else (4, 256)
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
         y, ids, out, T, H, ids.stride(0), y.stride(0), out.stride(0),
-        E=E, TOP_K=k, N_SHARED=ns, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        E=E, TOP_K=k, N_SHARED=n_shared, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
     )
     return out

@@ -35,7 +35,7 @@ class Config:
 def default_config(kind: str, tokens_per_expert: float) -> Config:
     """A configuration by the mean rows per expert (kind: "up" or "down")."""
     if tokens_per_expert <= 8:
-        return Config(16, 64, 128, 1, 4, 4) if kind == "up" else Config(16, 64, 128, 1, 4, 4)
+        return Config(16, 64, 128, 1, 4, 4)
     if tokens_per_expert <= 48:
         return Config(32, 64, 128, 4, 4, 4)
     if tokens_per_expert <= 96:
@@ -43,14 +43,22 @@ def default_config(kind: str, tokens_per_expert: float) -> Config:
     return Config(128, 64, 64, 8, 8, 4) if kind == "up" else Config(128, 128, 64, 8, 8, 4)
 
 
-SHARED_MEMORY = 227 * 1024  # bytes of shared memory a Hopper program may hold
+SHARED_MEMORY = 227 * 1024  # bytes of shared memory a program may hold on Hopper (the configurations' target)
 
 
-def fit(cfg: Config, elem_bytes: int, b_tiles: int) -> Config:
-    """cfg with fewer pipeline stages (then a shorter block_k) until its stages fit in shared memory:
-    each stage holds the A tile [block_m, block_k] and b_tiles weight tiles [block_k, block_n]."""
+@functools.lru_cache(maxsize=None)
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may opt into on `device` (SHARED_MEMORY off CUDA)."""
+    if device.type != "cuda":
+        return SHARED_MEMORY
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def fit(cfg: Config, elem_bytes: int, b_tiles: int, limit: int = SHARED_MEMORY) -> Config:
+    """cfg with fewer pipeline stages (then a shorter block_k) until its stages fit in `limit` bytes of
+    shared memory: each stage holds the A tile [block_m, block_k] and b_tiles weight tiles [block_k, block_n]."""
     stages, bk = cfg.num_stages, cfg.block_k
-    while stages * (cfg.block_m + b_tiles * cfg.block_n) * bk * elem_bytes > SHARED_MEMORY:
+    while stages * (cfg.block_m + b_tiles * cfg.block_n) * bk * elem_bytes > limit:
         if stages > 2:
             stages -= 1
         elif bk > 32:
