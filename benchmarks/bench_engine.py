@@ -45,13 +45,13 @@ from pathlib import Path
 
 import torch
 from limits import copy_bandwidth
-from safetensors.torch import save_file
 
 from specmla import LLM, SamplingParams
 from specmla.bench import run_throughput
 from specmla.config import ModelConfig
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.model.deepseek import DeepseekForCausalLM, MoE
+from specmla.model.loader import save_checkpoint
 from specmla.model.rope import rope_cos_sin_cache
 
 V2_LITE = {  # DeepSeek-V2-Lite's config.json (27 layers, 64 routed experts top-6, 2 shared, no q_lora)
@@ -201,28 +201,7 @@ def write_checkpoint(model: DeepseekForCausalLM, cfg_dict: dict, path: Path, sha
     the hub's tensor names, model.safetensors.index.json, and config.json last (its presence marks the directory
     complete). One shard at a time goes through host memory."""
     path.mkdir(parents=True, exist_ok=True)
-    tensors = model.checkpoint_tensors()
-    shards, cur, size = [], [], 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if cur and size + n > shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(name)
-        size += n
-    if cur:
-        shards.append(cur)
-    weight_map, total = {}, 0
-    for i, names in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        part = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
-        total += sum(t.numel() * t.element_size() for t in part.values())
-        save_file(part, str(path / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, fname))
-        print(f"  wrote {fname} ({len(names)} tensors)", flush=True)
-        del part
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    save_checkpoint(model, path, max_shard_bytes=shard_bytes)
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
 
 

@@ -156,9 +156,33 @@ def load_model(
     return model.eval()
 
 
-def save_checkpoint(model: DeepseekForCausalLM, path: str | Path) -> None:
+def save_checkpoint(model: DeepseekForCausalLM, path: str | Path, max_shard_bytes: int | None = None) -> None:
     """Write the model's tensors to `path`/model.safetensors with HF checkpoint names (per-expert
     tensors, MTP modules as model.layers.{num_hidden_layers + i}.*, their shared embedding/head
-    not written again: the loader uses the trunk's)."""
-    tensors = {name: t.detach().contiguous().cpu() for name, t in model.checkpoint_tensors().items()}
-    save_file(tensors, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    not written again: the loader uses the trunk's). With max_shard_bytes: shards
+    model-0000i-of-0000n.safetensors of about that size and model.safetensors.index.json, one shard at a
+    time through host memory."""
+    path = Path(path)
+    tensors = model.checkpoint_tensors()
+    if max_shard_bytes is None:
+        save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return
+    shards, size = [[]], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        part = {n: tensors[n].detach().to("cpu", copy=True).contiguous() for n in names}
+        total += sum(t.numel() * t.element_size() for t in part.values())
+        save_file(part, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, fname))
+        del part
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))

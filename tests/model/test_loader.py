@@ -499,6 +499,25 @@ def test_save_checkpoint_round_trip_and_transformers_reads_it(ckpt, tmp_path):
     assert _rel(logits, hf_logits) <= 1e-4
 
 
+def test_save_checkpoint_in_shards_round_trips(ckpt, tmp_path):
+    """max_shard_bytes: several shards and an index, every tensor back bit for bit."""
+    _, src = ckpt("v3_qlora_groups", 1)
+    model = _load(src)
+    out = tmp_path / "sharded"
+    out.mkdir()
+    save_checkpoint(model, out, max_shard_bytes=64 << 10)
+    shutil.copy(src / "config.json", out / "config.json")
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert set(index["weight_map"]) == set(model.checkpoint_tensors())
+    a, b = _model_tensors(model), _model_tensors(_load(out))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k].detach(), b[k].detach()), k
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. dtype argument
 # ---------------------------------------------------------------------------------------------
