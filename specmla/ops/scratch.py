@@ -1,4 +1,4 @@
-"""Zeroed int32 scratch that a kernel leaves at zero when it ends (arrival counters, per-expert counts).
+"""Zeroed int32 scratch that a kernel leaves at zero when it ends (arrival and tile counters, per-expert counts).
 
 One buffer per (purpose, device, stream): launches that may overlap (other streams) each get their own. A
 buffer first asked for while a CUDA graph is being captured is zeroed by a memset inside the graph, so it is

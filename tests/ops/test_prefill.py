@@ -195,7 +195,9 @@ def test_gpu_hopper_prefill_persistent_streams_keep_their_own_counter():
             got2 = P.mla_prefill_hopper(q2, k2, v2, cu_q, cu_k, 2000, 2000, 0.09, opts=persistent)
         torch.cuda.synchronize()
         assert rel_err(got.float(), want.float()) <= 1e-3 and rel_err(got2.float(), want2.float()) <= 1e-3
-    assert P._tile_counter(q.device) is not P._COUNTERS[(q.device.index, side.cuda_stream)]
+    with torch.cuda.stream(side):
+        side_counter = P._tile_counter(q.device)
+    assert P._tile_counter(q.device) is not side_counter
 
 
 @pytest.mark.gpu

@@ -45,6 +45,7 @@ import torch
 
 from specmla.ops.decode.hopper import common as G
 from specmla.ops.prefill.triton import head_dim_split
+from specmla.ops.scratch import zeroed_scratch
 
 if G.HAVE_GLUON:
     from triton.experimental import gluon
@@ -500,20 +501,10 @@ def _device_facts_at(index: int) -> tuple[int, int, int]:
     return props.major, props.L2_cache_size, props.multi_processor_count
 
 
-_COUNTERS: dict = {}  # (device index, stream) → the persistent grid's tile counter
-# the current stream's handle, read without building a torch Stream (slow host work on every call)
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
-    (lambda index: torch.cuda.current_stream(index).cuda_stream)
-
-
 def _tile_counter(device: torch.device) -> torch.Tensor:
     """Two int32 words (next tile, programs done) for the persistent grid's tile claims. The kernel leaves
     them at zero when it ends; launches that may overlap (other streams) each get their own."""
-    key = (device.index, _raw_stream(device.index) if device.type == "cuda" else 0)
-    counter = _COUNTERS.get(key)
-    if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counter
+    return zeroed_scratch("prefill_tiles", 2, device)
 
 
 def head_group(H: int, kv_len: int, dim: int, elem: int, device) -> int:
