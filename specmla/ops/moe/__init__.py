@@ -31,13 +31,13 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_ga
     backend: "auto" (Triton on CUDA without gradients, else the torch reference; float8 experts take the
     reference), "triton", "torch".
     """
-    check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out)
     args = dict(shared=shared, out=out)
     fp8 = w_gate_up_scale is not None or w_down_scale is not None
     chosen = pick_backend(backend, x, w_gate_up, w_down, topk_weights, *(shared or ()))
     if chosen == "torch" or (fp8 and backend == "auto"):  # fp8 experts: the reference (it syncs) for now
         return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
-                               w_down_scale=w_down_scale, **args)
+                               w_down_scale=w_down_scale, **args)  # checks its arguments itself
+    check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out)
     if fp8:
         raise ValueError("fused_moe: float8 block-scaled experts have no Triton kernel yet (backend='torch')")
     return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, **args)
