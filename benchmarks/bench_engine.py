@@ -362,8 +362,9 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
     results["checkpoint_dir"] = str(path)
     results["args"] = vars(args)
     try:
-        results["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        results["git_commit"] = args.commit or subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except OSError:
         results["git_commit"] = None
     results["checkpoint_write_s"] = ensure_checkpoint(path, cfg_dict, dev, dtype, int(args.shard_gb * (1 << 30)))
@@ -402,6 +403,7 @@ def main():
                     help="--checkpoint-dir: the engine's tokens per step (default: the engine's own)")
     ap.add_argument("--shard-gb", type=float, default=4.0, help="--checkpoint-dir: safetensors shard size")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--commit", default=None, help="commit to record (default: the checkout's HEAD)")
     args = ap.parse_args()
     ckpt = args.checkpoint_dir is not None
     args.layers = args.layers or (2 if args.tiny else 27)
