@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import torch
-from limits import copy_bandwidth
+from limits import copy_bandwidth, gemm_rate
 
 from specmla import LLM, SamplingParams
 from specmla.bench import run_throughput
@@ -333,6 +333,127 @@ def verify_steps(llm: LLM, context: int, k: int = 3, reps: int = 30, seed: int =
         pool.free(sid)
 
 
+# ---- checkpoint directory mode: prompt throughput and time to first token ------------------------------
+PREFILL_CASES = [(1, 128), (1, 512), (1, 2048), (1, 8192), (64, 512), (16, 4096)]  # (prompts, tokens each)
+PREFILL_TARGETS = {(1, 512): ("ttft_ms", 30.0), (1, 8192): ("tok_s", 40e3), (64, 512): ("tok_s", 50e3)}
+
+
+def prompt_flops(cfg: ModelConfig, L: int) -> float:
+    """FLOPs of one L-token prompt's forward: every token through the linear layers it touches (attention
+    projections, the dense MLP or router + shared + top-k routed experts), causal attention in the MHA form
+    (L²/2 query-key pairs per head of q·k over d_qk and p·v over d_v), the last token's logits."""
+    with torch.device("meta"):
+        m = DeepseekForCausalLM(cfg, max_positions=16)
+    per_token = 0
+    for i, layer in enumerate(m.model.layers):
+        per_token += sum(p.numel() for p in layer.self_attn.parameters() if p.dim() == 2)
+        if cfg.is_moe_layer(i):
+            H, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+            mlp = layer.mlp
+            per_token += mlp.gate.weight.numel() + k * 3 * H * I
+            per_token += sum(p.numel() for n, p in mlp.named_parameters() if n.startswith("shared"))
+        else:
+            per_token += sum(p.numel() for p in layer.mlp.parameters() if p.dim() == 2)
+    heads = cfg.num_attention_heads
+    attn = cfg.num_hidden_layers * heads * (L * (L + 1) / 2) * (cfg.qk_head_dim + cfg.v_head_dim) * 2
+    return 2 * per_token * L + attn + 2 * cfg.hidden_size * cfg.vocab_size
+
+
+def gpu_busy_s(llm: LLM, prompts) -> tuple[float, int]:
+    """(seconds of GPU kernels, kernel launches) while the engine prefills `prompts` (one token out), from the
+    torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_generate(llm, prompts, 1)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e6, len(kernels)
+
+
+def prefill_runs(llm: LLM, rounds: int, gemm: float, cases=PREFILL_CASES, seed: int = 3) -> dict:
+    """Per case (B prompts of L fresh random tokens, one token generated): wall time of `generate` (the prompt's
+    time to first token at B=1), prompt tok/s, and the compute ceiling B·L / (FLOPs / the run's GEMM rate);
+    median over `rounds` interleaved rounds after one untimed warm-up per case. One profiled run per case
+    gives the GPU's busy time and the kernels launched (host-bound when busy ≪ wall)."""
+    cfg = llm.model.config
+    rng = random.Random(seed)
+
+    def fresh(B, L):
+        return [[rng.randrange(3, cfg.vocab_size) for _ in range(L)] for _ in range(B)]
+
+    for B, L in cases:
+        timed_generate(llm, fresh(B, L), 1)
+    samples = {c: [] for c in cases}
+    for r in range(rounds):
+        for B, L in cases:
+            samples[(B, L)].append(timed_generate(llm, fresh(B, L), 1))
+    rows = []
+    for B, L in cases:
+        t = statistics.median(samples[(B, L)])
+        flops = B * prompt_flops(cfg, L)
+        row = {"prompts": B, "prompt_len": L, "wall_s": t, "samples_s": samples[(B, L)], "tok_s": B * L / t,
+               "flops": flops, "ceiling_tok_s": B * L / (flops / gemm), "ceiling_frac": flops / gemm / t}
+        if llm.kv_pool.device.type == "cuda":
+            row["gpu_busy_s"], row["kernels"] = gpu_busy_s(llm, fresh(B, L))
+        if (B, L) in PREFILL_TARGETS:
+            what, target = PREFILL_TARGETS[(B, L)]
+            row["target"] = {what: target}
+            row["pass"] = t * 1e3 <= target if what == "ttft_ms" else B * L / t >= target
+        rows.append(row)
+        print(f"  prefill {B} × {L}: {t * 1e3:.1f} ms, {B * L / t:.0f} tok/s (ceiling {row['ceiling_tok_s']:.0f}), "
+              f"GPU busy {row.get('gpu_busy_s', float('nan')) * 1e3:.1f} ms in {row.get('kernels', 0)} kernels",
+              flush=True)
+    return {"rounds": rounds, "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens, "rows": rows}
+
+
+def transformers_prefill(path: Path, dev, dtype, cases=PREFILL_CASES, rounds: int = 2, seed: int = 3) -> dict:
+    """transformers on the same checkpoint directory: one forward over the B × L prompt batch and the argmax of
+    each last token's logits, wall time (synchronised), median of `rounds` after one warm-up per case."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(dev).eval()  # (no accelerate needed)
+    rng = random.Random(seed)
+    rows = []
+    for B, L in cases:
+        ids = torch.tensor([[rng.randrange(3, hf.config.vocab_size) for _ in range(L)] for _ in range(B)],
+                           device=dev)
+        times = []
+        for i in range(rounds + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                hf(ids, logits_to_keep=1).logits[:, -1].argmax(-1).tolist()
+            _sync(dev)
+            if i:
+                times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        rows.append({"prompts": B, "prompt_len": L, "wall_s": t, "tok_s": B * L / t})
+        print(f"  transformers prefill {B} × {L}: {t * 1e3:.1f} ms, {B * L / t:.0f} tok/s", flush=True)
+    del hf
+    return {"rounds": rounds, "rows": rows}
+
+
+def format_prefill_table(res: dict) -> str:
+    hf = {(r["prompts"], r["prompt_len"]): r for r in (res.get("transformers") or {}).get("rows", [])}
+    lines = [f"prefill, {res['label']}: one token generated per prompt, median of {res['rounds']} rounds, "
+             f"max_num_batched_tokens {res['max_num_batched_tokens']}",
+             "| prompts × tokens | wall ms | prompt tok/s | ceiling tok/s | of ceiling | GPU busy ms | kernels "
+             "| transformers tok/s | vs transformers | target | result |", "|---" * 11 + "|"]
+    for r in res["rows"]:
+        h = hf.get((r["prompts"], r["prompt_len"]))
+        tgt = r.get("target")
+        tgt_s = "—" if not tgt else (f"TTFT ≤ {tgt['ttft_ms']:g} ms" if "ttft_ms" in tgt else f"≥ {tgt['tok_s']:.0f} tok/s")
+        verdict = "—" if not tgt else ("PASS" if r["pass"] else "MISS")
+        busy = r.get("gpu_busy_s")
+        busy_s = "n/a" if busy is None else f"{busy * 1e3:.1f}"
+        hf_s = "n/a" if h is None else f"{h['tok_s']:.0f}"
+        ratio = "n/a" if h is None else f"{r['tok_s'] / h['tok_s']:.1f}×"
+        lines.append(f"| {r['prompts']} × {r['prompt_len']} | {r['wall_s'] * 1e3:.1f} | {r['tok_s']:.0f} "
+                     f"| {r['ceiling_tok_s']:.0f} | {r['ceiling_frac']:.0%} | {busy_s} | {r.get('kernels', 'n/a')} "
+                     f"| {hf_s} | {ratio} | {tgt_s} | {verdict} |")
+    return "\n".join(lines)
+
+
 def format_decode_table(res: dict) -> str:
     lines = [f"decode step, {res['label']}: {res['prompt_len']}-token prompts, (t({res['new_tokens']}) − t(1)) / "
              f"{res['new_tokens'] - 1}, median of {res['rounds']} rounds",
@@ -369,18 +490,31 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
         results["git_commit"] = None
     results["checkpoint_write_s"] = ensure_checkpoint(path, cfg_dict, dev, dtype, int(args.shard_gb * (1 << 30)))
     t0 = time.perf_counter()
-    max_len = -(-(args.prompt_len + 256) // 64) * 64
+    longest = max([args.prompt_len] + ([L for _, L in PREFILL_CASES] if args.prefill else []))
+    max_len = -(-(longest + 256) // 64) * 64
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
     llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max(args.batches), max_model_len=max_len, **extra)
     results["load_s"] = time.perf_counter() - t0
     label = f"V2-Lite-shaped checkpoint ({args.layers} layers, random, {str(dtype).split('.')[-1]}), LLM(path)"
     print(f"loaded {path} in {results['load_s']:.1f}s; CUDA graphs: {llm.engine.runner.graphed is not None}",
           flush=True)
-    res = {"label": label, "graphs": llm.engine.runner.graphed is not None,
-           **decode_steps(llm, args.batches, args.prompt_len, args.rounds, copy_bw)}
-    res["verify"] = verify_steps(llm, args.prompt_len)
-    results["decode"] = res
-    print("\n" + format_decode_table(res), flush=True)
+    if not args.no_decode:
+        res = {"label": label, "graphs": llm.engine.runner.graphed is not None,
+               **decode_steps(llm, args.batches, args.prompt_len, args.rounds, copy_bw)}
+        res["verify"] = verify_steps(llm, args.prompt_len)
+        results["decode"] = res
+        print("\n" + format_decode_table(res), flush=True)
+    if args.prefill:
+        gemm = gemm_rate(dev) if dev.type == "cuda" else float("nan")
+        results["gemm_TFLOPs"] = gemm / 1e12
+        res = {"label": label, **prefill_runs(llm, args.rounds, gemm)}
+        results["prefill"] = res
+        if not args.no_transformers:
+            del llm
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            res["transformers"] = transformers_prefill(path, dev, dtype)
+        print("\n" + format_prefill_table(res), flush=True)
 
 
 def main():
@@ -398,6 +532,10 @@ def main():
     ap.add_argument("--checkpoint-dir", default=None,
                     help="write (or reuse) the random model as an HF checkpoint here, load it with LLM(dir), and "
                          "measure the decode step per batch size and the B=1 verify step (bench_engine_decode.json)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="--checkpoint-dir: also prompt throughput and time to first token (B=1 with 128 … 8192 "
+                         "tokens, 64 × 512, 16 × 4096) against transformers on the same directory")
+    ap.add_argument("--no-decode", action="store_true", help="--checkpoint-dir: skip the decode-step measurement")
     ap.add_argument("--rounds", type=int, default=3, help="--checkpoint-dir: rounds of the decode-step measurement")
     ap.add_argument("--max-batched-tokens", type=int, default=None,
                     help="--checkpoint-dir: the engine's tokens per step (default: the engine's own)")
@@ -418,8 +556,11 @@ def main():
     if ckpt:
         del results["models"]
         checkpoint_mode(args, dev, dtype, copy_bw, results)
-        with open(os.path.join(args.out, "bench_engine_decode.json"), "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        for part in ("decode", "prefill"):  # bench_engine_decode.json, bench_engine_prefill.json
+            if part in results:
+                other = {"decode": "prefill", "prefill": "decode"}[part]
+                with open(os.path.join(args.out, f"bench_engine_{part}.json"), "w") as f:
+                    json.dump({k: v for k, v in results.items() if k != other}, f, indent=1, default=str)
         return
     cfg_dict = dict(TINY if args.tiny else V2_LITE, num_hidden_layers=args.layers)
     model = random_model(cfg_dict, dev, dtype)
