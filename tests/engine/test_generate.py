@@ -166,3 +166,64 @@ def test_gpu_engine_with_triton_decode_matches_cpu(tiny_model_dir):
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
     outs = bf16.generate(PROMPTS, params)
     assert all(len(o.token_ids) == 16 for o in outs) and bf16.kv_pool.num_free_pages() == 64
+
+
+
+V2_LITE_4_LAYERS = {  # DeepSeek-V2-Lite's dimensions, 4 layers (the shape in which the fault below showed)
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+    "rope_theta": 10000.0, "bos_token_id": 100000, "eos_token_id": 100001,
+}
+
+
+@pytest.mark.gpu
+def test_gpu_a_graph_captured_after_the_decode_graphs_reads_zeroed_moe_counters():
+    """Decode graphs of several batch sizes share one memory pool. The fused MoE's counters must not come from
+    that pool (its graphs' intermediates overwrite them between replays; the align kernel then wrote out of
+    bounds): a graph captured later in its own pool, like the speculative verify step's, gives what the same
+    step gives eagerly, after the decode graphs of B=1 and B=128 (the align's two-pass path) have run."""
+    import random
+
+    from specmla.config import ModelConfig
+    from specmla.engine.cuda_graphs import GraphedDecoder
+    from specmla.model.deepseek import DeepseekForCausalLM
+    from specmla.model.rope import rope_cos_sin_cache
+
+    cfg = ModelConfig.from_dict(V2_LITE_4_LAYERS)
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg, max_positions=2048).to(torch.bfloat16)
+    model = model.to_empty(device="cuda").eval()
+    model.cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, 2048, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=g)
+    llm = LLM(model, max_num_seqs=128)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for batch in (1, 128):
+        llm.generate([[rng.randrange(3, 1000) for _ in range(512)] for _ in range(batch)], params)
+    pool, S, context = llm.kv_pool, 4, 512
+    pool.allocate(-1, context + S)
+    try:
+        pages = pool.pages_of(-1)
+        for c in pool.caches:
+            c[torch.tensor(pages, device="cuda")] = torch.randn_like(c[:1]).expand(len(pages), *c.shape[1:])
+        args = ([rng.randrange(3, 1000) for _ in range(S)], list(range(context, context + S)),
+                pool.slots(-1, context, context + S), [context + S], [pages])
+        outs = []
+        for graphs in (False, True):
+            dec = GraphedDecoder(model, pool, 1, -(-model.max_positions // pool.page_size), use_graphs=graphs,
+                                 query_len=S)
+            for _ in range(3):  # (the graphed one: capture, then replays)
+                hidden, _ = dec.run(*args)
+            outs.append(hidden.float())
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[1]).all()
+        torch.testing.assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
+    finally:
+        pool.free(-1)
