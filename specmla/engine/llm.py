@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from specmla.distributed import destroy_group, init_group, launched_by_torchrun, local_rank
 from specmla.engine.cuda_graphs import GraphedDecoder
+from specmla.engine.prefill_graphs import PiecewisePrefill
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.mtp_graph import GraphedMtpDrafter
@@ -112,6 +113,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
         if device.type == "cuda" and not enforce_eager and tensor_parallel_size == 1:
             pages = -(-max_len // page_size)
+            self.engine.runner.prefill_graphs = PiecewisePrefill(self.model, pool, max_num_batched_tokens)
             if proposer is None:
                 self.engine.runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, pages)
             else:  # every decode step is a verify step with S = 1 + k query tokens

@@ -12,6 +12,7 @@ import torch
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.mtp_graph import GraphedMtpDrafter
+from specmla.engine.prefill_graphs import PiecewisePrefill
 from specmla.engine.sequence import Sequence
 from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.model.deepseek import DeepseekForCausalLM
@@ -27,6 +28,7 @@ class ModelRunner:
         self.graphed_verify: GraphedDecoder | None = None  # the same for speculative verify steps (S = 1 + k)
         self.graphed_mtp: GraphedMtpDrafter | None = None  # MTP catch-up + drafts after a verify step, one replay
         self.graphed_spec: GraphedSpecStep | None = None  # greedy MTP steps: verify + accept + drafts, one replay
+        self.prefill_graphs: PiecewisePrefill | None = None  # other steps: graphed pieces around eager attention
 
     def build_metadata(
         self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False, starts: list[int] | None = None
@@ -35,13 +37,7 @@ class ModelRunner:
         (start defaults to num_cached; the cache holds the positions before it)."""
         pool, dev = self.pool, self.device
         starts = [s.num_cached for s in seqs] if starts is None else starts
-        ids, positions, slots, kv_lens = [], [], [], []
-        for s, q, start in zip(seqs, q_lens, starts):
-            end = start + q
-            ids += s.all_ids[start:end]
-            positions += range(start, end)
-            slots += pool.slots(s.seq_id, start, end)
-            kv_lens.append(end)
+        ids, positions, slots, kv_lens = self._rows(seqs, q_lens, starts)
         is_decode = all(q == q_lens[0] for q in q_lens) and all(st > 0 for st in starts) and q_lens[0] <= 8
         has_prefix = any(st > 0 for st in starts)
         context_slots = None
@@ -65,6 +61,19 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.long, device=dev), meta
 
+    def _rows(self, seqs: list[Sequence], q_lens: list[int], starts: list[int]
+              ) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The step's token ids, positions and cache slots (request after request) and each request's
+        length once they are computed."""
+        ids, positions, slots, kv_lens = [], [], [], []
+        for s, q, start in zip(seqs, q_lens, starts):
+            end = start + q
+            ids += s.all_ids[start:end]
+            positions += range(start, end)
+            slots += self.pool.slots(s.seq_id, start, end)
+            kv_lens.append(end)
+        return ids, positions, slots, kv_lens
+
     @torch.inference_mode()
     def forward_logits(
         self, seqs: list[Sequence], q_lens: list[int] | None = None, naive_context: bool = False
@@ -75,6 +84,13 @@ class ModelRunner:
             q_lens = [s.total_len - s.num_cached for s in seqs]
         if self._graphable(seqs, q_lens, naive_context):
             logits = self._graphed_decode(seqs)
+        elif (self.prefill_graphs is not None and not naive_context
+              and self.prefill_graphs.padded_size(sum(q_lens)) is not None):
+            ids, positions, slots, _ = self._rows(seqs, q_lens, [s.num_cached for s in seqs])
+            _, meta = self.build_metadata(seqs, q_lens)
+            hidden = self.prefill_graphs.forward(ids, positions, slots, meta)
+            logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+            self.last_hidden = (hidden, [s.num_cached for s in seqs], q_lens)
         else:
             input_ids, meta = self.build_metadata(seqs, q_lens, naive_context)
             hidden = self.model(input_ids, meta, self.pool.caches, force_naive=naive_context)

@@ -156,6 +156,15 @@ class MLAttention(nn.Module):
         kv_cache: torch.Tensor | None,
         force_naive: bool = False,
     ) -> torch.Tensor:
+        q, c_kv, k_pe = self.project(x, meta, cos_sin, kv_cache)
+        return self.output(self.attend(q, c_kv, k_pe, meta, kv_cache, force_naive))
+
+    def project(self, x: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor,
+                kv_cache: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The per-token part before attention: q [T, H, qk_head_dim] (rope applied to its last
+        qk_rope_head_dim columns), the normed latent c_kv [T, kv_lora_rank] and the roped k_pe
+        [T, qk_rope_head_dim], written to the cache at meta.slot_mapping. Reads only meta.positions,
+        meta.slot_mapping and meta.kv_format, so it depends on the token count alone."""
         cfg, H = self.cfg, self.num_heads
         T = x.shape[0]
         if cfg.q_lora_rank is None:
@@ -163,26 +172,34 @@ class MLAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(T, H, cfg.qk_head_dim)
-        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = q[..., cfg.qk_nope_head_dim:]
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         if torch.is_grad_enabled():  # training: out of place, so autograd sees it
-            q_pe = apply_rope(q_pe, meta.positions, cos_sin, cfg.rope_interleave)
+            q = torch.cat([q[..., : cfg.qk_nope_head_dim],
+                           apply_rope(q_pe, meta.positions, cos_sin, cfg.rope_interleave)], dim=-1)
             k_pe = apply_rope(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
         else:  # inference: in place on the views of q / the latent (one Triton kernel each on CUDA)
             apply_rope_(q_pe, meta.positions, cos_sin, cfg.rope_interleave)
             apply_rope_(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
         if kv_cache is not None:
             write_kv_cache(kv_cache, c_kv, k_pe, meta.slot_mapping, meta.kv_format)
+        return q, c_kv, k_pe
 
+    def attend(self, q: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: torch.Tensor | None, force_naive: bool = False) -> torch.Tensor:
+        """Attention of `project`'s outputs: o [T, H, v_head_dim]."""
+        q_nope, q_pe = q.split([self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim], dim=-1)
         if meta.decode_query_len and kv_cache is not None and not force_naive:
-            o = self._absorbed(q_nope, q_pe, meta, kv_cache)
-        else:
-            o = self._naive(q_nope, q_pe, c_kv, k_pe, meta, kv_cache)
-        out = self.o_proj(o.reshape(T, H * cfg.v_head_dim))
+            return self._absorbed(q_nope, q_pe, meta, kv_cache)
+        return self._naive(q, c_kv, k_pe, meta, kv_cache)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o_proj of attention's output [T, H, v_head_dim] (all-reduced under tensor parallelism)."""
+        out = self.o_proj(o.reshape(o.shape[0], -1))
         return all_reduce_(out) if getattr(self, "tp_reduce", False) else out
 
-    def _naive(self, q_nope, q_pe, c_kv, k_pe, meta, kv_cache):
+    def _naive(self, qf, c_kv, k_pe, meta, kv_cache):
         cfg, H = self.cfg, self.num_heads
         if meta.context_slots is not None:  # context = cached prefix + this step's tokens
             rows = kv_cache.view(-1, kv_cache.shape[-1])[meta.context_slots]
@@ -194,7 +211,6 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(c_kv).view(-1, H, cfg.qk_nope_head_dim + cfg.v_head_dim)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, H, -1)], dim=-1)
-        qf = torch.cat([q_nope, q_pe], dim=-1)
         if meta.uniform_len and meta.context_slots is None and torch.is_grad_enabled():
             return _batched_causal_sdpa(qf, k, v, meta.uniform_len, cfg.softmax_scale)
         return mla_prefill(
@@ -232,7 +248,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, meta, cos_sin, kv_cache, force_naive=False):
-        h = self.self_attn(self.input_layernorm(x), meta, cos_sin, kv_cache, force_naive)
+        return self.finish(self.self_attn(self.input_layernorm(x), meta, cos_sin, kv_cache, force_naive), x)
+
+    def finish(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: attention's projected output h added to the residual x, normed, MLP."""
         post = self.post_attention_layernorm
         normed, x = rms_norm(h, post.weight, post.eps, residual=x)  # residual add fused into the norm
         return x + self.mlp(normed)

@@ -175,7 +175,7 @@ V2_LITE_4_LAYERS = {  # DeepSeek-V2-Lite's dimensions, 4 layers (the shape in wh
     "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
     "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
-    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 8704,
     "rope_theta": 10000.0, "bos_token_id": 100000, "eos_token_id": 100001,
 }
 
@@ -195,9 +195,9 @@ def test_gpu_a_graph_captured_after_the_decode_graphs_reads_zeroed_moe_counters(
 
     cfg = ModelConfig.from_dict(V2_LITE_4_LAYERS)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, max_positions=2048).to(torch.bfloat16)
+        model = DeepseekForCausalLM(cfg).to(torch.bfloat16)
     model = model.to_empty(device="cuda").eval()
-    model.cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, 2048, device="cuda")
+    model.cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, model.max_positions, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
