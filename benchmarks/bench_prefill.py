@@ -289,7 +289,8 @@ def main():
                                              "padded and as a per-request loop) and the MLA module against a plain "
                                              "PyTorch one (docs/benchmarks.md)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the code paths; on CPU under TRITON_INTERPRET=1)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes (CPU check of the code paths; on CPU under TRITON_INTERPRET=1)")
     ap.add_argument("--single-only", action="store_true", help="only the single-sequence cases (prints, no JSON)")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=None, metavar="SECTION",
                     help=f"run only these sections ({', '.join(SECTIONS)}); the JSON goes to "
