@@ -200,12 +200,13 @@ def ragged_vs_loop(name: str, H: int, lens: list[int], accept: float, dev, dtype
 def format_loop_table(rows: list[dict]) -> str:
     lines = ["ragged batch vs a per-request SDPA loop (d_qk 192, d_v 128, causal, scale 0.072; "
              "ratio = loop time / ours; median of interleaved rounds)",
-             "| case | H | tokens | ours ms | loop ms | ours TFLOP/s | loop TFLOP/s | ratio | target | result |",
-             "|---" * 10 + "|"]
+             "| case | H | tokens | ours ms | loop ms | ours TFLOP/s | loop TFLOP/s | ratio | target | result "
+             "| max abs diff |", "|---" * 11 + "|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['H']} | {r['tokens']} | {r['ours_ms']:.3f} | {r['loop_ms']:.3f} "
                      f"| {r['ours_TFLOPs']:.1f} | {r['loop_TFLOPs']:.1f} | {r['ratio']:.3f} "
-                     f"| ≥ {r['target_ratio']:g} | {'PASS' if r['pass'] else 'MISS'} |")
+                     f"| ≥ {r['target_ratio']:g} | {'PASS' if r['pass'] else 'MISS'} | {r['max_abs_diff']:.2g} |")
+    lines.append("every case at its target: " + ("PASS" if all(r["pass"] for r in rows) else "MISS"))
     cases = dict.fromkeys((r["case"], tuple(r["lens"])) for r in rows)  # each case once, in table order
     lines.append("lengths: " + "; ".join(f"{name}: {list(lens)}" for name, lens in cases))
     return "\n".join(lines)
