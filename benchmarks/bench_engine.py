@@ -24,12 +24,22 @@ prompts of --prompt-len tokens (512 by default here), greedy, EOS ignored:
   against S = 1, replayed from the engine's static-buffer CUDA graph (GraphedDecoder, as speculative
   decoding runs it) over a --prompt-len-token context (the speculative engine itself would mix in
   draft acceptance; this is the step's cost alone).
+With --mixed, a long prompt arriving while requests decode (32 decoding requests of 512-token prompts, one
+8192-token prompt; 4, 32 and 256 with --tiny): the decode-only step, every step's time and prefill chunk while the
+long prompt prefills (chunked beside the decodes under max_num_batched_tokens), the decodes' TPOT during it, the
+long prompt's TTFT, and each chunk's compute time alone (a step prefilling that chunk at its offset and nothing
+else), checked as "no step exceeds 2 × the decode-only step + its chunk's compute time".
+With --chunk-sweep N ..., prompt tok/s of 1 × 512, 1 × 8192 and 64 × 512 with LLM(DIR) built at each
+max_num_batched_tokens N (the knee of tok/s against the chunk size).
 The DeepSeek-V2-Lite-shaped checkpoint takes 31 GB of disk.
 
     PYTHONPATH=. python3 benchmarks/bench_engine.py --layers 27 --out DIR      (H100)
     PYTHONPATH=. python3 benchmarks/bench_engine.py --checkpoint-dir /tmp/v2lite --out DIR      (H100, ~6 min)
     PYTHONPATH=. python3 benchmarks/bench_engine.py --tiny --device cpu        (a CPU smoke run)
+    PYTHONPATH=. python3 benchmarks/bench_engine.py --checkpoint-dir /tmp/v2lite --no-decode --mixed --out DIR
+    PYTHONPATH=. python3 benchmarks/bench_engine.py --checkpoint-dir /tmp/v2lite --no-decode --chunk-sweep 1024 4096
     PYTHONPATH=. python3 benchmarks/bench_engine.py --tiny --device cpu --checkpoint-dir /tmp/tiny --out /tmp
+    PYTHONPATH=. python3 benchmarks/bench_engine.py --tiny --device cpu --checkpoint-dir /tmp/tiny --no-decode --mixed
 """
 
 from __future__ import annotations
@@ -370,11 +380,12 @@ def gpu_busy_s(llm: LLM, prompts) -> tuple[float, int]:
     return sum(e.device_time for e in kernels) / 1e6, len(kernels)
 
 
-def prefill_runs(llm: LLM, rounds: int, gemm: float, cases=PREFILL_CASES, seed: int = 3) -> dict:
+def prefill_runs(llm: LLM, rounds: int, gemm: float, cases=PREFILL_CASES, seed: int = 3, profile: bool = True
+                 ) -> dict:
     """Per case (B prompts of L fresh random tokens, one token generated): wall time of `generate` (the prompt's
     time to first token at B=1), prompt tok/s, and the compute ceiling B·L / (FLOPs / the run's GEMM rate);
     median over `rounds` interleaved rounds after one untimed warm-up per case. One profiled run per case
-    gives the GPU's busy time and the kernels launched (host-bound when busy ≪ wall)."""
+    gives the GPU's busy time and the kernels launched (host-bound when busy ≪ wall); `profile=False` skips it."""
     cfg = llm.model.config
     rng = random.Random(seed)
 
@@ -393,16 +404,17 @@ def prefill_runs(llm: LLM, rounds: int, gemm: float, cases=PREFILL_CASES, seed: 
         flops = B * prompt_flops(cfg, L)
         row = {"prompts": B, "prompt_len": L, "wall_s": t, "samples_s": samples[(B, L)], "tok_s": B * L / t,
                "flops": flops, "ceiling_tok_s": B * L / (flops / gemm), "ceiling_frac": flops / gemm / t}
-        if llm.kv_pool.device.type == "cuda":
+        if profile and llm.kv_pool.device.type == "cuda":
             row["gpu_busy_s"], row["kernels"] = gpu_busy_s(llm, fresh(B, L))
         if (B, L) in PREFILL_TARGETS:
             what, target = PREFILL_TARGETS[(B, L)]
             row["target"] = {what: target}
             row["pass"] = t * 1e3 <= target if what == "ttft_ms" else B * L / t >= target
         rows.append(row)
-        print(f"  prefill {B} × {L}: {t * 1e3:.1f} ms, {B * L / t:.0f} tok/s (ceiling {row['ceiling_tok_s']:.0f}), "
-              f"GPU busy {row.get('gpu_busy_s', float('nan')) * 1e3:.1f} ms in {row.get('kernels', 0)} kernels",
-              flush=True)
+        busy = (f", GPU busy {row['gpu_busy_s'] * 1e3:.1f} ms in {row['kernels']} kernels" if "gpu_busy_s" in row
+                else "")
+        print(f"  prefill {B} × {L}: {t * 1e3:.1f} ms, {B * L / t:.0f} tok/s (ceiling {row['ceiling_tok_s']:.0f})"
+              + busy, flush=True)
     return {"rounds": rounds, "max_num_batched_tokens": llm.engine.scheduler.max_num_batched_tokens, "rows": rows}
 
 
@@ -431,6 +443,262 @@ def transformers_prefill(path: Path, dev, dtype, cases=PREFILL_CASES, rounds: in
         print(f"  transformers prefill {B} × {L}: {t * 1e3:.1f} ms, {B * L / t:.0f} tok/s", flush=True)
     del hf
     return {"rounds": rounds, "rows": rows}
+
+
+# ---- checkpoint directory mode: a long prompt arriving while requests decode -------------------------------
+MIXED = {"decodes": 32, "decode_prompt": 512, "long_prompt": 8192, "before": 20, "after": 20, "warm": 5}
+MIXED_TINY = dict(MIXED, decodes=4, decode_prompt=32, long_prompt=256)
+SWEEP_CASES = [(1, 512), (1, 8192), (64, 512)]  # --chunk-sweep: prefill cases per max_num_batched_tokens
+SWEEP_CASES_TINY = [(1, 64), (1, 256), (8, 64)]
+
+
+def engine_budget(args) -> int:
+    """The tokens per step the LLM gets: --max-batched-tokens, else LLM's own default."""
+    import inspect
+
+    if args.max_batched_tokens is not None:
+        return args.max_batched_tokens
+    return inspect.signature(LLM.__init__).parameters["max_num_batched_tokens"].default
+
+
+def mixed_decode_tokens(sizes: dict, budget: int) -> int:
+    """max_tokens of the decoding requests: more than the steps one scenario takes (warm-up, before, the long
+    prompt's chunks at budget − decodes tokens each, after), so none finishes while it is measured."""
+    chunks = -(-sizes["long_prompt"] // max(1, budget - sizes["decodes"]))
+    return sizes["warm"] + sizes["before"] + chunks + sizes["after"] + 16
+
+
+def _timed_step(llm: LLM) -> float:
+    dev = llm.kv_pool.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    llm.engine.step()
+    _sync(dev)
+    return time.perf_counter() - t0
+
+
+class _BatchLog:
+    """Records what each `scheduler.schedule()` hands the engine (decode count, prefill chunks with their
+    offsets) by wrapping the scheduler instance's method; `close()` restores it."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.batches = scheduler, []
+        inner = scheduler.schedule
+
+        def schedule():
+            b = inner()
+            self.batches.append({"decodes": len(b.decode),
+                                 "prefill": [(s.seq_id, n, s.num_cached) for s, n in b.prefill]})
+            return b
+
+        scheduler.schedule = schedule
+
+    def close(self):
+        del self.scheduler.schedule  # the class's method again
+
+
+def mixed_scenario(llm: LLM, sizes: dict, budget: int, rng: random.Random, max_steps: int = 100_000) -> dict:
+    """One run of "a long prompt arriving while `decodes` requests decode", every step timed (synchronised wall
+    time of `engine.step()`):
+    1. `decodes` requests of fresh random `decode_prompt`-token prompts are added and stepped until every one has
+       its first token (prefill done); `warm` decode-only steps untimed, then `before` decode-only steps timed;
+    2. one request of a fresh random `long_prompt`-token prompt (max_tokens 1) is added; steps are timed until it
+       has its token (its prefill goes in chunks of up to budget − decodes tokens beside the decodes), then
+       `after` more decode steps.
+    The decoding requests are aborted at the end."""
+    eng, cfg = llm.engine, llm.model.config
+    if eng.has_unfinished():
+        raise RuntimeError("the mixed scenario needs an idle engine")
+
+    def fresh(L):
+        return [rng.randrange(3, cfg.vocab_size) for _ in range(L)]
+
+    n = sizes["decodes"]
+    dec_params = SamplingParams(max_tokens=mixed_decode_tokens(sizes, budget), temperature=0, ignore_eos=True)
+    decs = [eng.add_request(fresh(sizes["decode_prompt"]), dec_params) for _ in range(n)]
+    log = _BatchLog(eng.scheduler)
+    try:
+        steps = 0
+        while not all(s.output_ids for s in decs):
+            eng.step()
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError("the decoding requests did not all finish their prefill")
+        for _ in range(sizes["warm"]):
+            eng.step()
+        del log.batches[:]
+        before = [_timed_step(llm) for _ in range(sizes["before"])]
+        bad = [b for b in log.batches if b["prefill"] or b["decodes"] != n]
+        if bad:
+            raise RuntimeError(f"a decode-only step was not {n} decodes alone: {bad[0]}")
+        del log.batches[:]
+        long_seq = eng.add_request(fresh(sizes["long_prompt"]),
+                                   SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        rows = []
+        while not long_seq.output_ids:
+            t = _timed_step(llm)
+            rows.append({"phase": "prefill", "step_s": t, **_step_parts(log.batches[-1], long_seq.seq_id)})
+            if len(rows) > max_steps:
+                raise RuntimeError("the long prompt got no first token")
+        ttft_engine = eng.output_of(long_seq).metrics["ttft_s"]
+        for _ in range(sizes["after"]):
+            t = _timed_step(llm)
+            rows.append({"phase": "after", "step_s": t, **_step_parts(log.batches[-1], long_seq.seq_id)})
+        finished_early = [s.seq_id for s in decs if s.is_finished]
+        if finished_early:
+            raise RuntimeError(f"decoding requests {finished_early} finished during the measurement")
+    finally:
+        log.close()
+        for s in decs:
+            eng.abort(s)
+    return {"before_s": before, "steps": rows, "long_ttft_engine_s": ttft_engine,
+            "long_ttft_steps_s": sum(r["step_s"] for r in rows if r["phase"] == "prefill")}
+
+
+def _step_parts(batch: dict, long_id: int) -> dict:
+    """The long request's chunk (size, offset) and the rest of one recorded batch."""
+    chunk = [(c, off) for sid, c, off in batch["prefill"] if sid == long_id]
+    other = sum(c for sid, c, _ in batch["prefill"] if sid != long_id)
+    size, off = chunk[0] if chunk else (0, None)
+    return {"decodes": batch["decodes"], "chunk": size, "chunk_offset": off, "other_prefill_tokens": other}
+
+
+def chunk_alone_s(llm: LLM, prompt_len: int, offset: int, size: int, rng: random.Random, reps: int = 3) -> float:
+    """Wall time of a step that prefills tokens [offset, offset + size) of a fresh `prompt_len`-token prompt and
+    nothing else (the chunk of the mixed run at its place: its attention reads the `offset` cached tokens before
+    it), median of `reps`. The first `offset` tokens go in untimed steps of at most the engine's budget; the
+    scheduler's budget is set to `size` for the timed step; the request is aborted after it."""
+    eng, sched, cfg = llm.engine, llm.engine.scheduler, llm.model.config
+    budget = sched.max_num_batched_tokens
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times = []
+    try:
+        for _ in range(reps):
+            seq = eng.add_request([rng.randrange(3, cfg.vocab_size) for _ in range(prompt_len)], params)
+            while seq.num_cached < offset:
+                sched.max_num_batched_tokens = min(budget, offset - seq.num_cached)
+                eng.step()
+            if seq.num_cached != offset:
+                raise RuntimeError(f"chunk_alone_s: {seq.num_cached} tokens cached, wanted {offset}")
+            sched.max_num_batched_tokens = size
+            times.append(_timed_step(llm))
+            if seq.num_cached != offset + size:
+                raise RuntimeError(f"chunk_alone_s: the timed step computed {seq.num_cached - offset} tokens, "
+                                   f"wanted {size}")
+            eng.abort(seq)
+    finally:
+        sched.max_num_batched_tokens = budget
+        while eng.has_unfinished():
+            eng.abort(eng.running[0] if eng.running else eng.waiting[0])
+    return statistics.median(times)
+
+
+def mixed_run(llm: LLM, sizes: dict, seed: int = 4) -> dict:
+    """The mixed scenario once untimed (kernels and graphs of every shape it meets), once measured; then the
+    compute time of each of its long-prompt chunks alone, and the check "no step exceeds 2 × the decode-only
+    step + its chunk's compute time alone" (a step without a chunk: 2 × the decode-only step)."""
+    rng = random.Random(seed)
+    budget = llm.engine.scheduler.max_num_batched_tokens
+    if budget <= sizes["decodes"]:
+        raise SystemExit(f"--mixed: max_num_batched_tokens {budget} leaves no room for a prefill chunk beside "
+                         f"{sizes['decodes']} decodes")
+    mixed_scenario(llm, sizes, budget, rng)  # warm-up
+    run = mixed_scenario(llm, sizes, budget, rng)
+    decode_s = statistics.median(run["before_s"])
+    chunks = sorted({(r["chunk_offset"], r["chunk"]) for r in run["steps"] if r["chunk"]})
+    alone = {c: chunk_alone_s(llm, sizes["long_prompt"], *c, rng) for c in chunks}
+    fresh = {}  # the brief's simpler measure: a fresh prompt of the chunk's length, generate(max_tokens=1)
+    for size in sorted({c for _, c in chunks}):
+        timed_generate(llm, [[rng.randrange(3, llm.model.config.vocab_size) for _ in range(size)]], 1)
+        fresh[size] = statistics.median(
+            timed_generate(llm, [[rng.randrange(3, llm.model.config.vocab_size) for _ in range(size)]], 1)
+            for _ in range(3))
+    for r in run["steps"]:
+        c = (r["chunk_offset"], r["chunk"])
+        r["chunk_alone_s"] = alone.get(c, 0.0)
+        r["chunk_fresh_prompt_s"] = fresh.get(r["chunk"], 0.0)
+        r["limit_s"] = 2 * decode_s + r["chunk_alone_s"]
+        r["pass"] = r["step_s"] <= r["limit_s"]
+        r["pass_vs_fresh_prompt"] = r["step_s"] <= 2 * decode_s + r["chunk_fresh_prompt_s"]
+    carried = [r["step_s"] for r in run["steps"] if r["chunk"]]
+    after = [r["step_s"] for r in run["steps"] if r["phase"] == "after"]
+    return {**sizes, "max_num_batched_tokens": budget, "decode_step_s": decode_s,
+            "decode_step_samples_s": run["before_s"], "steps": run["steps"],
+            "tpot_during_prefill_s": {"mean": statistics.mean(carried), "median": statistics.median(carried),
+                                      "max": max(carried), "steps": len(carried)},
+            "decode_step_after_s": statistics.median(after) if after else None,
+            "long_ttft_s": run["long_ttft_engine_s"], "long_ttft_steps_s": run["long_ttft_steps_s"],
+            "chunk_alone_s": [{"offset": o, "size": c, "s": t} for (o, c), t in alone.items()],
+            "chunk_fresh_prompt_s": [{"size": c, "s": t} for c, t in fresh.items()],
+            "pass": all(r["pass"] for r in run["steps"]),
+            "pass_vs_fresh_prompt": all(r["pass_vs_fresh_prompt"] for r in run["steps"])}
+
+
+def format_mixed_table(res: dict) -> str:
+    t = res["tpot_during_prefill_s"]
+    lines = [f"mixed: a {res['long_prompt']}-token prompt arriving while {res['decodes']} requests decode "
+             f"({res['decode_prompt']}-token prompts), max_num_batched_tokens {res['max_num_batched_tokens']}; "
+             f"{res['label']}",
+             f"decode-only step (median of {len(res['decode_step_samples_s'])}): {res['decode_step_s'] * 1e3:.2f} ms; "
+             f"decodes' TPOT during the prefill ({t['steps']} steps with a chunk): mean {t['mean'] * 1e3:.2f}, "
+             f"median {t['median'] * 1e3:.2f}, max {t['max'] * 1e3:.2f} ms; after it: "
+             + ("n/a" if res["decode_step_after_s"] is None else f"{res['decode_step_after_s'] * 1e3:.2f} ms"),
+             f"TTFT of the long prompt: {res['long_ttft_s'] * 1e3:.1f} ms (its steps: "
+             f"{res['long_ttft_steps_s'] * 1e3:.1f} ms)",
+             "| step | phase | decodes | chunk (offset + size) | step ms | chunk alone ms | fresh prompt ms "
+             "| limit ms (2 × decode + chunk alone) | result |", "|---" * 9 + "|"]
+    for i, r in enumerate(res["steps"]):
+        chunk = "—" if not r["chunk"] else f"{r['chunk_offset']} + {r['chunk']}"
+        alone = "—" if not r["chunk"] else f"{r['chunk_alone_s'] * 1e3:.2f}"
+        fresh = "—" if not r["chunk"] else f"{r['chunk_fresh_prompt_s'] * 1e3:.2f}"
+        lines.append(f"| {i + 1} | {r['phase']} | {r['decodes']} | {chunk} | {r['step_s'] * 1e3:.2f} "
+                     f"| {alone} | {fresh} "
+                     f"| {r['limit_s'] * 1e3:.2f} | {'PASS' if r['pass'] else 'MISS'} |")
+    lines.append("no step exceeds 2 × the decode-only step + its chunk's compute time: "
+                 + ("PASS" if res["pass"] else "MISS") + " (against a fresh prompt of the chunk's length: "
+                 + ("PASS" if res["pass_vs_fresh_prompt"] else "MISS") + ")")
+    return "\n".join(lines)
+
+
+def free_llm(dev) -> None:
+    """Release the GPU memory of objects already dropped by the caller (an LLM's graph pools, KV cache and
+    weights): collect reference cycles, then empty the allocator's cache."""
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def chunk_sweep(path: Path, args, dev, dtype, max_len: int, max_seqs: int, gemm: float) -> dict:
+    """Per max_num_batched_tokens value: LLM(path) built with it (the previous one freed first), prompt tok/s
+    and wall time of the sweep cases (prefill_runs, no profiler), median of --rounds rounds."""
+    cases = SWEEP_CASES_TINY if args.tiny else SWEEP_CASES
+    rows = []
+    for budget in args.chunk_sweep:
+        llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len,
+                  max_num_batched_tokens=budget)
+        print(f"chunk sweep: max_num_batched_tokens {budget}", flush=True)
+        res = prefill_runs(llm, args.rounds, gemm, cases=cases, profile=False)
+        del llm
+        free_llm(dev)
+        for r in res["rows"]:
+            rows.append({"max_num_batched_tokens": budget, "case": f"{r['prompts']} × {r['prompt_len']}",
+                         "prompts": r["prompts"], "prompt_len": r["prompt_len"], "tok_s": r["tok_s"],
+                         "wall_s": r["wall_s"], "samples_s": r["samples_s"]})
+    return {"rounds": args.rounds, "cases": [list(c) for c in cases], "rows": rows}
+
+
+def format_sweep_table(res: dict) -> str:
+    cases = [f"{b} × {l}" for b, l in res["cases"]]
+    by = {(r["max_num_batched_tokens"], r["case"]): r for r in res["rows"]}
+    budgets = list(dict.fromkeys(r["max_num_batched_tokens"] for r in res["rows"]))
+    lines = [f"chunk sweep: prompt tok/s (wall ms) per max_num_batched_tokens, median of {res['rounds']} rounds",
+             "| max_num_batched_tokens | " + " | ".join(cases) + " |", "|---" * (1 + len(cases)) + "|"]
+    for b in budgets:
+        cells = [f"{by[(b, c)]['tok_s']:.0f} ({by[(b, c)]['wall_s'] * 1e3:.1f})" for c in cases]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_prefill_table(res: dict) -> str:
@@ -489,30 +757,48 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
     except OSError:
         results["git_commit"] = None
     results["checkpoint_write_s"] = ensure_checkpoint(path, cfg_dict, dev, dtype, int(args.shard_gb * (1 << 30)))
-    t0 = time.perf_counter()
-    longest = max([args.prompt_len] + ([L for _, L in PREFILL_CASES] if args.prefill else []))
+    mixed = (MIXED_TINY if args.tiny else MIXED) if args.mixed else None
+    sweep_cases = (SWEEP_CASES_TINY if args.tiny else SWEEP_CASES) if args.chunk_sweep else []
+    longest = max([args.prompt_len] + ([L for _, L in PREFILL_CASES] if args.prefill else [])
+                  + [L for _, L in sweep_cases])
+    if mixed:  # the long prompt and its token; the decoding requests' prompts and every token they may generate
+        longest = max(longest, mixed["long_prompt"] + 1,
+                      mixed["decode_prompt"] + mixed_decode_tokens(mixed, engine_budget(args)))
     max_len = -(-(longest + 256) // 64) * 64
+    max_seqs = max(args.batches + ([mixed["decodes"] + 1] if mixed else [])
+                   + [B for B, _ in sweep_cases])
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
-    llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max(args.batches), max_model_len=max_len, **extra)
-    results["load_s"] = time.perf_counter() - t0
     label = f"V2-Lite-shaped checkpoint ({args.layers} layers, random, {str(dtype).split('.')[-1]}), LLM(path)"
-    print(f"loaded {path} in {results['load_s']:.1f}s; CUDA graphs: {llm.engine.runner.graphed is not None}",
-          flush=True)
-    if not args.no_decode:
-        res = {"label": label, "graphs": llm.engine.runner.graphed is not None,
-               **decode_steps(llm, args.batches, args.prompt_len, args.rounds, copy_bw)}
-        res["verify"] = verify_steps(llm, args.prompt_len)
-        results["decode"] = res
-        print("\n" + format_decode_table(res), flush=True)
-    if args.prefill:
+    gemm = float("nan")
+    if args.prefill or args.chunk_sweep:
         gemm = gemm_rate(dev) if dev.type == "cuda" else float("nan")
         results["gemm_TFLOPs"] = gemm / 1e12
-        res = {"label": label, **prefill_runs(llm, args.rounds, gemm)}
-        results["prefill"] = res
+        free_llm(dev)  # the GEMM's operands leave the allocator's cache before the KV pool is sized
+    if not args.no_decode or args.prefill or mixed:
+        t0 = time.perf_counter()
+        llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len, **extra)
+        results["load_s"] = time.perf_counter() - t0
+        print(f"loaded {path} in {results['load_s']:.1f}s; CUDA graphs: {llm.engine.runner.graphed is not None}",
+              flush=True)
+        if not args.no_decode:
+            res = {"label": label, "graphs": llm.engine.runner.graphed is not None,
+                   **decode_steps(llm, args.batches, args.prompt_len, args.rounds, copy_bw)}
+            res["verify"] = verify_steps(llm, args.prompt_len)
+            results["decode"] = res
+            print("\n" + format_decode_table(res), flush=True)
+        if args.prefill:
+            results["prefill"] = {"label": label, **prefill_runs(llm, args.rounds, gemm)}
+        if mixed:
+            results["mixed"] = {"label": label, **mixed_run(llm, mixed)}
+            print("\n" + format_mixed_table(results["mixed"]), flush=True)
+        del llm
+        free_llm(dev)
+    if args.chunk_sweep:
+        results["chunk_sweep"] = {"label": label, **chunk_sweep(path, args, dev, dtype, max_len, max_seqs, gemm)}
+        print("\n" + format_sweep_table(results["chunk_sweep"]), flush=True)
+    if args.prefill:
+        res = results["prefill"]
         if not args.no_transformers:
-            del llm
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
             res["transformers"] = transformers_prefill(path, dev, dtype)
         print("\n" + format_prefill_table(res), flush=True)
 
@@ -535,8 +821,17 @@ def main():
     ap.add_argument("--prefill", action="store_true",
                     help="--checkpoint-dir: also prompt throughput and time to first token (B=1 with 128 … 8192 "
                          "tokens, 64 × 512, 16 × 4096) against transformers on the same directory")
+    ap.add_argument("--mixed", action="store_true",
+                    help="--checkpoint-dir: a long prompt (8192 tokens) arriving while 32 requests decode: every "
+                         "step's time and chunk, the decodes' TPOT during the prefill, the long prompt's TTFT, and "
+                         "'no step exceeds 2 × the decode-only step + its chunk's compute time' (key 'mixed' of "
+                         "bench_engine_prefill.json with --prefill, else bench_engine_mixed.json)")
+    ap.add_argument("--chunk-sweep", type=int, nargs="+", default=None, metavar="N",
+                    help="--checkpoint-dir: for each max_num_batched_tokens N, LLM(dir) built with it and prompt "
+                         "tok/s of 1 × 512, 1 × 8192, 64 × 512 (key 'chunk_sweep' of bench_engine_prefill.json "
+                         "with --prefill, else bench_engine_chunk_sweep.json)")
     ap.add_argument("--no-decode", action="store_true", help="--checkpoint-dir: skip the decode-step measurement")
-    ap.add_argument("--rounds", type=int, default=3, help="--checkpoint-dir: rounds of the decode-step measurement")
+    ap.add_argument("--rounds", type=int, default=3, help="--checkpoint-dir: rounds of the decode-step, prefill and chunk-sweep measurements")
     ap.add_argument("--max-batched-tokens", type=int, default=None,
                     help="--checkpoint-dir: the engine's tokens per step (default: the engine's own)")
     ap.add_argument("--shard-gb", type=float, default=4.0, help="--checkpoint-dir: safetensors shard size")
@@ -556,11 +851,15 @@ def main():
     if ckpt:
         del results["models"]
         checkpoint_mode(args, dev, dtype, copy_bw, results)
-        for part in ("decode", "prefill"):  # bench_engine_decode.json, bench_engine_prefill.json
-            if part in results:
-                other = {"decode": "prefill", "prefill": "decode"}[part]
-                with open(os.path.join(args.out, f"bench_engine_{part}.json"), "w") as f:
-                    json.dump({k: v for k, v in results.items() if k != other}, f, indent=1, default=str)
+        parts = ("decode", "prefill", "mixed", "chunk_sweep")
+        common = {k: v for k, v in results.items() if k not in parts}
+        files = {"decode": ["decode"], "prefill": ["prefill"]}  # bench_engine_<file>.json: its parts
+        for part in ("mixed", "chunk_sweep"):  # beside the prefill figures when they run, else a file each
+            files.setdefault("prefill" if "prefill" in results else part, []).append(part)
+        for name, keys in files.items():
+            if any(k in results for k in keys):
+                with open(os.path.join(args.out, f"bench_engine_{name}.json"), "w") as f:
+                    json.dump({**common, **{k: results[k] for k in keys if k in results}}, f, indent=1, default=str)
         return
     cfg_dict = dict(TINY if args.tiny else V2_LITE, num_hidden_layers=args.layers)
     model = random_model(cfg_dict, dev, dtype)

@@ -5,12 +5,18 @@
    the anchors do);
 2. a ragged batch (16 requests, 128 … 8192 tokens): ours on the packed batch vs SDPA on the padded
    batch (with its mask);
-3. the ShallowMLA-style module benchmark: the MLA attention module forward (B ∈ {4, 8},
+3. ragged batch vs a per-request SDPA loop (H ∈ {128, 16}): 16 requests of U(128, 4096) tokens, odd mixes with
+   length-1 requests, and one dense 8192 sequence: ours on the packed [ΣL, H, D] batch vs a Python loop calling
+   torch SDPA once per request on [1, H, L_i, D] views of the packed rows; acceptance ratio (loop / ours) ≥ 1.0
+   on the ragged cases, ≥ 1.05 on the dense one;
+4. the ShallowMLA-style module benchmark: the MLA attention module forward (B ∈ {4, 8},
    L ∈ {512 … 4096}, d=2048, 16 heads, Dc=512, Dr=64) — specmla's module vs a plain PyTorch module of
    the DeepSeek-V3 reference style (absorbed einsums, explicit masked softmax), tokens/s, plus an
    ablation with each fused kernel (norm, rope, prefill attention) switched back to torch.
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill.py --out DIR
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_prefill.py --out DIR
+    PYTHONPATH=.:benchmarks python3 benchmarks/bench_prefill.py --only ragged_loop --out DIR   (section 3 alone)
+    TRITON_INTERPRET=1 PYTHONPATH=.:benchmarks python3 benchmarks/bench_prefill.py --smoke     (CPU code-path check)
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 from typing import NamedTuple
 
@@ -137,6 +144,74 @@ def ragged_batch(H, lens, dev, dtype):
     return {"H": H, "lens": lens, "ours_s": ours, "triton_s": triton_only, "sdpa_padded_s": sdpa, "ratio": sdpa / ours}
 
 
+def ragged_loop_cases(smoke: bool) -> list[tuple[str, list[int], float]]:
+    """(name, request lengths, acceptance ratio) of the ragged-vs-SDPA-loop section; the 16 lengths of the
+    first case come from random.Random(0)."""
+    rng = random.Random(0)
+    if smoke:
+        return [("4 × U(8, 64)", [rng.randint(8, 64) for _ in range(4)], 1.0), ("odd [37, 1, 20]", [37, 1, 20], 1.0),
+                ("odd [1, 1, 64]", [1, 1, 64], 1.0), ("dense 128", [128], 1.05)]
+    return [("16 × U(128, 4096)", [rng.randint(128, 4096) for _ in range(16)], 1.0),
+            ("odd [1000, 37, 3000, 1]", [1000, 37, 3000, 1], 1.0),
+            ("odd [1, 1, 8192]", [1, 1, 8192], 1.0),
+            ("odd [4096, 4096, 1 × 8]", [4096, 4096] + [1] * 8, 1.0),
+            ("odd [129, 255, 513, 1025, 2047]", [129, 255, 513, 1025, 2047], 1.0),
+            ("dense 8192", [8192], 1.05)]
+
+
+LOOP_ROUNDS = 10
+
+
+def ragged_vs_loop(name: str, H: int, lens: list[int], accept: float, dev, dtype, rounds: int = LOOP_ROUNDS) -> dict:
+    """Ours (`mla_prefill` on the packed batch, max_seqlen = the longest request) against a Python loop of torch
+    SDPA calls, one per request, on [1, H, L_i, D] views of the packed rows (the views are taken inside the loop;
+    nothing else is allocated per call). Interleaved rounds, median; TFLOP/s = Σ H·L_i²·(192+128) / time."""
+    T, L = sum(lens), max(lens)
+    if len(lens) == 1:  # the single-sequence case's problem
+        q, k, v, cu, _, _ = causal_problem(H, T, dev, dtype)
+    else:
+        q = torch.randn(T, H, 192, device=dev, dtype=dtype)
+        k = torch.randn(T, H, 192, device=dev, dtype=dtype)
+        v = torch.randn(T, H, 128, device=dev, dtype=dtype)
+        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+    bounds = [(int(a), int(b)) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]  # host ints, taken once
+    flops = sum(H * n * n * (192 + 128) for n in lens)
+
+    def ours():
+        return prefill_ops.mla_prefill(q, k, v, cu, cu, L, L, 0.072)
+
+    def loop():
+        return [F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k[a:b].transpose(0, 1)[None],
+                                               v[a:b].transpose(0, 1)[None], is_causal=True, scale=0.072)
+                for a, b in bounds]
+
+    # the two agree (bf16 rounding): a timing of a wrong result would mean nothing
+    got, want = ours(), torch.cat([o[0].transpose(0, 1) for o in loop()])
+    err = (got.float() - want.float()).abs().max().item()
+    del got, want
+    t_ours, t_loop = interleaved([ours, loop], rounds=rounds)
+    ratio = t_loop / t_ours
+    return {"case": name, "H": H, "lens": lens, "tokens": T, "flops": flops, "ours_ms": t_ours * 1e3,
+            "loop_ms": t_loop * 1e3, "ours_TFLOPs": flops / t_ours / 1e12, "loop_TFLOPs": flops / t_loop / 1e12,
+            "ratio": ratio, "target_ratio": accept, "pass": ratio >= accept, "max_abs_diff": err,
+            "rounds": rounds}
+
+
+def format_loop_table(rows: list[dict]) -> str:
+    lines = ["ragged batch vs a per-request SDPA loop (d_qk 192, d_v 128, causal, scale 0.072; "
+             "ratio = loop time / ours; median of interleaved rounds)",
+             "| case | H | tokens | ours ms | loop ms | ours TFLOP/s | loop TFLOP/s | ratio | target | result "
+             "| max abs diff |", "|---" * 11 + "|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['H']} | {r['tokens']} | {r['ours_ms']:.3f} | {r['loop_ms']:.3f} "
+                     f"| {r['ours_TFLOPs']:.1f} | {r['loop_TFLOPs']:.1f} | {r['ratio']:.3f} "
+                     f"| ≥ {r['target_ratio']:g} | {'PASS' if r['pass'] else 'MISS'} | {r['max_abs_diff']:.2g} |")
+    lines.append("every case at its target: " + ("PASS" if all(r["pass"] for r in rows) else "MISS"))
+    cases = dict.fromkeys((r["case"], tuple(r["lens"])) for r in rows)  # each case once, in table order
+    lines.append("lengths: " + "; ".join(f"{name}: {list(lens)}" for name, lens in cases))
+    return "\n".join(lines)
+
+
 class ReferenceMLA(torch.nn.Module):
     """DeepSeek-V3 reference-style MLA forward (absorbed, plain torch einsums and masked softmax)
     sharing the weights of a specmla MLAttention."""
@@ -207,41 +282,73 @@ def module_bench(B, L, dev, dtype, ablate: str | None = None):
             "gain": base / ours - 1}
 
 
+SECTIONS = ("single", "ragged", "ragged_loop", "module", "ablation")
+
+
 def main():
-    ap = argparse.ArgumentParser(description="Prefill attention against torch SDPA (single sequence, ragged batch) "
-                                             "and the MLA module against a plain PyTorch one (docs/benchmarks.md)")
+    ap = argparse.ArgumentParser(description="Prefill attention against torch SDPA (single sequence, ragged batch "
+                                             "padded and as a per-request loop) and the MLA module against a plain "
+                                             "PyTorch one (docs/benchmarks.md)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the code paths)")
-    ap.add_argument("--single-only", action="store_true", help="only the single-sequence cases")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes (CPU check of the code paths; on CPU under TRITON_INTERPRET=1)")
+    ap.add_argument("--single-only", action="store_true", help="only the single-sequence cases (prints, no JSON)")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=None, metavar="SECTION",
+                    help=f"run only these sections ({', '.join(SECTIONS)}); the JSON goes to "
+                         "bench_prefill_only_<sections>.json instead of bench_prefill.json")
+    ap.add_argument("--loop-rounds", type=int, default=LOOP_ROUNDS,
+                    help="interleaved rounds of the ragged_loop section (median)")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu" and not args.smoke:
+        raise SystemExit("bench_prefill.py times CUDA kernels and needs a GPU; on CPU only --smoke (tiny sizes, "
+                         "a check of the code paths, under TRITON_INTERPRET=1) runs")
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    sections = ["single"] if args.single_only else (args.only or list(SECTIONS))
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
     S = 256 if args.smoke else 8192
     if dev == "cuda":  # the limit the TFLOP/s figures are read against, measured in the same run
         import limits
 
         res["gemm_TFLOPs"] = limits.gemm_rate() / 1e12
-    res["single"] = [single_sequence(H, S, dev, dtype) for H in ((2,) if args.smoke else (128, 16))]
-    for row in res["single"]:
-        if "gemm_TFLOPs" in res:
-            row["ours_of_gemm"] = row["ours_TFLOPs"] / res["gemm_TFLOPs"]
-            row["sdpa_of_gemm"] = row["sdpa_TFLOPs"] / res["gemm_TFLOPs"]
+    if "single" in sections:
+        res["single"] = [single_sequence(H, S, dev, dtype) for H in ((2,) if args.smoke else (128, 16))]
+        for row in res["single"]:
+            if "gemm_TFLOPs" in res:
+                row["ours_of_gemm"] = row["ours_TFLOPs"] / res["gemm_TFLOPs"]
+                row["sdpa_of_gemm"] = row["sdpa_TFLOPs"] / res["gemm_TFLOPs"]
     if args.single_only:
         print("gemm_TFLOPs", res.get("gemm_TFLOPs"))
         print("single", json.dumps(res["single"]))
         return
-    lens = [64, 17, 128] if args.smoke else [128 * 2 ** (i % 7) for i in range(16)]
-    res["ragged"] = [ragged_batch(2 if args.smoke else 16, lens, dev, dtype)]
+    if "ragged" in sections:
+        lens = [64, 17, 128] if args.smoke else [128 * 2 ** (i % 7) for i in range(16)]
+        res["ragged"] = [ragged_batch(2 if args.smoke else 16, lens, dev, dtype)]
+    if "ragged_loop" in sections:
+        res["ragged_loop"] = []
+        for H in ((2,) if args.smoke else (128, 16)):
+            for name, lens, accept in ragged_loop_cases(args.smoke):
+                row = ragged_vs_loop(name, H, lens, accept, dev, dtype, rounds=args.loop_rounds)
+                res["ragged_loop"].append(row)
+                print(f"  ragged_loop {name} H={H}: ours {row['ours_ms']:.3f} ms, loop {row['loop_ms']:.3f} ms, "
+                      f"ratio {row['ratio']:.3f}", flush=True)
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
     shapes = [(2, 64)] if args.smoke else [(b, l) for b in (4, 8) for l in (512, 1024, 2048, 4096)]
-    res["module"] = [module_bench(b, l, dev, dtype) for b, l in shapes]
-    b, l = shapes[0] if args.smoke else (4, 4096)
-    res["ablation"] = [module_bench(b, l, dev, dtype, ablate=a) for a in ("norm", "rope", "attention")]
+    if "module" in sections:
+        res["module"] = [module_bench(b, l, dev, dtype) for b, l in shapes]
+    if "ablation" in sections:
+        b, l = shapes[0] if args.smoke else (4, 4096)
+        res["ablation"] = [module_bench(b, l, dev, dtype, ablate=a) for a in ("norm", "rope", "attention")]
     print("gemm_TFLOPs", res.get("gemm_TFLOPs"))
-    for key in ("single", "ragged", "module", "ablation"):
-        for row in res[key]:
+    for key in SECTIONS:
+        for row in res.get(key, []):
             print(key, json.dumps(row))
-    with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
+    if "ragged_loop" in res:
+        print("\n" + format_loop_table(res["ragged_loop"]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    name = "bench_prefill.json" if args.only is None else f"bench_prefill_only_{'_'.join(sections)}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(res, f, indent=1)
 
 
