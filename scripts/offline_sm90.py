@@ -161,21 +161,24 @@ def bf16_decode_usage(kernel: str, cases) -> list[dict]:
 
 def gluon_prefill_usage(cases) -> list[dict]:
     """Compile the Gluon prefill kernel (`specmla.ops.prefill.hopper`) for each (H, dqk, dv, dtype name,
-    causal) and report its resources."""
+    causal[, q lengths[, options]]) and report its resources. q lengths: the requests' (default [100, 200], a
+    ragged batch; one length: the single-request numbering); options: fields of the module's `Options`."""
     import torch
 
     from specmla.ops.prefill import hopper as P
 
     rows = []
-    for H, dqk, dv, dtype_name, causal in cases:
+    for H, dqk, dv, dtype_name, causal, *rest in cases:
+        lens = rest[0] if rest else [100, 200]
+        opts = P.Options(**(rest[1] if len(rest) > 1 else {}))
         dtype = getattr(torch, dtype_name)
-        T = 300
+        T = sum(lens)
         q, k = torch.randn(T, H, dqk, dtype=dtype), torch.randn(T, H, dqk, dtype=dtype)
         v = torch.randn(T, H, dv, dtype=dtype)
-        cu = torch.tensor([0, 100, T], dtype=torch.int32)
+        cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
         with offline_sm90() as kernels:
-            P.mla_prefill_hopper(q, k, v, cu, cu, 200, 200, 0.07, causal=causal)
-        rows.append(dict(case=[H, dqk, dv, dtype_name, causal], kernels=[resource_usage(k) for k in kernels]))
+            P.mla_prefill_hopper(q, k, v, cu, cu, max(lens), max(lens), 0.07, causal=causal, opts=opts)
+        rows.append(dict(case=[H, dqk, dv, dtype_name, causal, *rest], kernels=[resource_usage(k) for k in kernels]))
     return rows
 
 

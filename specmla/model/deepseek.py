@@ -26,7 +26,7 @@ from specmla.ops.decode import mla_decode
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.moe import RouteSpec, fused_moe, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
-from specmla.ops.prefill import mla_prefill
+from specmla.ops.prefill import mla_prefill, prefill_schedule
 from specmla.ops.rope import apply_rope, apply_rope_
 
 
@@ -213,8 +213,11 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, H, -1)], dim=-1)
         if meta.uniform_len and meta.context_slots is None and torch.is_grad_enabled():
             return _batched_causal_sdpa(qf, k, v, meta.uniform_len, cfg.softmax_scale)
+        if qf.is_cuda and meta.cu_seqlens_q.shape[0] > 2 and meta.prefill_schedule is None:  # once for all layers
+            meta.prefill_schedule = prefill_schedule(meta.cu_seqlens_q, cu_kv, qf.shape[0])
         return mla_prefill(
-            qf, k, v, meta.cu_seqlens_q, cu_kv, meta.max_seqlen_q, meta.max_seqlen_kv, cfg.softmax_scale, causal=True
+            qf, k, v, meta.cu_seqlens_q, cu_kv, meta.max_seqlen_q, meta.max_seqlen_kv, cfg.softmax_scale, causal=True,
+            schedule=meta.prefill_schedule,
         )
 
     def _absorbed(self, q_nope, q_pe, meta, kv_cache):

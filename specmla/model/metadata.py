@@ -25,6 +25,8 @@ class AttentionMetadata:
     - kv_format: how cache rows are stored (ops.kv_cache): writes quantise, reads dequantise.
     - uniform_len > 0: cache-free batch of equal-length sequences (training); attention may then run
       as one batched causal SDPA instead of per-request.
+    - prefill_schedule: the order of a ragged prefill's row blocks (`ops.prefill.prefill_schedule`), built by
+      the first attention layer that needs it and shared by the others; None until then.
     """
 
     positions: torch.Tensor
@@ -39,6 +41,7 @@ class AttentionMetadata:
     cu_seqlens_kv: torch.Tensor | None = None
     kv_format: str = "auto"  # the cache's row format: auto (the model dtype) | fp8 | fp8_ds_mla | tbq4
     uniform_len: int = 0
+    prefill_schedule: object | None = None
 
     @property
     def num_requests(self) -> int:

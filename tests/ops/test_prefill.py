@@ -1,5 +1,5 @@
 """MLA prefill (contract C2), its Triton and Hopper kernels vs the fp64 reference: ragged batches, prefixes, empty
-requests."""
+requests; the schedule of ragged batches' row blocks (`prefill_schedule`)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from helpers.offline_compile import offline_sm90_rows
 
 from specmla.ops.decode.hopper import common as G
 from specmla.ops.prefill import hopper as P
-from specmla.ops.prefill import mla_prefill, mla_prefill_torch
+from specmla.ops.prefill import PrefillSchedule, mla_prefill, mla_prefill_torch, prefill_schedule
 
 
 def ragged(q_lens, kv_lens, H, dqk, dv, dtype, device="cpu", seed=0):
@@ -77,24 +77,28 @@ def test_hopper_required_but_unsupported_raises():
         mla_prefill(q, k, v, cu_q, cu_k, 3, 3, 0.1, backend="hopper")
 
 
-# the Gluon kernel compiled for sm_90 without a GPU: resources within H100's limits
-GLUON_COMPILE_CASES = [  # H, dqk, dv, dtype, causal
-    [128, 192, 128, "bfloat16", True],  # DeepSeek's head dims: a 128 + 64 split of q·k
-    [16, 128, 64, "float16", False],  # no tail, narrow v, fp16, not causal
-    [4, 96, 64, "bfloat16", True],  # a 64 + 32 split
+# the Gluon kernel compiled for sm_90 without a GPU: resources within H100's limits. Stack bytes: the persistent
+# loops keep tile state across tiles; Triton 3.6 (the GPU machine's) / 3.9 give 24 / 56 B for one request,
+# 16 / 48 B for a ragged batch, 24 / 0 B for one program per tile at 192 / 128 causal
+GLUON_COMPILE_CASES = [  # (H, dqk, dv, dtype, causal[, q lengths[, Options fields]]), most stack bytes
+    ([128, 192, 128, "bfloat16", True, [300]], 64),  # DeepSeek's head dims (128 + 64), one request
+    ([128, 192, 128, "bfloat16", True, [100, 0, 200]], 64),  # a ragged batch: row blocks from a schedule
+    ([128, 192, 128, "bfloat16", True, [100, 200], {"persistent": False}], 32),  # one program per tile
+    ([16, 128, 64, "float16", False, [37, 1000]], 48),  # no tail, narrow v, fp16, not causal, ragged
+    ([4, 96, 64, "bfloat16", True, [1000, 1]], 32),  # a 64 + 32 split, ragged
 ]
-GLUON_STACK_BYTES = 32  # 24 B with Triton 3.6 (the GPU machine's), 0 B with 3.9 at 192 / 128 causal
 
 
 def test_hopper_prefill_compiles_for_sm90():
-    rows = offline_sm90_rows(GLUON_COMPILE_CASES, "prefill")
-    assert [r["case"] for r in rows] == GLUON_COMPILE_CASES
-    for r in rows:
+    cases = [case for case, _ in GLUON_COMPILE_CASES]
+    rows = offline_sm90_rows(cases, "prefill")
+    assert [r["case"] for r in rows] == cases
+    for r, (_, stack) in zip(rows, GLUON_COMPILE_CASES):
         (use,) = r["kernels"]
         assert use["name"] == "_mla_prefill_ws_kernel", r
         # two consumer warpgroups + the producer warp's warpgroup; registers are re-split by setmaxnreg
         assert use["warps"] == 12 and 0 < use["regs"] <= 168 and use["local"] == 0, r
-        assert use["stack"] <= GLUON_STACK_BYTES, r
+        assert use["stack"] <= stack, r
         assert 0 < use["shared"] <= 227 * 1024, r
 
 
@@ -218,3 +222,179 @@ def test_gpu_hopper_prefill_direct_launch_respecialises():
         assert rel_err(first.double(), want) <= 1e-2
         assert torch.equal(first, again)
     assert len(P._COMPILED) == 5  # (16), (1), (16, unaligned), (3), (1, unaligned)
+
+
+# ---------------------------------------------------------------------------------------------
+# ragged batches on the persistent grid: the schedule of row blocks, longest first
+# ---------------------------------------------------------------------------------------------
+def lpt_order(q_lens, kv_lens, causal=True):
+    """Plain Python: every row block (request b, query block m) longest first by the keys it attends to (bottom-
+    right causal), ties in batch order."""
+    blocks = []
+    for b, (lq, lk) in enumerate(zip(q_lens, kv_lens)):
+        for m in range(-(-lq // P.BLOCK_M)):
+            end = max(0, min(lk, lk - lq + (m + 1) * P.BLOCK_M)) if causal else lk
+            blocks.append((end, b, m))
+    return [(b, m) for _, b, m in sorted(blocks, key=lambda x: -x[0])]
+
+
+def uniform_lens(n, lo, hi, seed):
+    return torch.randint(lo, hi + 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+SCHEDULE_CASES = [  # q_lens, kv_lens, q rows past the last request
+    ([1000, 37, 3000, 1], [1000, 37, 3000, 1], 0),
+    ([0, 128, 0, 129, 256, 1, 0], [5, 128, 0, 300, 256, 1, 0], 3),  # empty requests, equal work (ties)
+    ([128] * 5, [128] * 5, 0),  # every block ties: batch order
+    ([1] * 5, [1] * 5, 0),  # Σ ceil(q_len / 128) at its bound (T + 127·B) // 128
+    ([200, 3, 7], [0, 90, 2], 1),  # queries without keys or with fewer keys than queries (end 0)
+    ([0, 0], [0, 4], 2),  # no row block at all
+    (uniform_lens(40, 0, 700, 1), [n + k for n, k in zip(uniform_lens(40, 0, 700, 1), uniform_lens(40, 0, 300, 2))],
+     0),
+]
+
+
+@pytest.mark.parametrize("case", SCHEDULE_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_schedule_is_longest_first(case, causal):
+    """`prefill_schedule` (torch ops, no host sync) lists exactly the batch's row blocks, longest first, ties in
+    batch order, with their count in front; table[1] is a real request's block even with no row block (the
+    kernel decodes its stop id there)."""
+    q_lens, kv_lens, extra = case
+    B, T = len(q_lens), sum(q_lens) + extra
+    cu_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + kv_lens).cumsum(0)  # int64: the two may differ in dtype
+    s = prefill_schedule(cu_q, cu_k, T, causal=causal)
+    want = lpt_order(q_lens, kv_lens, causal)
+    assert isinstance(s, PrefillSchedule) and s.table.dtype == torch.int32
+    assert (s.num_q_tokens, s.num_requests) == (T, B)
+    assert s.max_row_blocks == max(1, (T + (P.BLOCK_M - 1) * B) // P.BLOCK_M) >= len(want)
+    table = s.table.tolist()
+    assert table[0] == len(want)
+    mask = (1 << P.ROW_SHIFT) - 1
+    assert [(e >> P.ROW_SHIFT, e & mask) for e in table[1:1 + len(want)]] == want
+    assert 0 <= table[1] >> P.ROW_SHIFT < B
+
+
+def test_prefill_schedule_bad_input_raises():
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="different batches"):
+        prefill_schedule(cu, cu[:2], 5)
+    with pytest.raises(ValueError, match="fewer than"):
+        prefill_schedule(torch.zeros(P.MAX_REQUESTS + 1, dtype=torch.int32), torch.zeros(P.MAX_REQUESTS + 1), 0)
+    with pytest.raises(ValueError, match="fewer than"):
+        prefill_schedule(cu, cu, P.MAX_Q_TOKENS)
+    empty = prefill_schedule(cu[:1], cu[:1], 0)  # no request
+    assert empty.table.tolist() == [0, 0] and empty.num_requests == 0
+
+
+RAGGED_CASES = [  # q_lens, kv_lens, H, dqk, dv, heads per group (None: `head_group`)
+    (uniform_lens(16, 1, 600, 3), uniform_lens(16, 1, 600, 3), 16, 192, 128, None),  # 16 × U(1, 600)
+    ([1000, 37, 3000, 1], [1000, 37, 3000, 1], 4, 192, 128, None),  # an odd mix
+    ([0, 300, 0, 129, 5, 0], [0, 300, 7, 129, 5, 0], 5, 192, 128, 2),  # empty requests; heads in groups 2, 2, 1
+    ([100, 1, 700, 64, 128], [400, 1000, 700, 3000, 129], 8, 192, 128, 3),  # prefixes (q_len < kv_len)
+    ([200, 3, 0, 50], [0, 90, 0, 20], 3, 192, 128, None),  # queries without keys, or before any key
+    (uniform_lens(256, 0, 40, 4), uniform_lens(256, 40, 100, 5), 2, 128, 64, None),  # 256 requests, no tail
+]
+
+
+def padded_ragged(q_lens, kv_lens, H, dqk, dv, seed, pad=5):
+    """A bf16 ragged batch on the GPU whose q has `pad` rows past the last request (rows no request owns)."""
+    q, k, v, cu_q, cu_k = ragged(q_lens, kv_lens, H, dqk, dv, torch.bfloat16, device="cuda", seed=seed)
+    extra = torch.randn(pad, H, dqk, generator=torch.Generator().manual_seed(seed + 1)).to(q)
+    return torch.cat([q, extra]), k, v, cu_q, cu_k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", RAGGED_CASES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_hopper_prefill_ragged_schedule_matches_reference(case, causal):
+    """A ragged batch on the persistent grid, row blocks from its schedule longest first: the fp64 reference's
+    output and lse, written exactly where the reference writes (NaN-poisoned rows past the last request stay
+    NaN), what one program per tile gives, and the tile counter left at zero."""
+    q_lens, kv_lens, H, dqk, dv, group = case
+    q, k, v, cu_q, cu_k = padded_ragged(q_lens, kv_lens, H, dqk, dv, seed=len(q_lens) + H)
+    args = (q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09)
+    assert P.supported(q, k, v, 0.09)
+    ref = torch.full((q.shape[0], H, dv), float("nan"), dtype=torch.float64, device="cuda")
+    want, want_lse = mla_prefill_torch(*(t.double() for t in args[:3]), *args[3:], causal=causal, return_lse=True,
+                                       out=ref)
+    out = torch.full((q.shape[0], H, dv), float("nan"), dtype=q.dtype, device="cuda")
+    opts = P.Options(heads_per_group=group)
+    got, lse = P.mla_prefill_hopper(*args, causal=causal, return_lse=True, out=out, opts=opts)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))  # written exactly where the reference writes
+    written = ~torch.isnan(want)
+    assert rel_err(got[written], want[written]) <= 1e-2
+    rows = int(cu_q[-1])  # lse of rows past the last request is not part of the contract
+    fin = torch.isfinite(want_lse[:rows])
+    assert torch.equal(fin, torch.isfinite(lse[:rows]))
+    assert (lse[:rows][fin].double() - want_lse[:rows][fin]).abs().max().item() <= 1e-3
+    grid, grid_lse = P.mla_prefill_hopper(*args, causal=causal, return_lse=True,
+                                          opts=P.Options(persistent=False, heads_per_group=group))
+    assert rel_err(got[:rows].float(), grid[:rows].float()) <= 1e-3
+    assert (lse[:rows][fin] - grid_lse[:rows][fin]).abs().max().item() <= 1e-4
+    assert P._tile_counter(q.device).tolist() == [0, 0]
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_prefill_schedule_passed_or_built_agree():
+    """The schedule passed explicitly (through `mla_prefill`) or built inside gives the same bits, twice in a row
+    (each launch leaves its tile counter at zero for the next); the schedule built on the GPU is the one built on
+    the CPU; a schedule of another batch is refused."""
+    q_lens, kv_lens = [1000, 37, 3000, 1, 0, 513], [1000, 37, 3100, 1, 9, 513]
+    q, k, v, cu_q, cu_k = padded_ragged(q_lens, kv_lens, 16, 192, 128, seed=11, pad=3)
+    args = (q, k, v, cu_q, cu_k, max(q_lens), max(kv_lens), 0.09)
+    sched = prefill_schedule(cu_q, cu_k, q.shape[0])
+    assert torch.equal(sched.table.cpu(), prefill_schedule(cu_q.cpu(), cu_k.cpu(), q.shape[0]).table)
+    rows = int(cu_q[-1])
+    runs = [mla_prefill(*args, return_lse=True, backend="hopper", schedule=sched),
+            mla_prefill(*args, return_lse=True, backend="hopper"),
+            P.mla_prefill_hopper(*args, return_lse=True, schedule=sched),
+            P.mla_prefill_hopper(*args, return_lse=True)]
+    for got, lse in runs:
+        assert torch.equal(got[:rows], runs[0][0][:rows]) and torch.equal(lse[:rows], runs[0][1][:rows])
+        assert P._tile_counter(q.device).tolist() == [0, 0]
+    want = mla_prefill_torch(*(t.double() for t in args[:3]), *args[3:])
+    assert rel_err(runs[0][0][:rows], want[:rows]) <= 1e-2
+    other = prefill_schedule(cu_q[:-1], cu_k[:-1], q.shape[0])
+    with pytest.raises(ValueError, match="prefill schedule"):
+        mla_prefill(*args, backend="hopper", schedule=other)
+
+
+@pytest.mark.gpu
+def test_gpu_model_builds_one_prefill_schedule_per_forward(monkeypatch):
+    """`MLAttention._naive` builds the ragged batch's schedule once (in the metadata) and every layer reuses it;
+    the layer's output on the ragged batch is what it gives request by request."""
+    from specmla.config import ModelConfig
+    from specmla.model import deepseek
+    from specmla.model.metadata import AttentionMetadata
+    from specmla.model.rope import rope_cos_sin_cache
+
+    cfg = ModelConfig.from_dict(dict(
+        vocab_size=101, hidden_size=256, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, max_position_embeddings=4096, model_type="deepseek_v3", n_routed_experts=None,
+        n_shared_experts=None, num_experts_per_tok=None))
+    torch.manual_seed(0)
+    layer = deepseek.MLAttention(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.05) if p.dim() > 1 else p.fill_(1.0)
+    layer = layer.to("cuda", torch.bfloat16).eval()
+    built = []
+    monkeypatch.setattr(deepseek, "prefill_schedule", lambda *a, **kw: built.append(1) or prefill_schedule(*a, **kw))
+    lens = [300, 1, 77, 1000]
+    cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, 1024, device="cuda")
+    x = torch.randn(sum(lens), cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    meta = AttentionMetadata.for_contiguous(lens, device="cuda")
+    with torch.no_grad():
+        y = layer(x, meta, cos_sin, None)
+        sched = meta.prefill_schedule
+        again = layer(x, meta, cos_sin, None)
+        offs = [0] + torch.tensor(lens).cumsum(0).tolist()
+        alone = torch.cat([layer(x[a:b], AttentionMetadata.for_contiguous([b - a], device="cuda"), cos_sin, None)
+                           for a, b in zip(offs, offs[1:])])
+    assert isinstance(sched, PrefillSchedule) and meta.prefill_schedule is sched and len(built) == 1
+    assert torch.equal(y, again)
+    assert rel_err(y.float(), alone.float()) <= 2e-2

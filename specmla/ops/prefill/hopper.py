@@ -20,13 +20,17 @@ for tiles of 128 query rows × 128 keys, P·V from registers.
 
 Tiles (query rows × head × request) are numbered so that heads run in groups small enough for the
 group's keys and values to stay in L2 while its tiles read them, the longest causal tiles of a group
-first. One request (B=1) runs on a persistent grid, one program per SM: the producer claims tiles from
-a counter in global memory (the longest first, so the shortest fill the end) and hands their ids to the
-consumers through shared memory, and the rings and barrier phases run on from tile to tile, so the next
-tile's Q and keys load while the last one finishes. Ragged batches keep one program per tile (the
-persistent loop would visit every empty tile of the short requests). Each tile visits its key blocks from
-the causal diagonal down, as FlashAttention-3 does: tiles that start together then read different blocks
-of their head rather than all reading block 0, then 1, … at once.
+first. The grid is persistent, one program per SM: the producer claims tiles from a counter in global
+memory (the longest first, so the shortest fill the end) and hands their ids to the consumers through
+shared memory, and the rings and barrier phases run on from tile to tile, so the next tile's Q and keys
+load while the last one finishes. One request (B=1) numbers its tiles from its query blocks. A ragged
+batch (B > 1) runs from a `PrefillSchedule`: its row blocks (request, query block), Σ_b ceil(q_len_b /
+128) of them, sorted on the device by descending causal work, so no tile of a short request's empty
+blocks launches and the longest blocks of every request start first; the kernel reads the row block
+count from the schedule, and its head groups hold the keys and values of every request.
+`Options(persistent=False)` runs one program per tile of (query block, head, request) instead. Each tile
+visits its key blocks from the causal diagonal down, as FlashAttention-3 does: tiles that start together
+then read different blocks of their head rather than all reading block 0, then 1, … at once.
 Host side: after the first call of a specialisation the compiled kernel's launcher is called directly, and
 the TMA descriptors are built without re-checking what `supported` checked.
 Head dims: Dqk = D1 + DT (D1 a power of two ≥ 64, DT 0 or a power of two ≥ 16), Dv a power of two up
@@ -77,6 +81,8 @@ Q_FREE = _c(4 + 4 * NUM_STAGES)  # +w
 TILE_READY = _c(6 + 4 * NUM_STAGES)  # +slot
 TILE_FREE = _c(8 + 4 * NUM_STAGES)  # +slot
 NUM_BARRIERS = _c(10 + 4 * NUM_STAGES)
+ROW_SHIFT = 16  # a schedule entry (`PrefillSchedule`): request << ROW_SHIFT | query block
+_ROW_SHIFT = _c(ROW_SHIFT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +91,9 @@ class Options:
     pingpong: bool = True  # the warpgroups take turns issuing their matmuls (FlashAttention-3's scheduler barrier)
     split_q: bool = True  # Q loaded per warpgroup, each half once that warpgroup's last S of a tile is done
     reverse: bool = True  # key blocks from the causal diagonal down (FlashAttention-3's order), else from 0 up
-    persistent: bool | None = None  # the persistent grid; None: for one request
+    # the persistent grid (None: on), ragged batches (B > 1) over their row blocks longest first (`PrefillSchedule`);
+    # False: one program per (query block, head, request) of the longest request's query blocks
+    persistent: bool | None = None
     heads_per_group: int | None = None  # heads that run side by side; None: `head_group`
     consumer_regs: int = 240  # FlashAttention-3's split of the register file: 2 × 128 threads × 240 + the producer
     producer_regs: int = 24
@@ -95,22 +103,36 @@ class Options:
 if G.HAVE_GLUON:
 
     @gluon.jit
-    def _tile(t, CU_Q, CU_K, H, N_M, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              CAUSAL: gl.constexpr):
-        """Tile t's head, request, query rows and keys: [0, end) in n_blocks blocks (at least one, so an empty
-        request still runs the pipeline once, fully masked, and stores zeros).
+    def _tile(t, CU_Q, CU_K, SCHED, H, N_M, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              CAUSAL: gl.constexpr, RAGGED: gl.constexpr):
+        """Tile t's head, request, query rows and keys: [0, end) in n_blocks blocks (at least one, so a request
+        with queries but no visible keys still runs the pipeline once, fully masked, and stores zeros).
 
-        Tiles are numbered request by request; within a request they run in groups of `head_group` heads
-        (as many as keep their keys in L2), and within a group the longest causal tiles of every head come
-        first, then the next longest, and so on."""
-        per_request = N_M * H
-        b = t // per_request
-        group_tiles = head_group * N_M
-        group = (t % per_request) // group_tiles
-        r = (t % per_request) % group_tiles
-        heads = gl.minimum(head_group, H - group * head_group)  # the last group may be smaller
-        start_m = (N_M - 1 - r // heads) * BLOCK_M
-        h = group * head_group + r % heads
+        Tiles run in groups of `head_group` heads (as many as keep their keys in L2; the last group may be
+        smaller). Numbered request by request (N_M query blocks each), within a group the longest causal tiles
+        of every head come first, then the next longest, and so on. RAGGED: SCHED holds the batch's row block
+        count and its row blocks longest first (`PrefillSchedule`); within a group the tiles run row block by
+        row block in that order, each for every head of the group. A stop id decodes as some tile, never run."""
+        if RAGGED:
+            n_rb = gl.maximum(gl.load(SCHED), 1)
+            t = gl.minimum(gl.maximum(t, 0), n_rb * H - 1)
+            group_tiles = head_group * n_rb
+            group = t // group_tiles
+            r = t % group_tiles
+            heads = gl.minimum(head_group, H - group * head_group)
+            entry = gl.load(SCHED + 1 + r // heads)
+            h = group * head_group + r % heads
+            b = entry >> _ROW_SHIFT
+            start_m = (entry & ((1 << _ROW_SHIFT) - 1)) * BLOCK_M
+        else:
+            per_request = N_M * H
+            b = t // per_request
+            group_tiles = head_group * N_M
+            group = (t % per_request) // group_tiles
+            r = (t % per_request) % group_tiles
+            heads = gl.minimum(head_group, H - group * head_group)
+            start_m = (N_M - 1 - r // heads) * BLOCK_M
+            h = group * head_group + r % heads
         q0 = gl.load(CU_Q + b)
         q_len = gl.load(CU_Q + b + 1) - q0
         k0 = gl.load(CU_K + b)
@@ -122,8 +144,27 @@ if G.HAVE_GLUON:
         return h, b, q0, q_len, k0, k_len, start_m, end, n_blocks
 
     @gluon.jit
+    def _tile_count(SCHED, H, N_TILES, RAGGED: gl.constexpr):
+        """The tiles of this launch: N_TILES, or RAGGED the batch's row blocks (SCHED[0]) times H."""
+        if RAGGED:
+            n_tiles = gl.load(SCHED) * H
+        else:
+            n_tiles = N_TILES
+        return n_tiles
+
+    @gluon.jit
+    def _running(t, N_TILES, RAGGED: gl.constexpr):
+        """Consumer: whether tile id t is a tile rather than the producer's stop (RAGGED: -1, so the consumers
+        keep no tile count in registers; else an id >= N_TILES)."""
+        if RAGGED:
+            live = t >= 0
+        else:
+            live = t < N_TILES
+        return live
+
+    @gluon.jit
     def _publish(tile_ids, bars, k, t):
-        """Producer: tile id number k (t; t >= N_TILES tells the consumers to stop) into slot k % 2, once
+        """Producer: tile id number k (t, or the stop id of `_running`) into slot k % 2, once
         both warpgroups have read what the slot held two ids ago."""
         ONE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         slot = k % 2
@@ -143,11 +184,11 @@ if G.HAVE_GLUON:
         return t
 
     @gluon.jit
-    def _next_tile(tile_ids, bars, k, CU_Q, CU_K, H, N_M, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   CAUSAL: gl.constexpr):
+    def _next_tile(tile_ids, bars, k, CU_Q, CU_K, SCHED, H, N_M, head_group, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RAGGED: gl.constexpr):
         """Consumer warpgroup: tile id number k and that tile's bounds (`_tile`)."""
         t = _read_tile(tile_ids, bars, k)
-        return (t, ) + _tile(t, CU_Q, CU_K, H, N_M, head_group, BLOCK_M, BLOCK_N, CAUSAL)
+        return (t, ) + _tile(t, CU_Q, CU_K, SCHED, H, N_M, head_group, BLOCK_M, BLOCK_N, CAUSAL, RAGGED)
 
     @gluon.jit
     def _claim(COUNTER, N_TILES, DYNAMIC: gl.constexpr):
@@ -162,26 +203,27 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _producer(shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr, CAUSAL: gl.constexpr,
-                  DYNAMIC: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr):
+                  DYNAMIC: gl.constexpr, RAGGED: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr):
         """One warp: claims the tiles and tells the consumers; per tile TMA Q (once the last tile's S
         matmuls are done with it), then K_j / V_j into stage (blocks so far) % NUM_STAGES once both
         warpgroups freed it."""
-        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
-         stride_ot, stride_oh, stride_lt, scale_log2,
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
+         COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
          q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
         DQK: gl.constexpr = D1 + DT
         ELEM: gl.constexpr = q_desc.dtype.primitive_bitwidth // 8
         k_bytes: gl.constexpr = BLOCK_N * DQK * ELEM
         v_bytes: gl.constexpr = BLOCK_N * DV * ELEM
+        n_tiles = _tile_count(SCHED, H, N_TILES, RAGGED)
         t = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
         k = 0  # tile ids published
         tiles = 0  # tiles run (each loads Q once)
         c0 = 0  # key blocks of the tiles before this one (the rings' stage and phase count on across tiles)
-        while t < N_TILES:
+        while t < n_tiles:
             _publish(tile_ids, bars, k, t)
             k += 1
-            h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(t, CU_Q, CU_K, H, N_M, head_group, BLOCK_M,
-                                                                       BLOCK_N, CAUSAL)
+            h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(t, CU_Q, CU_K, SCHED, H, N_M, head_group,
+                                                                       BLOCK_M, BLOCK_N, CAUSAL, RAGGED)
             if start_m < q_len:
                 if SPLIT_Q:  # each warpgroup's rows as soon as that warpgroup is done with its last ones
                     WG_M: gl.constexpr = BLOCK_M // 2
@@ -223,8 +265,10 @@ if G.HAVE_GLUON:
             # claimed once this tile's loads are issued, about NUM_STAGES blocks before its consumers finish: the
             # atomic's latency hides there, and a tile claimed at this tile's start would wait behind a whole
             # tile while other programs run dry at the end
-            t = _claim(COUNTER, N_TILES, DYNAMIC)
-        _publish(tile_ids, bars, k, t)  # t >= N_TILES: the consumers stop
+            t = _claim(COUNTER, n_tiles, DYNAMIC)
+        if RAGGED:
+            t = -1
+        _publish(tile_ids, bars, k, t)  # the stop id (`_running`): the consumers stop
         if DYNAMIC:  # the last program to finish leaves the counter at zero for the next launch
             if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
                 gl.atomic_xchg(COUNTER, 0)
@@ -339,8 +383,8 @@ if G.HAVE_GLUON:
                 REVERSE: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
         """This warpgroup's rows of one tile over every key block: the unnormalised output, row max and
         row sums (the program's `tiles`-th tile; its blocks start at c0 and its matmul rounds at r0)."""
-        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
-         stride_ot, stride_oh, stride_lt, scale_log2,
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
+         COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
          q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
         dtype: gl.constexpr = q_smem.dtype
         WG_M: gl.constexpr = BLOCK_M // 2
@@ -417,11 +461,12 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr,
-                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr):
+                  CAUSAL: gl.constexpr, RAGGED: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_Q: gl.constexpr,
+                  REVERSE: gl.constexpr):
         """Warpgroup ROLE: query rows ROLE·64 … +64 of each tile the producer hands over. The next tile's id
         and bounds are read before this tile's rows are stored, so their loads overlap the stores."""
-        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
-         stride_ot, stride_oh, stride_lt, scale_log2,
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
+         COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
          q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
         WG_M: gl.constexpr = BLOCK_M // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -431,36 +476,38 @@ if G.HAVE_GLUON:
         k = 0  # tile ids read
         tiles = 0  # tiles run
         c0 = 0  # key blocks so far (K/V ring position); matmul rounds so far (turn parity): c0 + tiles
-        t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H, N_M,
-                                                                          head_group, BLOCK_M, BLOCK_N, CAUSAL)
+        t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, SCHED, H,
+                                                                          N_M, head_group, BLOCK_M, BLOCK_N, CAUSAL,
+                                                                          RAGGED)
         k += 1
-        while t < N_TILES:
+        while _running(t, N_TILES, RAGGED):
             n_done = n_blocks
             if start_m < q_len:
                 acc, m_i, l_i = _attend(ROLE, shared, tiles, c0, c0 + tiles, q_len, k_len, start_m, end, n_blocks,
                                         BLOCK_M, BLOCK_N, NUM_STAGES, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
                                         S_LAYOUT, O_LAYOUT)
                 h_done, q0_done, q_len_done, row0 = h, q0, q_len, start_m + ROLE * WG_M
-                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H,
-                                                                                  N_M, head_group, BLOCK_M, BLOCK_N,
-                                                                                  CAUSAL)
+                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K,
+                                                                                  SCHED, H, N_M, head_group, BLOCK_M,
+                                                                                  BLOCK_N, CAUSAL, RAGGED)
                 _store_rows(acc, m_i, l_i, O, LSE, q0_done, q_len_done, row0, h_done, stride_ot, stride_oh,
                             stride_lt, scale_log2, WG_M, DV, S_LAYOUT, O_LAYOUT)
                 tiles += 1
                 c0 += n_done
             else:
-                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, H,
-                                                                                  N_M, head_group, BLOCK_M, BLOCK_N,
-                                                                                  CAUSAL)
+                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K,
+                                                                                  SCHED, H, N_M, head_group, BLOCK_M,
+                                                                                  BLOCK_N, CAUSAL, RAGGED)
             k += 1
 
     @gluon.jit
     def _mla_prefill_ws_kernel(
-        q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
+        q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group, COUNTER,
         stride_ot, stride_oh, stride_lt, scale_log2,
         D1: gl.constexpr, DT: gl.constexpr, TAIL: gl.constexpr, DV: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-        PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, SPLIT_Q: gl.constexpr, REVERSE: gl.constexpr,
+        PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, RAGGED: gl.constexpr, SPLIT_Q: gl.constexpr,
+        REVERSE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = q_desc.dtype
@@ -477,13 +524,16 @@ if G.HAVE_GLUON:
                           or i >= TILE_FREE else 1)
         fence_async_shared()
 
-        shared = (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, H, N_M, N_TILES, head_group, COUNTER,
-                  stride_ot, stride_oh, stride_lt, scale_log2,
+        shared = (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
+                  COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
                   q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids)
         gl.warp_specialize([
-            (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE)),
-            (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE)),
-            (_producer, (shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, DYNAMIC, SPLIT_Q, REVERSE)),
+            (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, RAGGED, PINGPONG, SPLIT_Q,
+                         REVERSE)),
+            (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, RAGGED, PINGPONG, SPLIT_Q,
+                         REVERSE)),
+            (_producer, (shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, DYNAMIC, RAGGED, SPLIT_Q,
+                         REVERSE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -524,6 +574,64 @@ def _head_group(H: int, head_bytes: int, l2: int) -> int:
         return divisor
     groups = -(-H // fits)
     return -(-H // groups)
+
+
+MAX_REQUESTS = 1 << (31 - ROW_SHIFT)
+MAX_Q_TOKENS = BLOCK_M << ROW_SHIFT
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillSchedule:
+    """The row blocks (request b, query block m of BLOCK_M rows) of a ragged batch in the order the persistent
+    kernel runs them, built on the device without a host sync (`prefill_schedule`).
+
+    table: int32 [1 + rb_max] on the batch's device. table[0] is the number n of row blocks (Σ_b ceil(q_len_b /
+    BLOCK_M)); table[1 + i] for i < n is the i-th row block as b << ROW_SHIFT | m, in descending causal work
+    (`end`, the keys it attends to), ties in batch order. Entries past n are never run; table[1] holds a real
+    request's block even when n = 0 (the kernel decodes its stop id there). rb_max = max(1, (T + (BLOCK_M − 1)·B)
+    // BLOCK_M) bounds n. num_q_tokens (T), num_requests (B): the batch it was built for, checked against each
+    call."""
+    table: torch.Tensor
+    num_q_tokens: int
+    num_requests: int
+
+    @property
+    def max_row_blocks(self) -> int:
+        return self.table.shape[0] - 1
+
+
+def prefill_schedule(cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor, num_q_tokens: int, *,
+                     causal: bool = True) -> PrefillSchedule:
+    """The longest-processing-time-first order of a ragged batch's row blocks (`PrefillSchedule`), in torch ops
+    on cu_seqlens' device with no host sync: a row block's work is its key count end = min(k_len, k_len − q_len
+    + (m + 1)·BLOCK_M) when causal (bottom-right aligned, as the kernel's `_tile`), else k_len. One schedule
+    serves every call on the same batch (every layer of a forward)."""
+    B = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_kv.shape[0] != B + 1:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_kv "
+                         f"{tuple(cu_seqlens_kv.shape)} describe different batches")
+    if not 0 <= B < MAX_REQUESTS or not 0 <= num_q_tokens < MAX_Q_TOKENS:
+        raise ValueError(f"a prefill schedule takes fewer than {MAX_REQUESTS} requests and {MAX_Q_TOKENS} query "
+                         f"tokens (got {B}, {num_q_tokens})")
+    device = cu_seqlens_q.device
+    rb_max = max(1, (num_q_tokens + (BLOCK_M - 1) * B) // BLOCK_M)  # Σ ceil(q_len / BLOCK_M) ≤ this
+    if B == 0:
+        return PrefillSchedule(torch.zeros(1 + rb_max, dtype=torch.int32, device=device), num_q_tokens, B)
+    i32 = torch.int32
+    cu = torch.stack((cu_seqlens_q, cu_seqlens_kv)).to(i32)
+    lens = cu.diff(dim=1)  # [2, B]: q_len, k_len
+    blocks = lens[0].add(BLOCK_M - 1) // BLOCK_M
+    last = blocks.cumsum(0, dtype=i32)  # one past each request's last row block
+    i = torch.arange(rb_max, dtype=i32, device=device)
+    b = torch.searchsorted(last[:-1], i, right=True, out_int32=True)  # the request of row block i (the last past n)
+    # per request: its first row block, k_len − q_len (the causal offset), k_len; gathered per row block
+    first, offset, k_len = torch.stack((last - blocks, lens[1] - lens[0], lens[1])).index_select(1, b)
+    m = i - first
+    work = torch.minimum(k_len, torch.add(offset, m + 1, alpha=BLOCK_M)).clamp_(min=0) if causal else k_len
+    work = work.masked_fill_(i >= last[-1], -1)  # past the last row block: after every real one
+    order = torch.argsort(work, descending=True, stable=True)
+    entries = torch.add(m, b, alpha=1 << ROW_SHIFT)[order]
+    return PrefillSchedule(torch.cat((last[-1:], entries)), num_q_tokens, B)
 
 
 def _smem_bytes(d1: int, dt: int, dv: int, elem: int) -> int:
@@ -592,10 +700,18 @@ def _launch(grid, named: dict, key: tuple, fast: bool):
     compiled[(grid[0], grid[1], 1)](*[named[name] for name in _mla_prefill_ws_kernel.arg_names])
 
 
+def _check_schedule(schedule: PrefillSchedule, T: int, B: int, device: torch.device) -> None:
+    if (schedule.num_q_tokens, schedule.num_requests) != (T, B) or schedule.table.device != device:
+        raise ValueError(f"the prefill schedule was built for {schedule.num_requests} requests and "
+                         f"{schedule.num_q_tokens} query tokens on {schedule.table.device}, this call has {B} and {T} "
+                         f"on {device}")
+
+
 def mla_prefill_hopper(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, *,
                        causal: bool = True, return_lse: bool = False, out: torch.Tensor | None = None,
-                       opts: Options = Options()):
-    """Same contract as `mla_prefill_torch`; callers check `supported` first."""
+                       schedule: PrefillSchedule | None = None, opts: Options = Options()):
+    """Same contract as `mla_prefill_torch`; callers check `supported` first. A ragged batch (B > 1) on the
+    persistent grid runs its row blocks in `schedule`'s order, built here when None (`prefill_schedule`)."""
     T, H, dqk = q.shape
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
@@ -604,26 +720,38 @@ def mla_prefill_hopper(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_s
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T and B and max_seqlen_q:
         tail = max(dt, 16)  # a stand-in box when there is no tail (never loaded)
-        n_m = -(-max_seqlen_q // BLOCK_M)
-        n_tiles = n_m * H * B
-        persistent = B == 1 if opts.persistent is None else opts.persistent
+        persistent = opts.persistent is not False
+        ragged = persistent and B > 1
         sms = _device_facts(q.device)[2] if q.is_cuda else 132  # (CPU tensors: an offline sm_90 compile)
-        grid = (min(n_tiles, sms), 1) if persistent else (n_m * H, B)
+        elem = q.element_size()
+        if ragged:  # the kernel reads the row block count from the schedule
+            if schedule is None:
+                schedule = prefill_schedule(cu_seqlens_q, cu_seqlens_kv, T, causal=causal)
+            else:
+                _check_schedule(schedule, T, B, q.device)
+            sched, n_m, n_tiles = schedule.table, 0, 0
+            grid = (min(schedule.max_row_blocks * H, sms), 1)
+            group = opts.heads_per_group or head_group(H, k.shape[0], dqk + dv, elem, q.device)
+        else:
+            sched = cu_seqlens_q  # a stand-in, never read
+            n_m = -(-max_seqlen_q // BLOCK_M)
+            n_tiles = n_m * H * B
+            grid = (min(n_tiles, sms), 1) if persistent else (n_m * H, B)
+            group = opts.heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, elem, q.device)
         counter = _tile_counter(q.device)
-        group = opts.heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, q.element_size(), q.device)
         q_rows = BLOCK_M // 2 if opts.split_q else BLOCK_M  # Q's TMA box: one warpgroup's rows, or the tile's
         named = dict(
             q_desc=_descriptor(q, q_rows, d1), qt_desc=_descriptor(q, q_rows, tail),
             k_desc=_descriptor(k, BLOCK_N, d1), kt_desc=_descriptor(k, BLOCK_N, tail),
-            v_desc=_descriptor(v, BLOCK_N, dv), O=o, LSE=lse, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_kv, H=H,
-            N_M=n_m, N_TILES=n_tiles, head_group=group, COUNTER=counter, stride_ot=o.stride(0),
+            v_desc=_descriptor(v, BLOCK_N, dv), O=o, LSE=lse, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_kv, SCHED=sched,
+            H=H, N_M=n_m, N_TILES=n_tiles, head_group=group, COUNTER=counter, stride_ot=o.stride(0),
             stride_oh=o.stride(1), stride_lt=lse.stride(0), scale_log2=softmax_scale * 1.4426950408889634,
             D1=d1, DT=dt, TAIL=tail, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
-            PINGPONG=opts.pingpong, DYNAMIC=persistent, SPLIT_Q=opts.split_q, REVERSE=opts.reverse,
+            PINGPONG=opts.pingpong, DYNAMIC=persistent, RAGGED=ragged, SPLIT_Q=opts.split_q, REVERSE=opts.reverse,
             CONSUMER_REGS=opts.consumer_regs, PRODUCER_REGS=opts.producer_regs, SOURCE_KEY=_SOURCE_KEY,
             num_warps=4)
-        pointers = (o, lse, cu_seqlens_q, cu_seqlens_kv, counter)
-        key = (q.device, q.dtype, d1, dt, dv, causal, opts.pingpong, persistent, opts.split_q, opts.reverse,
+        pointers = (o, lse, cu_seqlens_q, cu_seqlens_kv, sched, counter)
+        key = (q.device, q.dtype, d1, dt, dv, causal, opts.pingpong, persistent, ragged, opts.split_q, opts.reverse,
                opts.consumer_regs, opts.producer_regs,
                tuple(_int_key(x) for x in (H, n_m, n_tiles, group, o.stride(0), o.stride(1), lse.stride(0))),
                tuple(t.data_ptr() % 16 == 0 for t in pointers))
