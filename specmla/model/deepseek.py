@@ -213,8 +213,10 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, H, -1)], dim=-1)
         if meta.uniform_len and meta.context_slots is None and torch.is_grad_enabled():
             return _batched_causal_sdpa(qf, k, v, meta.uniform_len, cfg.softmax_scale)
-        if qf.is_cuda and meta.cu_seqlens_q.shape[0] > 2 and meta.prefill_schedule is None:  # once for all layers
-            meta.prefill_schedule = prefill_schedule(meta.cu_seqlens_q, cu_kv, qf.shape[0])
+        if qf.is_cuda:
+            v = v.contiguous()  # heads packed in rows (stride H·Dv), as the Hopper kernel's TMA reads them
+            if meta.cu_seqlens_q.shape[0] > 2 and meta.prefill_schedule is None:  # once for all layers
+                meta.prefill_schedule = prefill_schedule(meta.cu_seqlens_q, cu_kv, qf.shape[0])
         return mla_prefill(
             qf, k, v, meta.cu_seqlens_q, cu_kv, meta.max_seqlen_q, meta.max_seqlen_kv, cfg.softmax_scale, causal=True,
             schedule=meta.prefill_schedule,
