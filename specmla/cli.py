@@ -17,6 +17,7 @@ from specmla.bench import (format_report, format_spec_rows, load_prompts, run_sp
                            run_transformers)
 from specmla.distributed import launched_by_torchrun
 from specmla.engine.llm import LLM, worker_main
+from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from specmla.config import ModelConfig
 from specmla.model.default import default_model_path
 from specmla.model.loader import CheckpointError, _checkpoint_files
@@ -364,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", type=_nonempty, default=None)
     sv.add_argument("--max-num-seqs", type=_int(1, None, ">= 1"), default=64)
     sv.add_argument("--max-num-batched-tokens", type=_int(1, None, ">= 1"),
-                    default=2048)
+                    default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     sv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     sv.add_argument("--log-level", default="warning",
                     choices=["critical", "error", "warning", "info", "debug", "trace"])
@@ -384,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file: one prompt per line, or JSON lines with 'prompt'")
     t.add_argument("--max-num-seqs", type=_int(1, None, ">= 1"), default=64)
     t.add_argument("--max-num-batched-tokens", type=_int(1, None, ">= 1"),
-                   default=2048)
+                   default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     t.add_argument("--seed", type=_int(0, INT64_MAX, f"0 to {INT64_MAX}"), default=0)
     t.add_argument("--compare-transformers", action="store_true", help="also time transformers' generate")
     t.add_argument("--hf-batch", type=_int(1, None, ">= 1"), default=None,

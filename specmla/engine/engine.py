@@ -18,7 +18,7 @@ import torch
 from specmla.engine.detokenizer import IncrementalDetokenizer
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner
-from specmla.engine.scheduler import ScheduledBatch, Scheduler
+from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, ScheduledBatch, Scheduler
 from specmla.engine.sequence import Sequence, Status
 from specmla.engine.spec import SpecStats, greedy_accept, verify
 from specmla.model.deepseek import DeepseekForCausalLM
@@ -82,7 +82,7 @@ class LLMEngine:
         pool: KVPool,
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         proposer=None,
         fault_hook: Callable[[list[Sequence]], None] | None = None,
     ):

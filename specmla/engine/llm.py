@@ -18,6 +18,7 @@ from specmla.engine.prefill_graphs import PiecewisePrefill
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.mtp_graph import GraphedMtpDrafter
+from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
 from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.engine.tp_worker import TPModel, serve_model_calls
@@ -50,7 +51,7 @@ class LLM:
         page_size: int = 64,
         num_pages: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,

@@ -33,8 +33,14 @@ class ScheduledBatch:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
 
+# tokens per step by default: the knee of prompt tok/s against the chunk size on a DeepSeek-V2-Lite-shaped model
+# (docs/benchmarks.md, section 6); larger steps gain little and hold decodes longer while a long prompt prefills
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
+
+
 class Scheduler:
-    def __init__(self, pool: KVPool, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+    def __init__(self, pool: KVPool, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  lookahead: int = 0):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
