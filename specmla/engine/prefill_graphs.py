@@ -55,10 +55,13 @@ class PiecewisePrefill:
         self.k_pe = torch.zeros(n, cfg.qk_rope_head_dim, dtype=dtype, device=dev)
         self.o = torch.zeros(n, H, cfg.v_head_dim, dtype=dtype, device=dev)
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
+        self.mtp_hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)  # the MTP catch-up's input
+        self.mtp_out = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
         self.use_graphs = use_graphs
         self._host = torch.zeros(3, n, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._copied: torch.cuda.Event | None = None
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.mtp_graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}  # (MTP module, size) → 2 pieces
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
 
     def padded_size(self, tokens: int) -> int | None:
@@ -86,6 +89,25 @@ class PiecewisePrefill:
         self.c_kv[:b].copy_(c_kv)
         self.k_pe[:b].copy_(k_pe)
 
+    def _mtp_piece(self, k: int, piece: int, b: int) -> None:
+        """MTP module k's catch-up at padded size b: piece 0 its input (the next tokens' embeddings and
+        mtp_hidden) and projections, writing MTP cache layer k; piece 1 the rest of its layer into mtp_out."""
+        model = self.model
+        layer = model.mtp[k]
+        if piece == 0:
+            x = model.mtp_input(k, self.ids[:b], self.mtp_hidden[:b])
+            meta = AttentionMetadata(positions=self.positions[:b], cu_seqlens_q=self.positions[:1],
+                                     seq_lens=self.positions[:1], max_seqlen_q=b, max_seqlen_kv=b,
+                                     slot_mapping=self.slots[:b], kv_format=self.pool.kv_format)
+            cache = self.pool.caches[model.config.num_hidden_layers + k]
+            q, c_kv, k_pe = layer.self_attn.project(layer.input_layernorm(x), meta, model.cos_sin, cache)
+            self.x[:b].copy_(x)
+            self.q[:b].copy_(q)
+            self.c_kv[:b].copy_(c_kv)
+            self.k_pe[:b].copy_(k_pe)
+        else:
+            self.mtp_out[:b].copy_(layer.finish(layer.self_attn.output(self.o[:b]), self.x[:b]))
+
     def _pad(self, b: int, start: int = 0) -> None:
         """Rows start..b-1 as padding: token 0, position 0, the scratch page's slots."""
         ps = self.pool.page_size
@@ -108,6 +130,20 @@ class PiecewisePrefill:
             graphs.append(g)
         torch.cuda.synchronize()
         self.graphs[b] = graphs
+
+    def _capture_mtp(self, k: int, b: int) -> None:
+        torch.cuda.synchronize()
+        self._pad(b)
+        graphs = []
+        for piece in (0, 1):
+            self._mtp_piece(k, piece, b)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.mempool):
+                self._mtp_piece(k, piece, b)
+            graphs.append(g)
+        torch.cuda.synchronize()
+        self.mtp_graphs[(k, b)] = graphs
 
     def _load(self, input_ids: list[int], positions: list[int], slots: list[int], b: int) -> None:
         """The step's rows into the static buffers (one copy from pinned memory), padding after them."""
@@ -152,3 +188,30 @@ class PiecewisePrefill:
             self.graphs[b][layer].replay()
         else:
             self._piece(layer, b)
+
+    @torch.inference_mode()
+    def mtp_forward(self, k: int, next_ids: list[int], prev_hidden: torch.Tensor, positions: list[int],
+                    slots: list[int], meta: AttentionMetadata) -> torch.Tensor:
+        """`DeepseekForCausalLM.mtp_forward` of MTP module k over T rows (the MTP catch-up after a prefill
+        step): the next tokens, the trunk's hidden rows [T, hidden], their positions and slots (in MTP cache
+        layer k), attention metadata on the real rows. Returns a view [T, hidden] of a static buffer."""
+        T = len(next_ids)
+        b = self.padded_size(T)
+        if b is None:
+            raise ValueError(f"{T} tokens exceed the largest prefill graph ({self.sizes[-1]})")
+        if self.use_graphs and (k, b) not in self.mtp_graphs:
+            self._capture_mtp(k, b)
+        self._load(next_ids, positions, slots, b)
+        self.mtp_hidden[:T].copy_(prev_hidden)
+        layer = self.model.mtp[k]
+        cache = self.pool.caches[self.model.config.num_hidden_layers + k]
+        self._run_mtp(k, 0, b)
+        self.o[:T].copy_(layer.self_attn.attend(self.q[:T], self.c_kv[:T], self.k_pe[:T], meta, cache))
+        self._run_mtp(k, 1, b)
+        return self.mtp_out[:T]
+
+    def _run_mtp(self, k: int, piece: int, b: int) -> None:
+        if self.use_graphs:
+            self.mtp_graphs[(k, b)][piece].replay()
+        else:
+            self._mtp_piece(k, piece, b)

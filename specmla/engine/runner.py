@@ -252,10 +252,16 @@ class ModelRunner:
         seqs = [s for s, _, _ in items]
         starts = [p for _, p, _ in items]
         q_lens = [h.shape[0] for _, _, h in items]
-        next_ids = torch.tensor([t for s, p, h in items for t in s.all_ids[p + 1 : p + 1 + h.shape[0]]],
-                                dtype=torch.long, device=self.device)
+        next_list = [t for s, p, h in items for t in s.all_ids[p + 1 : p + 1 + h.shape[0]]]
         _, meta = self.build_metadata(seqs, q_lens, starts=starts)
-        h_mtp = model.mtp_forward(0, next_ids, torch.cat([h for _, _, h in items]), meta, pool.caches)
+        prev = torch.cat([h for _, _, h in items])
+        pieces = self.prefill_graphs
+        if pieces is not None and pieces.padded_size(len(next_list)) is not None:
+            _, positions, slots, _ = self._rows(seqs, q_lens, starts)
+            h_mtp = pieces.mtp_forward(0, next_list, prev, positions, slots, meta)
+        else:
+            next_ids = torch.tensor(next_list, dtype=torch.long, device=self.device)
+            h_mtp = model.mtp_forward(0, next_ids, prev, meta, pool.caches)
         last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
         drafting = [i for i, s in enumerate(seqs) if s.num_cached == s.total_len - 1 and not s.is_finished
                     and starts[i] + q_lens[i] == s.total_len - 1

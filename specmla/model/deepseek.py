@@ -364,11 +364,14 @@ class DeepseekForCausalLM(nn.Module):
         """MTP module k (applied recursively by the proposer): row i combines the token at i+1 with
         the hidden state of position i (the trunk's final-normed state, or the previous MTP output),
         at i's rope position. Returns the pre-norm hidden state; `mtp_logits` applies the head."""
+        cache = kv_caches[self.config.num_hidden_layers + k] if kv_caches is not None else None
+        return self.mtp[k](self.mtp_input(k, next_ids, prev_hidden), meta, self.cos_sin, cache)
+
+    def mtp_input(self, k: int, next_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """MTP module k's layer input: eh_proj([enorm(emb(next_ids)) ; hnorm(prev_hidden)])."""
         layer = self.mtp[k]
         e = self.model.embed_tokens(next_ids)
-        x = layer.eh_proj(rms_norm_pair(e, prev_hidden, layer.enorm.weight, layer.hnorm.weight, layer.enorm.eps))
-        cache = kv_caches[self.config.num_hidden_layers + k] if kv_caches is not None else None
-        return layer(x, meta, self.cos_sin, cache)
+        return layer.eh_proj(rms_norm_pair(e, prev_hidden, layer.enorm.weight, layer.hnorm.weight, layer.enorm.eps))
 
     def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.mtp[k].shared_head.norm(hidden)).float()

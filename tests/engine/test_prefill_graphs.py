@@ -88,6 +88,25 @@ def test_padding_rows_touch_only_the_scratch_page_and_poisoned_buffers_do_not_le
         assert torch.equal(rows[other].view(torch.int32), c0.view(-1, c0.shape[-1])[other].view(torch.int32))
 
 
+def test_mtp_catch_up_through_the_pieces_drafts_what_the_plain_path_drafts(tiny_model_dir):
+    """A speculative MTP engine whose prompt steps and MTP catch-ups run through the pieces: the same drafts
+    after every prefill step (so the same acceptance counts) and the same greedy tokens as without them."""
+    prompts = prompts_of([3, 41, 17, 1, 29], seed=9)
+    kw = dict(speculative="mtp", num_speculative_tokens=2, max_num_batched_tokens=16)
+    plain_llm = make(tiny_model_dir, **kw)
+    plain = plain_llm.generate(prompts, GREEDY)
+    llm = make(tiny_model_dir, **kw)
+    with_pieces(llm, 16)
+    mtp_calls = []
+    fwd = llm.engine.runner.prefill_graphs.mtp_forward
+    llm.engine.runner.prefill_graphs.mtp_forward = lambda k, ids, *a: mtp_calls.append(len(ids)) or fwd(k, ids, *a)
+    outs = llm.generate(prompts, GREEDY)
+    assert mtp_calls and max(mtp_calls) <= 16
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert llm.engine.spec_stats.as_dict() == plain_llm.engine.spec_stats.as_dict()
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+
+
 def test_steps_over_the_largest_bucket_run_the_plain_path(tiny_model_dir):
     prompts = prompts_of([40], seed=3)
     plain = make(tiny_model_dir).generate(prompts, GREEDY)
@@ -103,13 +122,16 @@ def test_steps_over_the_largest_bucket_run_the_plain_path(tiny_model_dir):
 @pytest.mark.gpu
 def test_gpu_graphed_pieces_equal_the_eager_engine(tiny_model_dir):
     """On the GPU the pieces are CUDA graphs: fp32 greedy tokens through them equal the eager engine's for ragged
-    prompts in chunks, with more than one bucket captured."""
+    prompts in chunks, with more than one bucket captured; with MTP speculation the catch-up runs through its
+    graphed pieces too and the output is still plain greedy."""
     prompts = prompts_of([3, 41, 17, 1, 29, 8, 100], seed=7)
     kw = dict(device="cuda", dtype="float32", page_size=16, num_pages=128, max_num_batched_tokens=64)
     eager = LLM(tiny_model_dir, enforce_eager=True, **kw).generate(prompts, GREEDY)
-    llm = LLM(tiny_model_dir, **kw)
-    pieces = llm.engine.runner.prefill_graphs
-    assert pieces is not None and pieces.use_graphs
-    outs = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
-    assert len(pieces.graphs) >= 2
+    for spec in (None, "mtp"):
+        llm = LLM(tiny_model_dir, speculative=spec, **kw)
+        pieces = llm.engine.runner.prefill_graphs
+        assert pieces is not None and pieces.use_graphs
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+        assert len(pieces.graphs) >= 2
+        assert bool(pieces.mtp_graphs) == (spec == "mtp")
