@@ -33,7 +33,13 @@ case ${1:-decode} in
     python3 benchmarks/bench_spec_lite.py --json "$OUT/bench_spec_lite.json"
     ;;
   engine27)
-    python3 benchmarks/bench_engine.py --checkpoint-dir "${CKPT:-/tmp/specmla-v2lite-27}" --out "$OUT"
+    python3 benchmarks/bench_engine.py --checkpoint-dir "${CKPT:-/tmp/specmla-v2lite-27}" --prefill --mixed --out "$OUT"
+    ;;
+  chunks)
+    for n in "1024 2048" "4096 8192"; do
+      python3 benchmarks/bench_engine.py --checkpoint-dir "${CKPT:-/tmp/specmla-v2lite-27}" --no-decode \
+        --chunk-sweep $n --out "$OUT/chunks_${n// /_}"
+    done
     ;;
   moe)
     python3 benchmarks/bench_moe.py --out "$OUT"
