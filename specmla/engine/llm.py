@@ -112,7 +112,7 @@ class LLM:
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
-        if device.type == "cuda" and not enforce_eager and tensor_parallel_size == 1:
+        if device.type == "cuda" and not enforce_eager and tensor_parallel_size == 1 and _tp_rank is None:
             pages = -(-max_len // page_size)
             self.engine.runner.prefill_graphs = PiecewisePrefill(self.model, pool, max_num_batched_tokens)
             if proposer is None:

@@ -31,13 +31,15 @@ class ModelRunner:
         self.prefill_graphs: PiecewisePrefill | None = None  # other steps: graphed pieces around eager attention
 
     def build_metadata(
-        self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False, starts: list[int] | None = None
+        self, seqs: list[Sequence], q_lens: list[int], naive_context: bool = False, starts: list[int] | None = None,
+        rows: tuple[list[int], list[int], list[int], list[int]] | None = None,
     ) -> tuple[torch.Tensor, AttentionMetadata]:
         """Input ids and metadata for computing positions [start, start + q_len) of each sequence
-        (start defaults to num_cached; the cache holds the positions before it)."""
+        (start defaults to num_cached; the cache holds the positions before it); `rows`: `_rows` of the same
+        arguments when the caller has them already."""
         pool, dev = self.pool, self.device
         starts = [s.num_cached for s in seqs] if starts is None else starts
-        ids, positions, slots, kv_lens = self._rows(seqs, q_lens, starts)
+        ids, positions, slots, kv_lens = rows if rows is not None else self._rows(seqs, q_lens, starts)
         is_decode = all(q == q_lens[0] for q in q_lens) and all(st > 0 for st in starts) and q_lens[0] <= 8
         has_prefix = any(st > 0 for st in starts)
         context_slots = None
@@ -86,8 +88,9 @@ class ModelRunner:
             logits = self._graphed_decode(seqs)
         elif (self.prefill_graphs is not None and not naive_context
               and self.prefill_graphs.padded_size(sum(q_lens)) is not None):
-            ids, positions, slots, _ = self._rows(seqs, q_lens, [s.num_cached for s in seqs])
-            _, meta = self.build_metadata(seqs, q_lens)
+            rows = self._rows(seqs, q_lens, [s.num_cached for s in seqs])
+            _, meta = self.build_metadata(seqs, q_lens, rows=rows)
+            ids, positions, slots, _ = rows
             hidden = self.prefill_graphs.forward(ids, positions, slots, meta)
             logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
             self.last_hidden = (hidden, [s.num_cached for s in seqs], q_lens)
@@ -253,11 +256,12 @@ class ModelRunner:
         starts = [p for _, p, _ in items]
         q_lens = [h.shape[0] for _, _, h in items]
         next_list = [t for s, p, h in items for t in s.all_ids[p + 1 : p + 1 + h.shape[0]]]
-        _, meta = self.build_metadata(seqs, q_lens, starts=starts)
+        rows = self._rows(seqs, q_lens, starts)
+        _, meta = self.build_metadata(seqs, q_lens, starts=starts, rows=rows)
         prev = torch.cat([h for _, _, h in items])
         pieces = self.prefill_graphs
         if pieces is not None and pieces.padded_size(len(next_list)) is not None:
-            _, positions, slots, _ = self._rows(seqs, q_lens, starts)
+            _, positions, slots, _ = rows
             h_mtp = pieces.mtp_forward(0, next_list, prev, positions, slots, meta)
         else:
             next_ids = torch.tensor(next_list, dtype=torch.long, device=self.device)
