@@ -61,8 +61,8 @@ from specmla.bench import run_throughput
 from specmla.config import ModelConfig
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.model.deepseek import DeepseekForCausalLM, MoE
-from specmla.model.loader import save_checkpoint
-from specmla.model.rope import rope_cos_sin_cache
+from specmla.model.default import init_random_
+from specmla.model.loader import empty_model, save_checkpoint
 
 V2_LITE = {  # DeepSeek-V2-Lite's config.json (27 layers, 64 routed experts top-6, 2 shared, no q_lora)
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -79,19 +79,9 @@ TINY = dict(V2_LITE, vocab_size=300, hidden_size=64, intermediate_size=96, moe_i
 
 
 def random_model(cfg_dict: dict, device, dtype, max_positions: int = 2048, seed: int = 0) -> DeepseekForCausalLM:
-    cfg = ModelConfig.from_dict(cfg_dict)
-    with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg, max_positions=max_positions).to(dtype)
-    model = model.to_empty(device=device)
-    model.cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, max_positions, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    return model.eval()
+    model = empty_model(ModelConfig.from_dict(cfg_dict), device, dtype, max_positions)
+    return init_random_(model, std=0.02, generator=g).eval()
 
 
 def transformers_twin(model: DeepseekForCausalLM, cfg_dict: dict, device, dtype):

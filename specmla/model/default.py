@@ -95,18 +95,25 @@ def build_random_model_dir(path: Path, config: dict | None = None, seed: int = 0
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     cfg = ModelConfig.from_dict(config)
-    model = DeepseekForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.05)
+    model = init_random_(DeepseekForCausalLM(cfg), std=0.05)
     save_checkpoint(model, path)
     with open(path / "config.json", "w") as f:
         json.dump(config, f, indent=1)
     write_byte_tokenizer(path)
     return path
+
+
+def init_random_(model: DeepseekForCausalLM, std: float, generator: torch.Generator | None = None
+                 ) -> DeepseekForCausalLM:
+    """Random weights in place: norm weights 1, every other parameter N(0, std²) (from `generator`, else the
+    global generator). Returns the model."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=generator)
+    return model
 
 
 def default_model_path() -> Path:

@@ -142,6 +142,15 @@ def load_model(
         model = load_model(path, device="cpu", dtype=dtype, max_positions=max_positions, progress=progress)
         shard_model_(model, *shard)
         return model.to(device)
+    model = empty_model(cfg, device, dtype, max_positions)
+    load_weights(model, path, progress=progress)
+    return model.eval()
+
+
+def empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
+                max_positions: int | None = None) -> DeepseekForCausalLM:
+    """The model of `cfg` on `device` with uninitialised weights, built without a host copy (on the meta
+    device, then allocated): tied embeddings re-tied, the rope table built, router biases in fp32."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, max_positions=max_positions).to(dtype)
     model = model.to_empty(device=device)
@@ -152,8 +161,7 @@ def load_model(
     for module in model.modules():
         if getattr(module, "e_score_correction_bias", None) is not None:
             module.e_score_correction_bias = module.e_score_correction_bias.float()
-    load_weights(model, path, progress=progress)
-    return model.eval()
+    return model
 
 
 def save_checkpoint(model: DeepseekForCausalLM, path: str | Path, max_shard_bytes: int | None = None) -> None:

@@ -190,18 +190,11 @@ def test_gpu_a_graph_captured_after_the_decode_graphs_reads_zeroed_moe_counters(
 
     from specmla.config import ModelConfig
     from specmla.engine.cuda_graphs import GraphedDecoder
-    from specmla.model.deepseek import DeepseekForCausalLM
-    from specmla.model.rope import rope_cos_sin_cache
+    from specmla.model.default import init_random_
+    from specmla.model.loader import empty_model
 
-    cfg = ModelConfig.from_dict(V2_LITE_4_LAYERS)
-    with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg).to(torch.bfloat16)
-    model = model.to_empty(device="cuda").eval()
-    model.cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, model.max_positions, device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=g)
+    model = empty_model(ModelConfig.from_dict(V2_LITE_4_LAYERS), "cuda", torch.bfloat16)
+    init_random_(model, std=0.02, generator=torch.Generator(device="cuda").manual_seed(0)).eval()
     llm = LLM(model, max_num_seqs=128)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
