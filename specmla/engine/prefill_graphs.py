@@ -78,16 +78,8 @@ class PiecewisePrefill:
             x = prev.finish(prev.self_attn.output(self.o[:b]), self.x[:b])
         if layer == len(layers):
             self.hidden[:b].copy_(model.model.norm(x))
-            return
-        meta = AttentionMetadata(positions=self.positions[:b], cu_seqlens_q=self.positions[:1],
-                                 seq_lens=self.positions[:1], max_seqlen_q=b, max_seqlen_kv=b,
-                                 slot_mapping=self.slots[:b], kv_format=self.pool.kv_format)
-        lay = layers[layer]
-        q, c_kv, k_pe = lay.self_attn.project(lay.input_layernorm(x), meta, model.cos_sin, self.pool.caches[layer])
-        self.x[:b].copy_(x)
-        self.q[:b].copy_(q)
-        self.c_kv[:b].copy_(c_kv)
-        self.k_pe[:b].copy_(k_pe)
+        else:
+            self._project(layers[layer], x, b, self.pool.caches[layer])
 
     def _mtp_piece(self, k: int, piece: int, b: int) -> None:
         """MTP module k's catch-up at padded size b: piece 0 its input (the next tokens' embeddings and
@@ -96,57 +88,41 @@ class PiecewisePrefill:
         layer = model.mtp[k]
         if piece == 0:
             x = model.mtp_input(k, self.ids[:b], self.mtp_hidden[:b])
-            meta = AttentionMetadata(positions=self.positions[:b], cu_seqlens_q=self.positions[:1],
-                                     seq_lens=self.positions[:1], max_seqlen_q=b, max_seqlen_kv=b,
-                                     slot_mapping=self.slots[:b], kv_format=self.pool.kv_format)
-            cache = self.pool.caches[model.config.num_hidden_layers + k]
-            q, c_kv, k_pe = layer.self_attn.project(layer.input_layernorm(x), meta, model.cos_sin, cache)
-            self.x[:b].copy_(x)
-            self.q[:b].copy_(q)
-            self.c_kv[:b].copy_(c_kv)
-            self.k_pe[:b].copy_(k_pe)
+            self._project(layer, x, b, self.pool.caches[model.config.num_hidden_layers + k])
         else:
             self.mtp_out[:b].copy_(layer.finish(layer.self_attn.output(self.o[:b]), self.x[:b]))
 
-    def _pad(self, b: int, start: int = 0) -> None:
-        """Rows start..b-1 as padding: token 0, position 0, the scratch page's slots."""
-        ps = self.pool.page_size
-        self.ids[start:b].zero_()
-        self.positions[start:b].zero_()
-        self.slots[start:b] = self.pool.scratch_page * ps + torch.arange(b - start, device=self.slots.device) % ps
+    def _project(self, layer, x: torch.Tensor, b: int, cache: torch.Tensor) -> None:
+        """The residual x and `layer`'s attention inputs (q, the latent, k_pe; written to `cache` at the static
+        slots) into the static buffers."""
+        meta = AttentionMetadata(positions=self.positions[:b], cu_seqlens_q=self.positions[:1],
+                                 seq_lens=self.positions[:1], max_seqlen_q=b, max_seqlen_kv=b,
+                                 slot_mapping=self.slots[:b], kv_format=self.pool.kv_format)
+        q, c_kv, k_pe = layer.self_attn.project(layer.input_layernorm(x), meta, self.model.cos_sin, cache)
+        self.x[:b].copy_(x)
+        self.q[:b].copy_(q)
+        self.c_kv[:b].copy_(c_kv)
+        self.k_pe[:b].copy_(k_pe)
 
-    def _capture(self, b: int) -> None:
-        """Every piece at size b: one eager run (compiles kernels, allocates the ops' scratch outside the
-        capture), then the capture, in forward order, on padding rows."""
+    def _captured(self, pieces, b: int) -> list[torch.cuda.CUDAGraph]:
+        """One graph per piece (callables of no argument), in order, on padding rows of size b: each piece
+        runs once eagerly first (compiles kernels, allocates the ops' scratch outside the capture)."""
+        self._load([], [], [], b)
         torch.cuda.synchronize()
-        self._pad(b)
         graphs = []
-        for layer in range(len(self.model.model.layers) + 1):
-            self._piece(layer, b)
+        for piece in pieces:
+            piece()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.mempool):
-                self._piece(layer, b)
+                piece()
             graphs.append(g)
         torch.cuda.synchronize()
-        self.graphs[b] = graphs
-
-    def _capture_mtp(self, k: int, b: int) -> None:
-        torch.cuda.synchronize()
-        self._pad(b)
-        graphs = []
-        for piece in (0, 1):
-            self._mtp_piece(k, piece, b)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.mempool):
-                self._mtp_piece(k, piece, b)
-            graphs.append(g)
-        torch.cuda.synchronize()
-        self.mtp_graphs[(k, b)] = graphs
+        return graphs
 
     def _load(self, input_ids: list[int], positions: list[int], slots: list[int], b: int) -> None:
-        """The step's rows into the static buffers (one copy from pinned memory), padding after them."""
+        """The step's rows into the static buffers (one copy from pinned memory), then padding up to b: token 0,
+        position 0, the scratch page's slots."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the pinned buffer
         T, ps = len(input_ids), self.pool.page_size
@@ -163,31 +139,31 @@ class PiecewisePrefill:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
+    def _bucket(self, tokens: int) -> int:
+        b = self.padded_size(tokens)
+        if b is None:
+            raise ValueError(f"{tokens} tokens exceed the largest prefill graph ({self.sizes[-1]})")
+        return b
+
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], slots: list[int],
                 meta: AttentionMetadata) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of a prefill step whose rows are (input_ids, positions,
         slots) and whose attention metadata (built on the real rows) is `meta`; T must fit a bucket."""
         T = len(input_ids)
-        b = self.padded_size(T)
-        if b is None:
-            raise ValueError(f"{T} tokens exceed the largest prefill graph ({self.sizes[-1]})")
-        if self.use_graphs and b not in self.graphs:
-            self._capture(b)
-        self._load(input_ids, positions, slots, b)
+        b = self._bucket(T)
         layers = self.model.model.layers
+        pieces = [lambda layer=layer: self._piece(layer, b) for layer in range(len(layers) + 1)]
+        if self.use_graphs and b not in self.graphs:
+            self.graphs[b] = self._captured(pieces, b)
+        run = [g.replay for g in self.graphs[b]] if self.use_graphs else pieces
+        self._load(input_ids, positions, slots, b)
         for layer, lay in enumerate(layers):
-            self._run(layer, b)
+            run[layer]()
             self.o[:T].copy_(lay.self_attn.attend(self.q[:T], self.c_kv[:T], self.k_pe[:T], meta,
                                                   self.pool.caches[layer]))
-        self._run(len(layers), b)
+        run[-1]()
         return self.hidden[:T]
-
-    def _run(self, layer: int, b: int) -> None:
-        if self.use_graphs:
-            self.graphs[b][layer].replay()
-        else:
-            self._piece(layer, b)
 
     @torch.inference_mode()
     def mtp_forward(self, k: int, next_ids: list[int], prev_hidden: torch.Tensor, positions: list[int],
@@ -196,22 +172,16 @@ class PiecewisePrefill:
         step): the next tokens, the trunk's hidden rows [T, hidden], their positions and slots (in MTP cache
         layer k), attention metadata on the real rows. Returns a view [T, hidden] of a static buffer."""
         T = len(next_ids)
-        b = self.padded_size(T)
-        if b is None:
-            raise ValueError(f"{T} tokens exceed the largest prefill graph ({self.sizes[-1]})")
+        b = self._bucket(T)
+        pieces = [lambda piece=piece: self._mtp_piece(k, piece, b) for piece in (0, 1)]
         if self.use_graphs and (k, b) not in self.mtp_graphs:
-            self._capture_mtp(k, b)
+            self.mtp_graphs[(k, b)] = self._captured(pieces, b)
+        run = [g.replay for g in self.mtp_graphs[(k, b)]] if self.use_graphs else pieces
         self._load(next_ids, positions, slots, b)
         self.mtp_hidden[:T].copy_(prev_hidden)
         layer = self.model.mtp[k]
         cache = self.pool.caches[self.model.config.num_hidden_layers + k]
-        self._run_mtp(k, 0, b)
+        run[0]()
         self.o[:T].copy_(layer.self_attn.attend(self.q[:T], self.c_kv[:T], self.k_pe[:T], meta, cache))
-        self._run_mtp(k, 1, b)
+        run[1]()
         return self.mtp_out[:T]
-
-    def _run_mtp(self, k: int, piece: int, b: int) -> None:
-        if self.use_graphs:
-            self.mtp_graphs[(k, b)][piece].replay()
-        else:
-            self._mtp_piece(k, piece, b)
