@@ -86,17 +86,16 @@ class ModelRunner:
             q_lens = [s.total_len - s.num_cached for s in seqs]
         if self._graphable(seqs, q_lens, naive_context):
             logits = self._graphed_decode(seqs)
-        elif (self.prefill_graphs is not None and not naive_context
-              and self.prefill_graphs.padded_size(sum(q_lens)) is not None):
-            rows = self._rows(seqs, q_lens, [s.num_cached for s in seqs])
-            _, meta = self.build_metadata(seqs, q_lens, rows=rows)
-            ids, positions, slots, _ = rows
-            hidden = self.prefill_graphs.forward(ids, positions, slots, meta)
-            logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
-            self.last_hidden = (hidden, [s.num_cached for s in seqs], q_lens)
         else:
-            input_ids, meta = self.build_metadata(seqs, q_lens, naive_context)
-            hidden = self.model(input_ids, meta, self.pool.caches, force_naive=naive_context)
+            if (self.prefill_graphs is not None and not naive_context
+                    and self.prefill_graphs.padded_size(sum(q_lens)) is not None):
+                rows = self._rows(seqs, q_lens, [s.num_cached for s in seqs])
+                _, meta = self.build_metadata(seqs, q_lens, rows=rows)
+                ids, positions, slots, _ = rows
+                hidden = self.prefill_graphs.forward(ids, positions, slots, meta)
+            else:
+                input_ids, meta = self.build_metadata(seqs, q_lens, naive_context)
+                hidden = self.model(input_ids, meta, self.pool.caches, force_naive=naive_context)
             logits = self.model.compute_logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
             self.last_hidden = (hidden, [s.num_cached for s in seqs], q_lens)  # for the MTP proposer
         for s, q in zip(seqs, q_lens):
