@@ -14,6 +14,10 @@ for tiles of 128 query rows × 128 keys, P·V from registers.
   the softmax is the other warpgroup's matmuls (`Options.pingpong` makes the two take turns).
 - The softmax scale is folded into the exponent: p = 2^(s·c − m·c) with m the raw row max (one FMA
   per score). Only key blocks that cross the causal diagonal or the end of the keys are masked.
+- A warpgroup's 64 output rows, when they all lie inside their request, are normalised into its own Q rows in
+  shared memory and leave by one TMA store; its next Q rows load once the store has read them. Rows at a
+  request's end (and every row when Q is not loaded per warpgroup or d_v differs from D1) are stored from
+  registers under a mask.
 - Ragged packs go through 2-D descriptors over [tokens, heads·dim]: a tile's rows past its request
   read the next request's rows (or zeros past the tensor); their keys are masked and their query
   rows are never stored.
@@ -21,8 +25,8 @@ for tiles of 128 query rows × 128 keys, P·V from registers.
 Tiles (query rows × head × request) are numbered so that heads run in groups small enough for the
 group's keys and values to stay in L2 while its tiles read them, the longest causal tiles of a group
 first. The grid is persistent, one program per SM: the producer claims tiles from a counter in global
-memory (the longest first, so the shortest fill the end) and hands their ids to the consumers through
-shared memory, and the rings and barrier phases run on from tile to tile, so the next tile's Q and keys
+memory (the longest first, so the shortest fill the end) and hands their ids and bounds to the consumers
+through shared memory, and the rings and barrier phases run on from tile to tile, so the next tile's Q and keys
 load while the last one finishes. One request (B=1) numbers its tiles from its query blocks. A ragged
 batch (B > 1) runs from a `PrefillSchedule`: its row blocks (request, query block), Σ_b ceil(q_len_b /
 128) of them, sorted on the device by descending causal work, so no tile of a short request's empty
@@ -59,6 +63,7 @@ if G.HAVE_GLUON:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _cta_barrier = G._cta_barrier
 
 BLOCK_M = 128  # query rows per program: two consumer warpgroups of 64 (wgmma's M)
@@ -70,7 +75,7 @@ _SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 # mbarriers: per consumer warpgroup, its Q rows landed; per stage: K landed, V landed, K free, V free (one
 # arrival per consumer warpgroup); the turn of each warpgroup; per warpgroup, its Q rows free (its last S of a
-# tile done); per tile-id slot: id written, id read (both warpgroups)
+# tile done, or its output rows staged there stored); per tile slot: id and bounds written, read (both warpgroups)
 Q_READY = _c(0)  # +w
 K_READY = _c(2)
 V_READY = _c(2 + NUM_STAGES)
@@ -81,6 +86,7 @@ Q_FREE = _c(4 + 4 * NUM_STAGES)  # +w
 TILE_READY = _c(6 + 4 * NUM_STAGES)  # +slot
 TILE_FREE = _c(8 + 4 * NUM_STAGES)  # +slot
 NUM_BARRIERS = _c(10 + 4 * NUM_STAGES)
+TILE_FIELDS = _c(8)  # a tile's id and bounds as the producer hands them to the consumers (`_publish`)
 ROW_SHIFT = 16  # a schedule entry (`PrefillSchedule`): request << ROW_SHIFT | query block
 _ROW_SHIFT = _c(ROW_SHIFT)
 
@@ -163,32 +169,40 @@ if G.HAVE_GLUON:
         return live
 
     @gluon.jit
-    def _publish(tile_ids, bars, k, t):
-        """Producer: tile id number k (t, or the stop id of `_running`) into slot k % 2, once
-        both warpgroups have read what the slot held two ids ago."""
-        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    def _publish(tile_info, bars, k, t, h, q0, q_len, k_len, start_m, end):
+        """Producer: tile number k's id t (or the stop id of `_running`) and bounds into slot k % 2, once both
+        warpgroups have read what the slot held two tiles ago. The consumers read the bounds from shared memory
+        rather than from the schedule and cu_seqlens in global memory: those dependent loads sit on the
+        consumers' path between two tiles, while the producer runs a tile ahead."""
+        FIELDS: gl.constexpr = gl.BlockedLayout([TILE_FIELDS], [32], [1], [0])
+        i = gl.arange(0, TILE_FIELDS, layout=FIELDS)
+        info = gl.where(i == 0, t, gl.where(i == 1, h, gl.where(i == 2, q0, gl.where(i == 3, q_len, gl.where(
+            i == 4, k_len, gl.where(i == 5, start_m, end))))))
         slot = k % 2
         mbarrier.wait(bars.index(TILE_FREE + slot), ((k // 2) + 1) & 1, pred=k >= 2)
-        tile_ids.index(slot).store(gl.full([1], 0, gl.int32, ONE) + t)
+        tile_info.index(slot).store(info)
         _cta_barrier()
         mbarrier.arrive(bars.index(TILE_READY + slot))
 
     @gluon.jit
-    def _read_tile(tile_ids, bars, k):
-        """Consumer warpgroup: tile id number k."""
-        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        slot = k % 2
-        mbarrier.wait(bars.index(TILE_READY + slot), (k // 2) & 1)
-        t = gl.max(tile_ids.index(slot).load(ONE), axis=0)
-        _release(bars, TILE_FREE + slot)
-        return t
+    def _field(info, i: gl.constexpr):
+        """Field i of a tile's bounds, every thread holding all of them (no shuffle, no barrier)."""
+        idx = gl.arange(0, TILE_FIELDS, layout=info.type.layout)
+        return gl.sum(gl.where(idx == i, info, 0), axis=0)
 
     @gluon.jit
-    def _next_tile(tile_ids, bars, k, CU_Q, CU_K, SCHED, H, N_M, head_group, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, RAGGED: gl.constexpr):
-        """Consumer warpgroup: tile id number k and that tile's bounds (`_tile`)."""
-        t = _read_tile(tile_ids, bars, k)
-        return (t, ) + _tile(t, CU_Q, CU_K, SCHED, H, N_M, head_group, BLOCK_M, BLOCK_N, CAUSAL, RAGGED)
+    def _next_tile(tile_info, bars, k, BLOCK_N: gl.constexpr):
+        """Consumer warpgroup: tile number k's id and bounds (`_publish`): t, h, q0, q_len, k_len, start_m, end and
+        n_blocks (the key blocks of [0, end), at least one)."""
+        FIELDS: gl.constexpr = gl.BlockedLayout([TILE_FIELDS], [32], [4], [0])
+        slot = k % 2
+        mbarrier.wait(bars.index(TILE_READY + slot), (k // 2) & 1)
+        info = tile_info.index(slot).load(FIELDS)
+        _release(bars, TILE_FREE + slot)
+        end = _field(info, 6)
+        n_blocks = gl.maximum(gl.cdiv(end, BLOCK_N), 1)
+        return (_field(info, 0), _field(info, 1), _field(info, 2), _field(info, 3), _field(info, 4), _field(info, 5),
+                end, n_blocks)
 
     @gluon.jit
     def _claim(COUNTER, N_TILES, DYNAMIC: gl.constexpr):
@@ -207,23 +221,23 @@ if G.HAVE_GLUON:
         """One warp: claims the tiles and tells the consumers; per tile TMA Q (once the last tile's S
         matmuls are done with it), then K_j / V_j into stage (blocks so far) % NUM_STAGES once both
         warpgroups freed it."""
-        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
          COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
-         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_info) = shared
         DQK: gl.constexpr = D1 + DT
         ELEM: gl.constexpr = q_desc.dtype.primitive_bitwidth // 8
         k_bytes: gl.constexpr = BLOCK_N * DQK * ELEM
         v_bytes: gl.constexpr = BLOCK_N * DV * ELEM
         n_tiles = _tile_count(SCHED, H, N_TILES, RAGGED)
         t = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-        k = 0  # tile ids published
+        k = 0  # tiles published (id and bounds)
         tiles = 0  # tiles run (each loads Q once)
         c0 = 0  # key blocks of the tiles before this one (the rings' stage and phase count on across tiles)
         while t < n_tiles:
-            _publish(tile_ids, bars, k, t)
-            k += 1
             h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _tile(t, CU_Q, CU_K, SCHED, H, N_M, head_group,
                                                                        BLOCK_M, BLOCK_N, CAUSAL, RAGGED)
+            _publish(tile_info, bars, k, t, h, q0, q_len, k_len, start_m, end)
+            k += 1
             if start_m < q_len:
                 if SPLIT_Q:  # each warpgroup's rows as soon as that warpgroup is done with its last ones
                     WG_M: gl.constexpr = BLOCK_M // 2
@@ -268,7 +282,7 @@ if G.HAVE_GLUON:
             t = _claim(COUNTER, n_tiles, DYNAMIC)
         if RAGGED:
             t = -1
-        _publish(tile_ids, bars, k, t)  # the stop id (`_running`): the consumers stop
+        _publish(tile_info, bars, k, t, 0, 0, 0, 0, 0, 0)  # the stop id (`_running`): the consumers stop
         if DYNAMIC:  # the last program to finish leaves the counter at zero for the next launch
             if gl.atomic_add(COUNTER + 1, 1) == gl.num_programs(0) - 1:
                 gl.atomic_xchg(COUNTER, 0)
@@ -348,14 +362,14 @@ if G.HAVE_GLUON:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _step(j, n0, c0, r0, last, p, m_i, l_i, acc, q, qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit,
+    def _step(j, n0, c0, r0, q_free_at, p, m_i, l_i, acc, q, qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit,
               scale_log2, MASKED: gl.constexpr, ROLE: gl.constexpr, QI: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_STAGES: gl.constexpr,
               DT: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, P_OPERAND: gl.constexpr,
               S_LAYOUT: gl.constexpr, ROW_O: gl.constexpr):
         """The tile's j-th key block (keys from n0; block c0 + j of this program, matmul round r0 + j): issue S_j and
         P_{j-1}·V_{j-1}, then the softmax of block j, O rescaled to block j's max and P_j in 16 bits. K_j
-        (and Q after the tile's last block) is released once S_j is done; V_{j-2} here, after the issue (its
+        (and Q when j is q_free_at) is released once S_j is done; V_{j-2} here, after the issue (its
         P·V completed in the previous step; a release right after that wait would pull the wait earlier)."""
         c = c0 + j
         st = c % NUM_STAGES
@@ -369,7 +383,7 @@ if G.HAVE_GLUON:
         _pass_turn(bars, ROLE, PINGPONG)
         _release(bars, V_FREE + (c - 2) % NUM_STAGES, j >= 2)  # block j-2's P·V completed in the last step
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        _release_k(bars, st, j == last, Q_FREE + QI)
+        _release_k(bars, st, j == q_free_at, Q_FREE + QI)
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, n0, end, limit, scale_log2, MASKED, BLOCK_N, CAUSAL, S_LAYOUT)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, ROW_O), 1)
@@ -377,15 +391,16 @@ if G.HAVE_GLUON:
         return p.to(q.dtype), m_i, l_i, acc
 
     @gluon.jit
-    def _attend(ROLE: gl.constexpr, shared, tiles, c0, r0, q_len, k_len, start_m, end, n_blocks,
+    def _attend(ROLE: gl.constexpr, shared, tiles, c0, r0, q_len, k_len, start_m, end, n_blocks, keep_q,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, DT: gl.constexpr,
                 DV: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_Q: gl.constexpr,
                 REVERSE: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
         """This warpgroup's rows of one tile over every key block: the unnormalised output, row max and
-        row sums (the program's `tiles`-th tile; its blocks start at c0 and its matmul rounds at r0)."""
-        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
+        row sums (the program's `tiles`-th tile; its blocks start at c0 and its matmul rounds at r0). Its Q rows are
+        released after the tile's last S, or with keep_q by the caller (`_store_o_tma` stages the output there)."""
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
          COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
-         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_info) = shared
         dtype: gl.constexpr = q_smem.dtype
         WG_M: gl.constexpr = BLOCK_M // 2
         P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
@@ -405,6 +420,9 @@ if G.HAVE_GLUON:
         l_i = gl.full([WG_M], 0.0, gl.float32, layout=ROW_S)
         acc = gl.zeros([WG_M, DV], gl.float32, layout=O_LAYOUT)
         last = n_blocks - 1
+        q_free_at = last  # the block whose S releases this warpgroup's Q rows; -1: none
+        if keep_q:
+            q_free_at = -1
         QI: gl.constexpr = ROLE if SPLIT_Q else 0  # this warpgroup's Q barriers
 
         mbarrier.wait(bars.index(Q_READY + QI), tiles & 1)
@@ -413,7 +431,7 @@ if G.HAVE_GLUON:
         s = _scores(q, qt, k_smem, kt_smem, c0 % NUM_STAGES, s_zero, DT)
         _pass_turn(bars, ROLE, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        _release_k(bars, c0 % NUM_STAGES, last == 0, Q_FREE + QI)
+        _release_k(bars, c0 % NUM_STAGES, q_free_at == 0, Q_FREE + QI)
         n_full = full_end // BLOCK_N  # blocks 0 … n_full-1 are visible to every row: no masks
         n_masked = n_blocks - n_full
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, _block_at(0, n_blocks, REVERSE) * BLOCK_N, end, limit, scale_log2,
@@ -423,13 +441,15 @@ if G.HAVE_GLUON:
         # of the diagonal without masks, then the rest with them
         split = n_masked if REVERSE else n_full
         for j in range(1, split):
-            p, m_i, l_i, acc = _step(j, _block_at(j, n_blocks, REVERSE) * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q,
-                                     qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2, REVERSE, ROLE,
-                                     QI, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
+            p, m_i, l_i, acc = _step(j, _block_at(j, n_blocks, REVERSE) * BLOCK_N, c0, r0, q_free_at, p, m_i, l_i,
+                                     acc, q, qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2,
+                                     REVERSE, ROLE, QI, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND,
+                                     S_LAYOUT, ROW_O)
         for j in range(gl.maximum(split, 1), n_blocks):
-            p, m_i, l_i, acc = _step(j, _block_at(j, n_blocks, REVERSE) * BLOCK_N, c0, r0, last, p, m_i, l_i, acc, q,
-                                     qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2, not REVERSE,
-                                     ROLE, QI, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND, S_LAYOUT, ROW_O)
+            p, m_i, l_i, acc = _step(j, _block_at(j, n_blocks, REVERSE) * BLOCK_N, c0, r0, q_free_at, p, m_i, l_i,
+                                     acc, q, qt, k_smem, kt_smem, v_smem, bars, s_zero, end, limit, scale_log2,
+                                     not REVERSE, ROLE, QI, BLOCK_N, NUM_STAGES, DT, CAUSAL, PINGPONG, P_OPERAND,
+                                     S_LAYOUT, ROW_O)
         c_last = c0 + last
         mbarrier.wait(bars.index(V_READY + c_last % NUM_STAGES), (c_last // NUM_STAGES) & 1)
         p_op = gl.convert_layout(p, P_OPERAND)
@@ -441,70 +461,97 @@ if G.HAVE_GLUON:
         return acc, m_i, l_i
 
     @gluon.jit
-    def _store_rows(acc, m_i, l_i, O, LSE, q0, q_len, row0, h, stride_ot, stride_oh, stride_lt, scale_log2,
-                    WG_M: gl.constexpr, DV: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr):
-        """Normalise and store one warpgroup's rows of a tile (and their natural-log lse)."""
-        ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    def _store_lse(m_i, l_i, LSE, q0, q_len, row0, h, stride_lt, scale_log2, WG_M: gl.constexpr,
+                   S_LAYOUT: gl.constexpr):
+        """One warpgroup's rows' natural-log lse (-inf for rows that saw no key)."""
         has = l_i > 0
         lse2 = gl.where(has, m_i * scale_log2 + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
-        inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
-        out = acc * gl.expand_dims(inv_l, 1)
-        rows_o = row0 + gl.arange(0, WG_M, layout=ROW_O)
+        rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, S_LAYOUT))
+        gl.store(LSE + (q0 + rows).to(gl.int64) * stride_lt + h, lse2 * 0.6931471805599453, mask=rows < q_len)
+
+    @gluon.jit
+    def _normalised(acc, l_i, O_LAYOUT: gl.constexpr):
+        inv_l = gl.convert_layout(1.0 / gl.where(l_i > 0, l_i, 1.0), gl.SliceLayout(1, O_LAYOUT))
+        return acc * gl.expand_dims(inv_l, 1)
+
+    @gluon.jit
+    def _store_o(acc, l_i, O, q0, q_len, row0, h, stride_ot, stride_oh, WG_M: gl.constexpr, DV: gl.constexpr,
+                 O_LAYOUT: gl.constexpr):
+        """Normalise and store one warpgroup's output rows from registers, the rows past q_len masked."""
+        out = _normalised(acc, l_i, O_LAYOUT)
+        rows_o = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, O_LAYOUT))
         cols_o = gl.arange(0, DV, layout=gl.SliceLayout(0, O_LAYOUT))
         o_ptrs = O + gl.expand_dims((q0 + rows_o).to(gl.int64) * stride_ot + h * stride_oh, 1) + \
             gl.expand_dims(cols_o, 0)
         o_ok = gl.expand_dims(rows_o < q_len, 1) & gl.expand_dims(cols_o < DV, 0)
         gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_ok)
-        rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, S_LAYOUT))
-        gl.store(LSE + (q0 + rows).to(gl.int64) * stride_lt + h, lse2 * 0.6931471805599453, mask=rows < q_len)
+
+    @gluon.jit
+    def _store_o_tma(acc, l_i, o_desc, q_smem, bars, q0, row0, h, ROLE: gl.constexpr, WG_M: gl.constexpr,
+                     DV: gl.constexpr, O_LAYOUT: gl.constexpr):
+        """Normalise one warpgroup's 64 output rows (all inside the request) into its own Q rows in shared memory
+        (the tile's S matmuls are done with them), store them with one TMA copy and release the Q rows once the
+        copy has read them: stores from the matmul's register layout write 4 bytes per thread across 8 rows and
+        hold the warpgroup up for longer."""
+        stage = q_smem.slice(ROLE * WG_M, WG_M, dim=0)
+        stage.store(_normalised(acc, l_i, O_LAYOUT).to(o_desc.dtype))
+        fence_async_shared()
+        _cta_barrier()
+        _tma_store(o_desc, [q0 + row0, h * DV], stage)
+        tma.store_wait(0)
+        _release(bars, Q_FREE + ROLE)
 
     @gluon.jit
     def _consumer(ROLE: gl.constexpr, shared, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   NUM_STAGES: gl.constexpr, D1: gl.constexpr, DT: gl.constexpr, DV: gl.constexpr,
                   CAUSAL: gl.constexpr, RAGGED: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_Q: gl.constexpr,
-                  REVERSE: gl.constexpr):
-        """Warpgroup ROLE: query rows ROLE·64 … +64 of each tile the producer hands over. The next tile's id
-        and bounds are read before this tile's rows are stored, so their loads overlap the stores."""
-        (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
+                  REVERSE: gl.constexpr, TMA_OUT: gl.constexpr):
+        """Warpgroup ROLE: query rows ROLE·64 … +64 of each tile the producer hands over. TMA_OUT: rows that lie
+        inside their request leave through `_store_o_tma` before the next tile's bounds are read (its Q load
+        waits for that store); the others, and every row without TMA_OUT, through registers after it."""
+        (q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
          COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
-         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids) = shared
+         q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_info) = shared
         WG_M: gl.constexpr = BLOCK_M // 2
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DV, 16])
-        k = 0  # tile ids read
+        k = 0  # tiles read
         tiles = 0  # tiles run
         c0 = 0  # key blocks so far (K/V ring position); matmul rounds so far (turn parity): c0 + tiles
-        t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K, SCHED, H,
-                                                                          N_M, head_group, BLOCK_M, BLOCK_N, CAUSAL,
-                                                                          RAGGED)
+        t, h, q0, q_len, k_len, start_m, end, n_blocks = _next_tile(tile_info, bars, k, BLOCK_N)
         k += 1
         while _running(t, N_TILES, RAGGED):
             n_done = n_blocks
             if start_m < q_len:
+                row0 = start_m + ROLE * WG_M
+                staged = row0 < 0  # False
+                if TMA_OUT:
+                    staged = row0 + WG_M <= q_len
                 acc, m_i, l_i = _attend(ROLE, shared, tiles, c0, c0 + tiles, q_len, k_len, start_m, end, n_blocks,
-                                        BLOCK_M, BLOCK_N, NUM_STAGES, DT, DV, CAUSAL, PINGPONG, SPLIT_Q, REVERSE,
-                                        S_LAYOUT, O_LAYOUT)
-                h_done, q0_done, q_len_done, row0 = h, q0, q_len, start_m + ROLE * WG_M
-                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K,
-                                                                                  SCHED, H, N_M, head_group, BLOCK_M,
-                                                                                  BLOCK_N, CAUSAL, RAGGED)
-                _store_rows(acc, m_i, l_i, O, LSE, q0_done, q_len_done, row0, h_done, stride_ot, stride_oh,
-                            stride_lt, scale_log2, WG_M, DV, S_LAYOUT, O_LAYOUT)
+                                        staged, BLOCK_M, BLOCK_N, NUM_STAGES, DT, DV, CAUSAL, PINGPONG, SPLIT_Q,
+                                        REVERSE, S_LAYOUT, O_LAYOUT)
+                if TMA_OUT:
+                    if staged:
+                        _store_o_tma(acc, l_i, o_desc, q_smem, bars, q0, row0, h, ROLE, WG_M, DV, O_LAYOUT)
+                h_done, q0_done, q_len_done = h, q0, q_len
+                t, h, q0, q_len, k_len, start_m, end, n_blocks = _next_tile(tile_info, bars, k, BLOCK_N)
+                if not staged:
+                    _store_o(acc, l_i, O, q0_done, q_len_done, row0, h_done, stride_ot, stride_oh, WG_M, DV,
+                             O_LAYOUT)
+                _store_lse(m_i, l_i, LSE, q0_done, q_len_done, row0, h_done, stride_lt, scale_log2, WG_M, S_LAYOUT)
                 tiles += 1
                 c0 += n_done
             else:
-                t, h, b, q0, q_len, k0, k_len, start_m, end, n_blocks = _next_tile(tile_ids, bars, k, CU_Q, CU_K,
-                                                                                  SCHED, H, N_M, head_group, BLOCK_M,
-                                                                                  BLOCK_N, CAUSAL, RAGGED)
+                t, h, q0, q_len, k_len, start_m, end, n_blocks = _next_tile(tile_info, bars, k, BLOCK_N)
             k += 1
 
     @gluon.jit
     def _mla_prefill_ws_kernel(
-        q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group, COUNTER,
-        stride_ot, stride_oh, stride_lt, scale_log2,
-        D1: gl.constexpr, DT: gl.constexpr, TAIL: gl.constexpr, DV: gl.constexpr,
+        q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
+        COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
+        D1: gl.constexpr, DT: gl.constexpr, TAIL: gl.constexpr, DV: gl.constexpr, TMA_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
         PINGPONG: gl.constexpr, DYNAMIC: gl.constexpr, RAGGED: gl.constexpr, SPLIT_Q: gl.constexpr,
         REVERSE: gl.constexpr,
@@ -517,21 +564,21 @@ if G.HAVE_GLUON:
         kt_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, TAIL], kt_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, DV], v_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NUM_BARRIERS, 1], mbarrier.MBarrierLayout())
-        tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tile_info = gl.allocate_shared_memory(gl.int32, [2, TILE_FIELDS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for i in gl.static_range(NUM_BARRIERS):
             # barriers that both consumer warpgroups arrive on count two
             mbarrier.init(bars.index(i), count=2 if (i >= K_FREE and i < TURN) or (i == Q_FREE and not SPLIT_Q)
                           or i >= TILE_FREE else 1)
         fence_async_shared()
 
-        shared = (q_desc, qt_desc, k_desc, kt_desc, v_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
-                  COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
-                  q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_ids)
+        shared = (q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES,
+                  head_group, COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
+                  q_smem, qt_smem, k_smem, kt_smem, v_smem, bars, tile_info)
         gl.warp_specialize([
             (_consumer, (0, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, RAGGED, PINGPONG, SPLIT_Q,
-                         REVERSE)),
+                         REVERSE, TMA_OUT)),
             (_consumer, (1, shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, RAGGED, PINGPONG, SPLIT_Q,
-                         REVERSE)),
+                         REVERSE, TMA_OUT)),
             (_producer, (shared, BLOCK_M, BLOCK_N, NUM_STAGES, D1, DT, DV, CAUSAL, DYNAMIC, RAGGED, SPLIT_Q,
                          REVERSE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -700,6 +747,15 @@ def _launch(grid, named: dict, key: tuple, fast: bool):
     compiled[(grid[0], grid[1], 1)](*[named[name] for name in _mla_prefill_ws_kernel.arg_names])
 
 
+def _tma_out(o: torch.Tensor, q: torch.Tensor, d1: int, opts: Options) -> bool:
+    """Whether the output rows leave by TMA through each warpgroup's Q rows in shared memory (`_store_o_tma`): Q
+    loaded per warpgroup, an output row as wide as Q's first part (the same shared layout), heads packed in
+    TMA-aligned rows of q's dtype."""
+    stride = o.stride()
+    return (opts.split_q and o.shape[-1] == d1 and o.dtype == q.dtype and stride[-1] == 1 and stride[1] == d1
+            and (stride[0] * o.element_size()) % 16 == 0 and o.data_ptr() % 16 == 0)
+
+
 def _check_schedule(schedule: PrefillSchedule, T: int, B: int, device: torch.device) -> None:
     if (schedule.num_q_tokens, schedule.num_requests) != (T, B) or schedule.table.device != device:
         raise ValueError(f"the prefill schedule was built for {schedule.num_requests} requests and "
@@ -740,19 +796,23 @@ def mla_prefill_hopper(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_s
             group = opts.heads_per_group or head_group(H, max_seqlen_kv, dqk + dv, elem, q.device)
         counter = _tile_counter(q.device)
         q_rows = BLOCK_M // 2 if opts.split_q else BLOCK_M  # Q's TMA box: one warpgroup's rows, or the tile's
+        v_desc = _descriptor(v, BLOCK_N, dv)
+        tma_out = _tma_out(o, q, d1, opts)
         named = dict(
             q_desc=_descriptor(q, q_rows, d1), qt_desc=_descriptor(q, q_rows, tail),
             k_desc=_descriptor(k, BLOCK_N, d1), kt_desc=_descriptor(k, BLOCK_N, tail),
-            v_desc=_descriptor(v, BLOCK_N, dv), O=o, LSE=lse, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_kv, SCHED=sched,
+            v_desc=v_desc, o_desc=_descriptor(o, q_rows, dv) if tma_out else v_desc,  # (a stand-in, never read)
+            O=o, LSE=lse, CU_Q=cu_seqlens_q, CU_K=cu_seqlens_kv, SCHED=sched,
             H=H, N_M=n_m, N_TILES=n_tiles, head_group=group, COUNTER=counter, stride_ot=o.stride(0),
             stride_oh=o.stride(1), stride_lt=lse.stride(0), scale_log2=softmax_scale * 1.4426950408889634,
-            D1=d1, DT=dt, TAIL=tail, DV=dv, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, CAUSAL=causal,
+            D1=d1, DT=dt, TAIL=tail, DV=dv, TMA_OUT=tma_out, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
+            CAUSAL=causal,
             PINGPONG=opts.pingpong, DYNAMIC=persistent, RAGGED=ragged, SPLIT_Q=opts.split_q, REVERSE=opts.reverse,
             CONSUMER_REGS=opts.consumer_regs, PRODUCER_REGS=opts.producer_regs, SOURCE_KEY=_SOURCE_KEY,
             num_warps=4)
         pointers = (o, lse, cu_seqlens_q, cu_seqlens_kv, sched, counter)
-        key = (q.device, q.dtype, d1, dt, dv, causal, opts.pingpong, persistent, ragged, opts.split_q, opts.reverse,
-               opts.consumer_regs, opts.producer_regs,
+        key = (q.device, q.dtype, d1, dt, dv, tma_out, causal, opts.pingpong, persistent, ragged, opts.split_q,
+               opts.reverse, opts.consumer_regs, opts.producer_regs,
                tuple(_int_key(x) for x in (H, n_m, n_tiles, group, o.stride(0), o.stride(1), lse.stride(0))),
                tuple(t.data_ptr() % 16 == 0 for t in pointers))
         _launch(grid, named, key, opts.fast_launch)
