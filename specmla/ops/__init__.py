@@ -1,9 +1,11 @@
 """specmla's kernels. Each op is a public function with a torch reference beside it; the attention
-ops and the mixture of experts live in packages (`decode`, `prefill`, `kv_cache`, `moe`), the others in
+ops, the mixture of experts and the FP8 linear live in packages (`decode`, `prefill`, `kv_cache`, `moe`,
+`linear`), the others in
 one file each."""
 
 from specmla.ops.decode import mla_decode
 from specmla.ops.kv_cache import decode_rows, gather_kv_cache, row_spec, write_kv_cache
+from specmla.ops.linear import fp8_block_linear
 from specmla.ops.moe import RouteSpec, fused_moe, fused_moe_torch, moe_route, moe_route_torch
 from specmla.ops.ngram import ngram_propose
 from specmla.ops.norm import rms_norm, rms_norm_pair
@@ -14,7 +16,7 @@ from specmla.ops.spec_accept import accept_and_place, greedy_verify
 
 __all__ = [
     "RouteSpec", "SamplingTensors", "accept_and_place", "apply_rope", "apply_rope_", "apply_top_k_top_p",
-    "decode_rows", "fused_moe", "fused_moe_torch", "gather_kv_cache", "greedy_verify", "mla_decode", "mla_prefill",
+    "decode_rows", "fp8_block_linear", "fused_moe", "fused_moe_torch", "gather_kv_cache", "greedy_verify", "mla_decode", "mla_prefill",
     "moe_route", "moe_route_torch", "ngram_propose", "rms_norm", "rms_norm_pair", "row_spec", "sample",
     "write_kv_cache",
 ]

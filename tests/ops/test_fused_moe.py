@@ -14,7 +14,7 @@ import specmla.ops.moe as moe_ops
 import specmla.ops.moe.route as route_mod
 from specmla.ops import fused_moe, fused_moe_torch, moe_route, moe_route_torch
 from specmla.ops.moe import RouteSpec, moe_route_triton
-from specmla.ops.moe.reference import dequant_blocks
+from specmla.ops.linear.reference import weight_dequant
 from specmla.ops.moe.triton import MAX_EXPERT_SLOTS, align_pairs, align_pairs_torch, fused_moe_triton, max_blocks
 from specmla.ops.moe.tuning import Config
 from specmla.ops.scratch import zeroed_scratch
@@ -534,7 +534,7 @@ def test_fp8_block_scaled_experts_in_the_reference(dtype):
     s_gu = torch.rand(E, 3, 2, generator=g) * 0.02 + 0.005  # 272 rows, 130 columns
     s_d = torch.rand(E, 2, 2, generator=g) * 0.02 + 0.005  # 130 rows, 136 columns
     wgu, wd = dequant_by_block(wgu8, s_gu), dequant_by_block(wd8, s_d)
-    assert torch.equal(dequant_blocks(wgu8, s_gu), wgu) and torch.equal(dequant_blocks(wd8, s_d), wd)
+    assert torch.equal(weight_dequant(wgu8, s_gu), wgu) and torch.equal(weight_dequant(wd8, s_d), wd)
     got = fused_moe_torch(case.x, wgu8, wd8, case.topk_weights, case.topk_ids, shared=case.shared,
                           w_gate_up_scale=s_gu, w_down_scale=s_d)
     assert got.dtype == dtype

@@ -21,23 +21,26 @@ __all__ = ["RouteSpec", "fused_moe", "fused_moe_torch", "moe_route", "moe_route_
 
 
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
-              w_down_scale=None, out=None, backend="auto"):
+              w_down_scale=None, shared_scales=None, out=None, backend="auto"):
     """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]
     (an id outside [0, E) adds nothing), plus shared = (w_gate_up_shared [2·Is, H], w_down_shared [H, Is])
     with weight 1.
 
     x [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_weights fp32 [T, k];
-    topk_ids int32/int64 [T, k]. Any T ≥ 0, no host synchronisation, CUDA-graph capturable.
+    topk_ids int32/int64 [T, k]. Any T ≥ 0, no host synchronisation, CUDA-graph capturable. float8_e4m3fn
+    weights carry fp32 scales per 128 × 128 block: w_gate_up_scale [E, ⌈2I/128⌉, ⌈H/128⌉], w_down_scale
+    [E, ⌈H/128⌉, ⌈I/128⌉], shared_scales = (gate‖up scale, down scale) of the shared experts.
     backend: "auto" (Triton on CUDA without gradients, else the torch reference; float8 experts take the
     reference), "triton", "torch".
     """
     args = dict(shared=shared, out=out)
-    fp8 = w_gate_up_scale is not None or w_down_scale is not None
+    fp8 = w_gate_up_scale is not None or w_down_scale is not None or shared_scales is not None
     chosen = pick_backend(backend, x, w_gate_up, w_down, topk_weights, *(shared or ()))
     if chosen == "torch" or (fp8 and backend == "auto"):  # fp8 experts: the reference (it syncs) for now
         return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
-                               w_down_scale=w_down_scale, **args)  # checks its arguments itself
-    check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out)
+                               w_down_scale=w_down_scale, shared_scales=shared_scales, **args)  # checks its args
+    check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
+                   shared_scales)
     if fp8:
         raise ValueError("fused_moe: float8 block-scaled experts have no Triton kernel yet (backend='torch')")
     return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, **args)

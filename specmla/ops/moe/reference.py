@@ -5,18 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def dequant_blocks(w: torch.Tensor, scale: torch.Tensor | None, block: int = 128) -> torch.Tensor:
-    """float8 weight [..., R, C] with fp32 scales [..., ⌈R/block⌉, ⌈C/block⌉] → fp32 (weight · scale per
-    block, DeepSeek's weight_scale_inv); other weights → fp32 as they are."""
-    if scale is None:
-        return w.float()
-    R, C = w.shape[-2:]
-    s = scale.float().repeat_interleave(block, dim=-2)[..., :R, :].repeat_interleave(block, dim=-1)[..., :C]
-    return w.float() * s
+from specmla.ops.linear.reference import weight_dequant
 
 
-def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out):
+def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
+                   shared_scales=None):
     """Shapes and dtypes of a `fused_moe` call; raises ValueError naming the offending argument."""
     if x.dim() != 2:
         raise ValueError(f"fused_moe: x must be [T, H], got {tuple(x.shape)}")
@@ -42,17 +35,23 @@ def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_
     fp8 = w_gate_up.dtype == torch.float8_e4m3fn
     if fp8 != (w_gate_up_scale is not None) or (w_down.dtype == torch.float8_e4m3fn) != (w_down_scale is not None):
         raise ValueError("fused_moe: float8_e4m3fn experts need w_gate_up_scale / w_down_scale, other dtypes none")
+    shared_fp8 = shared is not None and any(w.dtype == torch.float8_e4m3fn for w in shared)
+    if shared_fp8 != (shared_scales is not None) or (shared_scales is not None and shared is None):
+        raise ValueError("fused_moe: float8_e4m3fn shared experts need shared_scales = (gate_up scale, down scale), "
+                         "other shared experts none")
     if out is not None and (tuple(out.shape) != (T, H) or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(f"fused_moe: out must be [{T}, {H}] {x.dtype} on {x.device}")
 
 
 def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
-                    w_down_scale=None, out=None):
+                    w_down_scale=None, shared_scales=None, out=None):
     """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]; an id
     outside [0, E) adds nothing; plus the shared experts (w_gate_up_shared [2·Is, H], w_down_shared [H, Is])
-    with weight 1. fp32 inside, x's dtype out; one pass per expert that has tokens (the list of those experts
+    with weight 1. float8_e4m3fn weights come with fp32 block scales (`weight_dequant`; the shared experts' in
+    shared_scales). fp32 inside, x's dtype out; one pass per expert that has tokens (the list of those experts
     is read on the host: a sync)."""
-    check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out)
+    check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
+                   shared_scales)
     T, H = x.shape
     E, I = w_down.shape[0], w_down.shape[2]
     xf = x.float()
@@ -61,12 +60,12 @@ def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None
     valid = (ids >= 0) & (ids < E)
     for e in ids[valid].unique().tolist():
         tok, slot = ((ids == e) & valid).nonzero(as_tuple=True)
-        gu = xf[tok] @ dequant_blocks(w_gate_up[e], None if w_gate_up_scale is None else w_gate_up_scale[e]).T
+        gu = xf[tok] @ weight_dequant(w_gate_up[e], None if w_gate_up_scale is None else w_gate_up_scale[e]).T
         h = F.silu(gu[:, :I]) * gu[:, I:]
-        y = h @ dequant_blocks(w_down[e], None if w_down_scale is None else w_down_scale[e]).T
+        y = h @ weight_dequant(w_down[e], None if w_down_scale is None else w_down_scale[e]).T
         acc.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
     if shared is not None:
-        sgu, sd = (w.float() for w in shared)
+        sgu, sd = (weight_dequant(w, s) for w, s in zip(shared, shared_scales or (None, None)))
         Is = sd.shape[1]
         gu = xf @ sgu.T
         acc += (F.silu(gu[:, :Is]) * gu[:, Is:]) @ sd.T
