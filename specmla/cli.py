@@ -115,6 +115,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--weights", default="auto", choices=["auto", "dequantize"],
+                   help="FP8 checkpoints: run the block-scaled e4m3 weights as stored (auto) or dequantise them to "
+                        "--dtype at load")
     p.add_argument("--page-size", type=_page_size, default=64, help="tokens per KV page: a power of two")
     p.add_argument("--num-pages", type=_int(1, None, ">= 1"), default=None,
                    help="KV pool size in pages (default: sized from the free memory)")
@@ -199,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
     )
     t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
               num_pages=args.num_pages, max_model_len=args.max_model_len, **_spec_kwargs(args))
     load_s = time.perf_counter() - t0
     print(f"[specmla] model {llm.model_path} loaded in {load_s:.1f} s", file=sys.stderr)
@@ -251,8 +254,8 @@ def _load_prompts(args: argparse.Namespace, vocab_size: int, n: int | None = Non
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     preflight_model(args.model, need_tokenizer=bool(args.dataset), speculative=args.speculative)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
+              num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **_spec_kwargs(args))
     prompts = _load_prompts(args, llm.model.config.vocab_size)
     result = {"specmla": run_throughput(llm, prompts, args.output_len)}
@@ -277,7 +280,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 def cmd_bench_spec(args: argparse.Namespace) -> int:
     def make_llm(mode, k, batch):
-        return LLM(args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+        return LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
                    num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=batch,
                    speculative=mode, num_speculative_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                    tensor_parallel_size=args.tp)
@@ -309,7 +312,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load():
         try:
-            return LLM(model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+            return LLM(model, device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
                        num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
                        **_spec_kwargs(args))
@@ -419,8 +422,9 @@ def _torchrun_worker(args: argparse.Namespace) -> int | None:
     model = getattr(args, "model_pos", None) or args.model
     if model is None:
         model = default_model_path()
-    kwargs = dict(device=args.device, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-                  max_model_len=args.max_model_len, max_num_seqs=getattr(args, "max_num_seqs", 64),
+    kwargs = dict(device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
+                  num_pages=args.num_pages, max_model_len=args.max_model_len,
+                  max_num_seqs=getattr(args, "max_num_seqs", 64),
                   kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     worker_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, str(model), kwargs)
     return 0

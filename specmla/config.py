@@ -24,6 +24,28 @@ class UnsupportedModelError(ValueError):
     """The checkpoint is not a model family specmla can run."""
 
 
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}  # DeepSeek-V3 / R1 / Kimi-K2 as published
+
+
+def _quantization(qc: dict | None) -> str | None:
+    """config.json's quantization_config → "fp8" (DeepSeek's block-scaled e4m3 weights, `FP8_QUANTIZATION`) or
+    None; any other method, format, activation scheme or block size is refused with what is supported."""
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise UnsupportedModelError(f"quantization_config must be an object, got {qc!r}")
+    got = {key: qc.get(key, FP8_QUANTIZATION[key] if key != "quant_method" else None) for key in FP8_QUANTIZATION}
+    if isinstance(got["weight_block_size"], (list, tuple)):
+        got["weight_block_size"] = list(got["weight_block_size"])
+    bad = {key: value for key, value in got.items() if value != FP8_QUANTIZATION[key]}
+    if bad:
+        raise UnsupportedModelError(
+            f"quantization_config {bad} is not supported: specmla loads bf16/fp32 checkpoints and DeepSeek's "
+            f"block-scaled FP8 ones ({FP8_QUANTIZATION})")
+    return "fp8"
+
+
 class ConfigError(ValueError):
     """A config.json that cannot be read or parsed, or lacks a required key; the message names the file."""
 
@@ -125,6 +147,7 @@ class ModelConfig:
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
     torch_dtype: str | None = None
+    quantization: str | None = None  # "fp8": DeepSeek's block-scaled e4m3 linear weights (`_quantization`)
 
     # ---- derived -----------------------------------------------------------------------
     @property
@@ -173,9 +196,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or model_type!r}: specmla runs "
                 f"{sorted(SUPPORTED_ARCHITECTURES)} checkpoints"
             )
-        if cfg.get("quantization_config"):
-            qm = cfg["quantization_config"].get("quant_method", "?")
-            raise UnsupportedModelError(f"quantized checkpoints ({qm}) are not supported yet; use a bf16 checkpoint")
+        quantization = _quantization(cfg.get("quantization_config"))
         v2 = model_type == "deepseek_v2"
         heads = cfg["num_attention_heads"]
         if cfg.get("num_key_value_heads", heads) not in (None, heads):
@@ -216,6 +237,7 @@ class ModelConfig:
             bos_token_id=get("bos_token_id"),
             eos_token_id=get("eos_token_id"),
             torch_dtype=get("torch_dtype") or get("dtype"),
+            quantization=quantization,
         )
 
     @classmethod

@@ -42,6 +42,7 @@ class LLM:
         *,
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
+        weights: str = "auto",
         speculative: str | None = None,
         num_speculative_tokens: int = 3,
         ngram_min: int = 1,
@@ -62,7 +63,8 @@ class LLM:
         _tp_world: int = 1,
     ):
         """`model`: a model directory, None (the embedded default), or an already built
-        `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's)."""
+        `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's). weights: "auto"
+        runs an FP8 checkpoint's block-scaled weights as stored, "dequantize" turns them into dtype at load."""
         if speculative not in (None, "ngram", "mtp", "hybrid"):
             raise ValueError(f"speculative={speculative!r}: expected None, 'ngram', 'mtp' or 'hybrid'")
         if tensor_parallel_size < 1:
@@ -84,7 +86,7 @@ class LLM:
             shard = (_tp_rank, _tp_world) if _tp_rank is not None else (
                 (0, tensor_parallel_size) if tensor_parallel_size > 1 else None)
             self.model = load_model(self.model_path, device=device, dtype=dtype, max_positions=max_model_len,
-                                    progress=progress, shard=shard)
+                                    progress=progress, shard=shard, weights=weights)
             has_tok = (self.model_path / "tokenizer.json").exists()
             self.tokenizer = tokenizer or (Tokenizer(self.model_path) if has_tok else None)
         cache_dtype = next(self.model.parameters()).dtype
@@ -130,7 +132,7 @@ class LLM:
         if tensor_parallel_size > 1 and _tp_rank is None:
             self._start_tensor_parallel(tensor_parallel_size, device, dict(
                 # the workers mirror rank 0's pool page for page (sizing from their own free memory could differ)
-                device=str(device), dtype=dtype, page_size=page_size, num_pages=pool.num_pages,
+                device=str(device), dtype=dtype, weights=weights, page_size=page_size, num_pages=pool.num_pages,
                 max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
                 speculative=None))
 

@@ -82,6 +82,10 @@ class MoE(nn.Module):
     shared-expert tensors are views into them. One path for every batch: `ops.moe_route`, then
     `ops.fused_moe` (Triton on CUDA, its torch reference on CPU or with gradients).
 
+    FP8 checkpoints (`use_fp8_`): the stacks hold float8_e4m3fn with fp32 scales per 128 × 128 block, each
+    expert's (and the shared experts') intermediate width padded to a multiple of 128 with zero rows and columns,
+    so that gate and up each start a scale block and the fused kernels see whole groups.
+
     Expert parallelism (`model.sharding`) keeps only this rank's experts [e0, e1) and its column slice of
     the shared experts; ids are shifted by e0, so other ranks' experts fall outside [0, E_local) and add
     nothing, and one all-reduce sums the ranks' partial outputs.
@@ -91,29 +95,82 @@ class MoE(nn.Module):
         super().__init__()
         E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate = Router(cfg)
-        self.inter = I
+        self.inter = I  # the checkpoint's width; `inter_padded` the stacks' (a multiple of 128 for fp8)
+        self.inter_padded = I
+        self.shared_inter = I * (cfg.n_shared_experts or 0)
         self.w_gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
         self.w_down = nn.Parameter(torch.empty(E, H, I))
-        Is = I * (cfg.n_shared_experts or 0)
+        Is = self.shared_inter
         self.shared_gate_up = nn.Parameter(torch.empty(2 * Is, H)) if Is else None
         self.shared_down = nn.Parameter(torch.empty(H, Is)) if Is else None
+        self.w_gate_up_scale = self.w_down_scale = None
+        self.shared_gate_up_scale = self.shared_down_scale = None
 
     tp_reduce = False
     local_experts: tuple[int, int] | None = None  # expert parallelism: the global ids [e0, e1) held here
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Checkpoint names (relative to this module) → views of the stacked tensors."""
-        out, I = {}, self.inter
-        e0 = self.local_experts[0] if self.local_experts is not None else 0  # global id of local expert 0
-        for e in range(self.w_down.shape[0]):
-            out[f"experts.{e0 + e}.gate_proj.weight"] = self.w_gate_up[e, :I]
-            out[f"experts.{e0 + e}.up_proj.weight"] = self.w_gate_up[e, I:]
-            out[f"experts.{e0 + e}.down_proj.weight"] = self.w_down[e]
+    def use_fp8_(self, block: int = 128) -> None:
+        """Replace the stacks by float8_e4m3fn ones with fp32 block scales (uninitialised, on the stacks' device;
+        the loader fills them, `zero_padding_` clears the padding)."""
+        E, H = self.w_down.shape[:2]
+        cdiv = lambda a: -(-a // block)  # noqa: E731
+        dev = self.w_down.device
+        Ip = cdiv(self.inter) * block
+        self.inter_padded = Ip
+
+        def fp8(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=torch.float8_e4m3fn, device=dev), requires_grad=False)
+
+        def scale(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=torch.float32, device=dev), requires_grad=False)
+
+        self.w_gate_up, self.w_gate_up_scale = fp8(E, 2 * Ip, H), scale(E, 2 * Ip // block, cdiv(H))
+        self.w_down, self.w_down_scale = fp8(E, H, Ip), scale(E, cdiv(H), Ip // block)
         if self.shared_down is not None:
-            Is = self.shared_down.shape[1]
+            Isp = cdiv(self.shared_inter) * block
+            self.shared_gate_up, self.shared_gate_up_scale = fp8(2 * Isp, H), scale(2 * Isp // block, cdiv(H))
+            self.shared_down, self.shared_down_scale = fp8(H, Isp), scale(cdiv(H), Isp // block)
+
+    def zero_padding_(self) -> None:
+        """Zero the fp8 stacks' padding rows and columns (past each expert's width), which no checkpoint tensor
+        covers: silu(0)·0 = 0 keeps them out of the sum."""
+        I, Ip = self.inter, self.inter_padded
+        if Ip == I:
+            return
+        with torch.no_grad():
+            self.w_gate_up.view(-1, 2, Ip, self.w_gate_up.shape[-1])[:, :, I:].view(torch.uint8).zero_()
+            self.w_down[..., I:].view(torch.uint8).zero_()
+            if self.shared_down is not None:
+                Is, Isp = self.shared_inter, self.shared_down.shape[1]
+                self.shared_gate_up.view(2, Isp, -1)[:, Is:].view(torch.uint8).zero_()
+                self.shared_down[:, Is:].view(torch.uint8).zero_()
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint names (relative to this module) → views of the stacked tensors (and of their block scales:
+        `<name>_scale_inv`)."""
+        out, I, Ip = {}, self.inter, self.inter_padded
+        e0 = self.local_experts[0] if self.local_experts is not None else 0  # global id of local expert 0
+        fp8 = self.w_gate_up_scale is not None
+        nb = -(-Ip // 128)  # scale rows of one projection (fp8: Ip is a multiple of 128)
+        for e in range(self.w_down.shape[0]):
+            pre = f"experts.{e0 + e}."
+            out[pre + "gate_proj.weight"] = self.w_gate_up[e, :I]
+            out[pre + "up_proj.weight"] = self.w_gate_up[e, Ip:Ip + I]
+            out[pre + "down_proj.weight"] = self.w_down[e, :, :I]
+            if fp8:
+                out[pre + "gate_proj.weight_scale_inv"] = self.w_gate_up_scale[e, :nb]
+                out[pre + "up_proj.weight_scale_inv"] = self.w_gate_up_scale[e, nb:]
+                out[pre + "down_proj.weight_scale_inv"] = self.w_down_scale[e]
+        if self.shared_down is not None:
+            Is, Isp = self.shared_inter, self.shared_down.shape[1]
             out["shared_experts.gate_proj.weight"] = self.shared_gate_up[:Is]
-            out["shared_experts.up_proj.weight"] = self.shared_gate_up[Is:]
-            out["shared_experts.down_proj.weight"] = self.shared_down
+            out["shared_experts.up_proj.weight"] = self.shared_gate_up[Isp:Isp + Is]
+            out["shared_experts.down_proj.weight"] = self.shared_down[:, :Is]
+            if fp8:
+                nbs = Isp // 128
+                out["shared_experts.gate_proj.weight_scale_inv"] = self.shared_gate_up_scale[:nbs]
+                out["shared_experts.up_proj.weight_scale_inv"] = self.shared_gate_up_scale[nbs:]
+                out["shared_experts.down_proj.weight_scale_inv"] = self.shared_down_scale
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +178,11 @@ class MoE(nn.Module):
         if self.local_experts is not None:
             idx = idx - self.local_experts[0]
         shared = None if self.shared_down is None else (self.shared_gate_up, self.shared_down)
-        out = fused_moe(x, self.w_gate_up, self.w_down, weights, idx, shared=shared)
+        shared_scales = None if self.shared_down_scale is None else (self.shared_gate_up_scale,
+                                                                     self.shared_down_scale)
+        out = fused_moe(x, self.w_gate_up, self.w_down, weights, idx, shared=shared,
+                        w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale,
+                        shared_scales=shared_scales)
         return all_reduce_(out) if self.tp_reduce else out
 
 
@@ -289,7 +350,8 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def _checkpoint_name(name: str, num_hidden_layers: int) -> str:
+def checkpoint_name(name: str, num_hidden_layers: int) -> str:
+    """A parameter's name in HF checkpoints (MTP module k is checkpoint layer num_hidden_layers + k)."""
     if name.startswith("mtp."):
         k, rest = name[4:].split(".", 1)
         return f"model.layers.{num_hidden_layers + int(k)}.{rest}"
@@ -318,7 +380,8 @@ class DeepseekForCausalLM(nn.Module):
         num_hidden_layers + k; its embedding/head are the trunk's and are not listed again."""
         n = self.config.num_hidden_layers
         out: dict[str, torch.Tensor] = {}
-        stacked = {"w_gate_up", "w_down", "shared_gate_up", "shared_down"}  # listed by MoE.checkpoint_tensors
+        stacked = {"w_gate_up", "w_down", "shared_gate_up", "shared_down", "w_gate_up_scale", "w_down_scale",
+                   "shared_gate_up_scale", "shared_down_scale"}  # listed by MoE.checkpoint_tensors
         for name, t in list(self.named_parameters()) + [
             (b, t) for b, t in self.named_buffers() if b.endswith("e_score_correction_bias")
         ]:
@@ -326,11 +389,11 @@ class DeepseekForCausalLM(nn.Module):
                 continue
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            out[_checkpoint_name(name, n)] = t
+            out[checkpoint_name(name, n)] = t
         for name, module in self.named_modules():
             if isinstance(module, MoE):
                 for rel, t in module.checkpoint_tensors().items():
-                    out[_checkpoint_name(f"{name}.{rel}", n)] = t
+                    out[checkpoint_name(f"{name}.{rel}", n)] = t
         return out
 
     @property

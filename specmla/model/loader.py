@@ -20,9 +20,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specmla.config import ModelConfig
-from specmla.model.deepseek import DeepseekForCausalLM
+from specmla.model.deepseek import DeepseekForCausalLM, MoE, checkpoint_name
+from specmla.model.fp8 import use_fp8_weights_
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.model.sharding import shard_model_
+from specmla.ops.linear.reference import weight_dequant
 
 
 class CheckpointError(RuntimeError):
@@ -53,7 +55,9 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
 
 
 def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = True) -> None:
-    """Copy every tensor of the checkpoint at `path` into `model` (already materialised)."""
+    """Copy every tensor of the checkpoint at `path` into `model` (already materialised). A float8_e4m3fn
+    checkpoint weight goes as it is into a float8 parameter (its `weight_scale_inv` is a parameter too) and is
+    dequantised with its `weight_scale_inv` (`weight_dequant`) into any other."""
     path = Path(path)
     params = model.checkpoint_tensors()  # checkpoint name → destination tensor (view)
     files = _checkpoint_files(path)
@@ -67,21 +71,12 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = 
         by_file.setdefault(file, []).append(name)
     bar = tqdm(total=len(wanted), desc="loading weights", unit="tensor", disable=not progress)
     for file, items in by_file.items():
-        if not file.exists():
-            raise CheckpointError(f"tensor {items[0]!r} should be in {file}, which does not exist")
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:
-            raise CheckpointError(f"cannot read {file}: {e}") from e
-        with handle as f:
+        with _open(file, items[0]) as f:
             available = set(f.keys())
             for ckpt_name in items:
                 if ckpt_name not in available:
                     raise CheckpointError(f"tensor {ckpt_name!r} is listed for {file.name} but not stored there")
-                try:
-                    t = f.get_tensor(ckpt_name)
-                except Exception as e:
-                    raise CheckpointError(f"cannot read tensor {ckpt_name!r} from {file}: {e}") from e
+                t = _get(f, ckpt_name, file)
                 dst = params[ckpt_name]
                 if tuple(t.shape) != tuple(dst.shape):
                     raise CheckpointError(
@@ -89,10 +84,43 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = 
                     )
                 if not t.is_floating_point():
                     raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} has non-float dtype {t.dtype}")
+                if (t.dtype == torch.float8_e4m3fn) != (dst.dtype == torch.float8_e4m3fn):
+                    if dst.dtype == torch.float8_e4m3fn:
+                        raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} is {t.dtype}, but its "
+                                              f"{ckpt_name}_scale_inv makes it a float8_e4m3fn weight")
+                    t = weight_dequant(t, _scale_of(ckpt_name, f, available, file, files))
                 with torch.no_grad():
                     dst.copy_(t)
                 bar.update(1)
     bar.close()
+
+
+def _open(file: Path, first: str):
+    if not file.exists():
+        raise CheckpointError(f"tensor {first!r} should be in {file}, which does not exist")
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:
+        raise CheckpointError(f"cannot read {file}: {e}") from e
+
+
+def _get(f, name: str, file: Path) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
+
+
+def _scale_of(name: str, f, available: set[str], file: Path, files: dict[str, Path]) -> torch.Tensor:
+    """The `weight_scale_inv` of float8 checkpoint tensor `name` (from its file, or the file the index names)."""
+    scale_name = name + "_scale_inv"
+    if scale_name in available:
+        return _get(f, scale_name, file)
+    if scale_name not in files:
+        raise CheckpointError(f"tensor {name!r} in {file.name} is float8_e4m3fn but the checkpoint has no "
+                              f"{scale_name!r}")
+    with _open(files[scale_name], scale_name) as g:
+        return _get(g, scale_name, files[scale_name])
 
 
 def _drop_absent_mtp_layers(cfg: ModelConfig, path: Path) -> ModelConfig:
@@ -115,6 +143,9 @@ def _drop_absent_mtp_layers(cfg: ModelConfig, path: Path) -> ModelConfig:
     return cfg
 
 
+WEIGHTS = ("auto", "dequantize")
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device | None = None,
@@ -122,14 +153,20 @@ def load_model(
     max_positions: int | None = None,
     progress: bool = True,
     shard: tuple[int, int] | None = None,
+    weights: str = "auto",
 ) -> DeepseekForCausalLM:
     """Build the model for the directory `path` and load its weights.
 
     dtype defaults to the checkpoint's (bf16 for real checkpoints) on CUDA and to fp32 on CPU.
+    weights: "auto" keeps an FP8 checkpoint's block-scaled e4m3 weights as they are (`model.fp8`), "dequantize"
+    turns every one into dtype at load (more memory; for comparison). Unquantised checkpoints load the same
+    either way.
     shard=(rank, world): a tensor-parallel rank's part only. The full weights are staged in host
     memory, cut to the shard there, and only the shard goes to `device`: the point of tensor
     parallelism is a model larger than one GPU.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
     path = Path(path)
     cfg = _drop_absent_mtp_layers(ModelConfig.from_file(path), path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -139,20 +176,29 @@ def load_model(
         else:
             dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.bfloat16)
     if shard is not None:
-        model = load_model(path, device="cpu", dtype=dtype, max_positions=max_positions, progress=progress)
+        if cfg.quantization and weights == "auto":
+            raise ValueError(f"{path}: tensor parallelism of FP8 checkpoints is not supported yet; load with "
+                             f"weights='dequantize'")
+        model = load_model(path, device="cpu", dtype=dtype, max_positions=max_positions, progress=progress,
+                           weights=weights)
         shard_model_(model, *shard)
         return model.to(device)
-    model = empty_model(cfg, device, dtype, max_positions)
+    fp8_names = set(_checkpoint_files(path)) if cfg.quantization and weights == "auto" else None
+    model = empty_model(cfg, device, dtype, max_positions, fp8_names)
     load_weights(model, path, progress=progress)
     return model.eval()
 
 
 def empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
-                max_positions: int | None = None) -> DeepseekForCausalLM:
+                max_positions: int | None = None, fp8_names: set[str] | None = None) -> DeepseekForCausalLM:
     """The model of `cfg` on `device` with uninitialised weights, built without a host copy (on the meta
-    device, then allocated): tied embeddings re-tied, the rope table built, router biases in fp32."""
+    device, then allocated): tied embeddings re-tied, the rope table built, router biases in fp32. fp8_names: an
+    FP8 checkpoint's tensor names; the layers they quantise become FP8 (`use_fp8_weights_`), their padding
+    zeroed."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, max_positions=max_positions).to(dtype)
+        if fp8_names is not None:
+            use_fp8_weights_(model, fp8_names, lambda name: checkpoint_name(name, cfg.num_hidden_layers))
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own new Parameter: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -161,6 +207,8 @@ def empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
     for module in model.modules():
         if getattr(module, "e_score_correction_bias", None) is not None:
             module.e_score_correction_bias = module.e_score_correction_bias.float()
+        if isinstance(module, MoE):
+            module.zero_padding_()
     return model
 
 

@@ -38,6 +38,9 @@ def _cols(linear: nn.Linear, start: int, end: int, rank: int) -> None:
 def shard_model_(model: DeepseekForCausalLM, rank: int, world: int) -> None:
     """Cut a fully loaded model down to rank's shard (in place)."""
     cfg = model.config
+    if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
+        raise ValueError("tensor parallelism of FP8 weights is not supported yet: load them with "
+                         "weights='dequantize'")
     H = cfg.num_attention_heads
     if H % world:
         raise ValueError(f"{H} heads do not split over tensor_parallel_size={world}")

@@ -1,0 +1,174 @@
+"""FP8 block-scaled checkpoints (DeepSeek-V3's published format) load and run: weights stay float8_e4m3fn with their
+block scales, the model matches transformers' DeepseekV3 on the dequantised weights, MTP layers included."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specmla.config import UnsupportedModelError
+from specmla.config import ModelConfig
+from specmla.model.deepseek import DeepseekForCausalLM, MoE, checkpoint_name
+from specmla.model.fp8 import Fp8Linear, use_fp8_weights_
+from specmla.model.loader import CheckpointError, load_model
+from specmla.model.metadata import AttentionMetadata
+from helpers.fp8_checkpoint import dequantized_dir, fp8_checkpoint_dir, quantized, read_checkpoint, write_checkpoint
+from helpers.hf_models import V3_BASE, build_hf_model, save_hf_model
+
+# dims past one 128 block and not multiples of 128: partial edge blocks on both axes of every quantised weight,
+# padded expert widths (136 → 256)
+FP8_V3 = dict(V3_BASE, hidden_size=160, intermediate_size=200, moe_intermediate_size=136, q_lora_rank=144,
+              kv_lora_rank=48, num_hidden_layers=3, first_k_dense_replace=1)
+_DIRS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """(fp8 directory, its dequantised fp32 twin); written once, never modified."""
+    if not _DIRS:
+        base = tmp_path_factory.mktemp("fp8")
+        hf = build_hf_model("v3", FP8_V3, seed=5, std=0.06)
+        save_hf_model(hf, str(base / "src"), max_shard_size="300KB", mtp_layers=1, seed=5)
+        _DIRS["fp8"] = fp8_checkpoint_dir(base / "src", base / "fp8")
+        _DIRS["deq"] = dequantized_dir(base / "fp8", base / "deq")
+    yield _DIRS["fp8"], _DIRS["deq"]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _ids(vocab, n, seed):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model, ids):
+    T = ids.shape[0]
+    meta = AttentionMetadata.for_contiguous([T])
+    with torch.no_grad():
+        return model.compute_logits(model(ids, meta))
+
+
+def test_fp8_directory_keeps_float8_weights_with_their_scales(dirs):
+    fp8_dir, _ = dirs
+    model = load_model(fp8_dir, device="cpu", progress=False)
+    stored = read_checkpoint(fp8_dir)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_a_proj, Fp8Linear) and isinstance(attn.o_proj, Fp8Linear)
+    assert torch.equal(attn.q_a_proj.weight.view(torch.uint8),
+                       stored["model.layers.0.self_attn.q_a_proj.weight"].view(torch.uint8))
+    assert torch.equal(attn.q_a_proj.weight_scale_inv, stored["model.layers.0.self_attn.q_a_proj.weight_scale_inv"])
+    # kv_b_proj dequantised at load (absorbed decode), the router and norms as stored
+    assert attn.kv_b_proj.weight.dtype == torch.float32
+    assert isinstance(model.model.layers[0].mlp.gate_proj, Fp8Linear)  # the dense MLP
+    moe = model.model.layers[1].mlp
+    assert isinstance(moe, MoE) and moe.w_gate_up.dtype == torch.float8_e4m3fn and moe.inter_padded == 256
+    assert moe.gate.weight.dtype == torch.float32
+    # the expert stacks' padding is zero; the real rows are the checkpoint's bytes
+    I = moe.inter
+    assert not moe.w_gate_up[:, I:256].float().any() and not moe.w_down[..., I:].float().any()
+    assert torch.equal(moe.w_down[3, :, :I].view(torch.uint8),
+                       stored["model.layers.1.mlp.experts.3.down_proj.weight"].view(torch.uint8))
+    assert isinstance(model.mtp[0].self_attn.q_b_proj, Fp8Linear) and model.mtp[0].mlp.w_down_scale is not None
+    deq = load_model(fp8_dir, device="cpu", dtype=torch.bfloat16, progress=False, weights="dequantize")
+    assert not any(p.dtype == torch.float8_e4m3fn for p in deq.parameters())
+
+
+def _weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_v3_shaped_fp8_model_weighs_about_half_of_bf16():
+    """DeepSeek-V3's shapes (61 layers + 1 MTP layer, 256 experts) on the meta device: the FP8 model's weights
+    (e4m3 + fp32 block scales; embedding, head, norms, router, kv_b_proj and eh_proj in bf16) weigh ≤ 0.53× the
+    bf16 model's."""
+    cfg = ModelConfig(num_nextn_predict_layers=1)
+    with torch.device("meta"):
+        bf16 = DeepseekForCausalLM(cfg).to(torch.bfloat16)
+        names = {n for n, t in bf16.checkpoint_tensors().items() if quantized(n, t)}
+        fp8 = DeepseekForCausalLM(cfg).to(torch.bfloat16)
+        use_fp8_weights_(fp8, {n + "_scale_inv" for n in names},
+                         lambda name: checkpoint_name(name, cfg.num_hidden_layers))
+    ratio = _weight_bytes(fp8) / _weight_bytes(bf16)
+    print(f"V3-shaped weights: fp8 {_weight_bytes(fp8) / 1e9:.1f} GB, bf16 {_weight_bytes(bf16) / 1e9:.1f} GB, "
+          f"ratio {ratio:.3f}")
+    assert 0.45 < ratio <= 0.53
+
+
+def test_fp8_model_matches_transformers_on_the_dequantised_weights(dirs):
+    """CPU (the reference GEMMs: dequantised weights, fp32) against transformers' DeepseekV3 loaded from the
+    dequantised directory, fp32: rel ≤ 1e-4; `weights="dequantize"` gives the same model."""
+    from transformers import AutoModelForCausalLM
+
+    fp8_dir, deq_dir = dirs
+    oracle = AutoModelForCausalLM.from_pretrained(deq_dir, torch_dtype=torch.float32).eval()
+    model = load_model(fp8_dir, device="cpu", progress=False)
+    deq = load_model(fp8_dir, device="cpu", progress=False, weights="dequantize")
+    for seed, n in ((0, 23), (1, 64)):
+        ids = _ids(FP8_V3["vocab_size"], n, seed)
+        with torch.no_grad():
+            want = oracle(ids[None]).logits[0]
+        got = _logits(model, ids)
+        assert _rel(got, want) <= 1e-4
+        assert _rel(_logits(deq, ids), want) <= 1e-4
+
+
+def test_fp8_mtp_layer_equals_the_dequantised_model(dirs):
+    """The MTP layer's fp8 weights load: its forward equals the same layer loaded from the dequantised directory."""
+    fp8_dir, deq_dir = dirs
+    a = load_model(fp8_dir, device="cpu", progress=False)
+    b = load_model(deq_dir, device="cpu", progress=False)
+    ids = _ids(FP8_V3["vocab_size"], 17, 2)
+    meta = AttentionMetadata.for_contiguous([17])
+    with torch.no_grad():
+        ha, hb = a(ids, meta), b(ids, meta)
+        ma = a.mtp_logits(0, a.mtp_forward(0, ids.roll(-1), ha, meta))
+        mb = b.mtp_logits(0, b.mtp_forward(0, ids.roll(-1), hb, meta))
+    assert _rel(ma, mb) <= 1e-5
+
+
+def test_fp8_greedy_mtp_speculation_equals_plain(dirs):
+    from specmla import LLM, SamplingParams
+
+    fp8_dir, _ = dirs
+    prompts = [_ids(FP8_V3["vocab_size"], n, s).tolist() for s, n in ((3, 9), (4, 30), (5, 1))]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = LLM(fp8_dir, device="cpu", num_pages=64, page_size=16).generate(prompts, sp)
+    spec = LLM(fp8_dir, device="cpu", num_pages=64, page_size=16, speculative="mtp",
+               num_speculative_tokens=2).generate(prompts, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"quant_method": "awq"}, "awq"),
+    ({"weight_block_size": [64, 64]}, "64"),
+    ({"fmt": "e5m2"}, "e5m2"),
+    ({"activation_scheme": "static"}, "static"),
+])
+def test_other_quantisation_configs_are_refused(dirs, tmp_path, change, match):
+    fp8_dir, _ = dirs
+    dst = tmp_path / "ckpt"
+    shutil.copytree(fp8_dir, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"].update(change)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=match):
+        load_model(dst, device="cpu", progress=False)
+
+
+def test_float8_weight_without_its_scale_is_named(dirs, tmp_path):
+    fp8_dir, _ = dirs
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    tensors = read_checkpoint(fp8_dir)
+    victim = "model.layers.2.self_attn.kv_b_proj.weight"  # dequantised at load: needs its scale
+    del tensors[victim + "_scale_inv"]
+    write_checkpoint(tensors, dst)
+    for f in fp8_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, dst / f.name)
+    with pytest.raises(CheckpointError, match="kv_b_proj.weight_scale_inv"):
+        load_model(dst, device="cpu", progress=False)
