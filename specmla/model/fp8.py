@@ -14,7 +14,7 @@ from torch import nn
 
 from specmla.model.deepseek import MoE
 from specmla.ops.linear import fp8_block_linear
-from specmla.ops.linear.reference import BLOCK
+from specmla.ops.linear.reference import BLOCK, weight_quant
 
 DEQUANTISED_AT_LOAD = ("kv_b_proj",)  # linear layers that stay in the model dtype (see the module docstring)
 
@@ -61,3 +61,50 @@ def use_fp8_weights_(model: nn.Module, fp8_names: set[str], checkpoint_name) -> 
                     child.use_fp8_()
                     converted.append(full)
     return converted
+
+
+NOT_QUANTISED = DEQUANTISED_AT_LOAD + ("eh_proj",)  # linear layers DeepSeek's FP8 checkpoints leave in bf16 or
+# that load dequantised; embedding, head, norms and router are not nn.Linear layers of the decoder layers
+
+
+@torch.no_grad()
+def quantize_fp8_(model: nn.Module, chunk: int = 16) -> nn.Module:
+    """Block-quantise an in-memory model the way DeepSeek's FP8 checkpoints are (`weight_quant`): every linear layer
+    of the decoder and MTP layers except `NOT_QUANTISED`, and the MoE stacks (padded as `MoE.use_fp8_` lays them
+    out), on the weights' device, `chunk` experts at a time. For benchmarks of FP8 models too large to write to
+    disk; returns the model."""
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            in_layers = full.startswith(("model.layers.", "mtp."))
+            if isinstance(child, nn.Linear) and in_layers and name not in NOT_QUANTISED:
+                fp8 = Fp8Linear(child.in_features, child.out_features, child.bias is not None,
+                                device=child.weight.device, dtype=child.weight.dtype)
+                fp8.weight.data, fp8.weight_scale_inv.data = weight_quant(child.weight)
+                if child.bias is not None:
+                    fp8.bias.data.copy_(child.bias)
+                setattr(parent, name, fp8)
+            elif isinstance(child, MoE) and child.w_gate_up_scale is None:
+                _quantize_moe_(child, chunk)
+    return model
+
+
+def _quantize_moe_(moe: MoE, chunk: int) -> None:
+    gate_up, down = moe.w_gate_up.data, moe.w_down.data
+    shared = None if moe.shared_down is None else (moe.shared_gate_up.data, moe.shared_down.data)
+    I = moe.inter
+    moe.use_fp8_()
+    Ip = moe.inter_padded
+    for e0 in range(0, down.shape[0], chunk):
+        e1 = min(e0 + chunk, down.shape[0])
+        gu = gate_up[e0:e1].view(e1 - e0, 2, I, -1)
+        moe.w_gate_up.data[e0:e1], moe.w_gate_up_scale.data[e0:e1] = weight_quant(
+            torch.nn.functional.pad(gu, (0, 0, 0, Ip - I)).flatten(1, 2))
+        moe.w_down.data[e0:e1], moe.w_down_scale.data[e0:e1] = weight_quant(
+            torch.nn.functional.pad(down[e0:e1], (0, Ip - I)))
+    if shared is not None:
+        gu, d = shared
+        Is, Isp = moe.shared_inter, moe.shared_down.shape[1]
+        moe.shared_gate_up.data, moe.shared_gate_up_scale.data = weight_quant(
+            torch.nn.functional.pad(gu.view(2, Is, -1), (0, 0, 0, Isp - Is)).flatten(0, 1))
+        moe.shared_down.data, moe.shared_down_scale.data = weight_quant(torch.nn.functional.pad(d, (0, Isp - Is)))

@@ -28,18 +28,17 @@ def weight_dequant(weight: torch.Tensor, scale_inv: torch.Tensor | None, block: 
 
 
 def weight_quant(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [R, C] (any float dtype) → (float8_e4m3fn [R, C], fp32 scale_inv [⌈R/block⌉, ⌈C/block⌉]) with
-    scale_inv = amax / 448 per block (1 for an all-zero block): the inverse of `weight_dequant` up to e4m3
-    rounding. This is how the FP8 checkpoints of DeepSeek-V3 / R1 / Kimi-K2 are laid out."""
-    R, C = weight.shape
+    """weight [..., R, C] (any float dtype) → (float8_e4m3fn [..., R, C], fp32 scale_inv [..., ⌈R/block⌉,
+    ⌈C/block⌉]) with scale_inv = amax / 448 per block (1 for an all-zero block): the inverse of `weight_dequant`
+    up to e4m3 rounding. This is how the FP8 checkpoints of DeepSeek-V3 / R1 / Kimi-K2 are laid out."""
+    *lead, R, C = weight.shape
     rb, cb = -(-R // block), -(-C // block)
-    w = torch.zeros(rb * block, cb * block, dtype=torch.float32, device=weight.device)
-    w[:R, :C] = weight.float()
-    tiles = w.view(rb, block, cb, block)
-    amax = tiles.abs().amax(dim=(1, 3))
+    w = torch.nn.functional.pad(weight.float(), (0, cb * block - C, 0, rb * block - R))
+    tiles = w.view(*lead, rb, block, cb, block)
+    amax = tiles.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (tiles / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(rb * block, cb * block)
-    return q[:R, :C].to(torch.float8_e4m3fn), scale
+    q = (tiles / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(*lead, rb * block, cb * block)
+    return q[..., :R, :C].to(torch.float8_e4m3fn), scale
 
 
 def act_quant_torch(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
