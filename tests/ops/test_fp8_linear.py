@@ -14,16 +14,14 @@ from specmla.ops.linear import (act_quant, act_quant_torch, fp8_block_linear_tor
                                 weight_dequant, weight_quant)
 
 
-def make_linear(N, K, seed=0, device="cpu", spread=True):
-    """A random fp8 weight [N, K] with block scales; `spread` varies the blocks' magnitudes (so a wrong scale
-    index shows)."""
+def make_linear(N, K, seed=0, device="cpu"):
+    """A random fp8 weight [N, K] with block scales, the blocks' magnitudes spread (so a wrong scale index shows);
+    quantised on `device`."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g) * 0.05
-    if spread:
-        w = w * torch.exp(torch.randn(-(-N // 128), -(-K // 128), generator=g)).repeat_interleave(128, 0)[:N] \
-            .repeat_interleave(128, 1)[:, :K]
-    q, s = weight_quant(w)
-    return q.to(device), s.to(device)
+    spread = torch.exp(torch.randn(-(-N // 128), -(-K // 128), generator=g))
+    w = w.to(device) * spread.to(device).repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+    return weight_quant(w)
 
 
 def make_x(shape, seed=1, dtype=torch.float32, device="cpu"):
@@ -137,13 +135,17 @@ def test_bad_inputs_raise_naming_the_argument():
 
 # ---- GPU ------------------------------------------------------------------------------------------------------
 V3_SHAPES = [(7168, 18432), (18432, 7168), (2112, 7168), (24576, 1536), (7168, 2048)]
+_GPU_WEIGHTS: dict = {}  # the last shape's weights, reused across M
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", V3_SHAPES)
 @pytest.mark.parametrize("M", [1, 16, 64, 128, 4096])
+@pytest.mark.parametrize("N,K", V3_SHAPES)
 def test_gpu_deepseek_v3_shapes(N, K, M):
-    w, s = make_linear(N, K, seed=N + K, device="cuda")
+    if (N, K) not in _GPU_WEIGHTS:
+        _GPU_WEIGHTS.clear()
+        _GPU_WEIGHTS[(N, K)] = make_linear(N, K, seed=N + K, device="cuda")
+    w, s = _GPU_WEIGHTS[(N, K)]
     x = make_x((M, K), seed=M, dtype=torch.bfloat16, device="cuda")
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16) if M == 16 else None
     y = fp8_block_linear(x, w, s, bias=bias)
@@ -192,3 +194,20 @@ def test_gpu_cuda_graph_replay_and_no_sync(M):
         want = fp8_block_linear(xs[i], w, s)
         assert torch.equal(y, want) and torch.equal(y2, want)
     assert torch.equal(y, y_eager)
+
+
+def test_bench_fp8_smoke(tmp_path, monkeypatch):
+    """benchmarks/bench_fp8.py --smoke runs the linear section on CPU and writes its JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fp8.py"
+    spec = importlib.util.spec_from_file_location("bench_fp8", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "SMOKE_SHAPES", [(136, 260)])
+    monkeypatch.setattr(bench, "SMOKE_TOKENS", [3, 66])
+    bench.main(["--smoke", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench_fp8_linear.json").read_text())["linear"]
+    assert [(r["M"], r["check"], r["result"]) for r in rows] == [(3, "ok", "PASS"), (66, "ok", "PASS")]
