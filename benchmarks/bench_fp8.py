@@ -122,8 +122,6 @@ def linear_variants(M: int, N: int, K: int, dev) -> dict[str, dict]:
             base = plan_split(M, N, K, bn, _num_sms(dev))
             for sp in sorted({max(1, base // 2), base, base * 2}):
                 out[f"bn{bn}_split{sp}"] = dict(config=dict(BLOCK_N=bn), split=sp)
-        out["separate_quant"] = dict(fuse_quant_max_m=0)
-        out["fused_quant"] = dict(fuse_quant_max_m=64)
         out["stages3"] = dict(config=dict(num_stages=3))
         out["stages6"] = dict(config=dict(num_stages=6))
         return out

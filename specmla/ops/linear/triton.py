@@ -7,9 +7,8 @@ promotion of DeepGEMM and vLLM's w8a8_block_fp8_matmul).
 
 Two regimes, chosen by the number of rows M (`fp8_block_linear_triton`):
 - M ≤ 64 (decode, bound by the weight stream): `_splitk_kernel` computes outᵀ tiles (swap-AB: the weight rows fill
-  the MMA's M, the tokens its N), K split so that the grid fills the SMs. Up to `fuse_quant_max_m` rows the
-  activation tile is quantised inside the kernel (one launch); above, `act_quant` runs first and the kernel reads
-  e4m3 rows (half the bytes re-read by every N tile). Split partials go to an fp32 workspace [SPLIT, M, N]; the last
+  the MMA's M, the tokens its N), K split so that the grid fills the SMs, after `act_quant` (the kernel reads
+  e4m3 rows: half the bytes that every N tile re-reads; quantising inside the kernel stalled its weight stream). Split partials go to an fp32 workspace [SPLIT, M, N]; the last
   program of an N tile to arrive (a counter per tile in `zeroed_scratch`, put back to 0 by that program) sums them
   in split order, adds the bias and writes the output: deterministic, no host sync, graph-capturable;
 - M > 64 (prefill, bound by the tensor cores): `act_quant`, then `_gemm_kernel`, a tiled GEMM in grouped tile order.
@@ -144,12 +143,12 @@ def _gemm_kernel(A, AS, W, WS, BIAS, OUT, M, N, K, KB, stride_om,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _splitk_kernel(X, A, AS, W, WS, BIAS, OUT, WORK, COUNT, M, N, K, KB, KB_PER, stride_xm, stride_om,
-                   SPLIT: tl.constexpr, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E4M3: tl.constexpr, INTERP: tl.constexpr):
+@triton.jit(do_not_specialize=["M"])
+def _splitk_kernel(A, AS, W, WS, BIAS, OUT, WORK, COUNT, M, N, K, KB, KB_PER, stride_om,
+                   SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (n tile, split s): outᵀ[BLOCK_N, BLOCK_M] over K blocks s·KB_PER.. (swap-AB: the weight tile is the
-    MMA's A operand). QUANT: x's tile is quantised here (else A / AS hold `act_quant`'s output). SPLIT > 1: the
+    MMA's A operand); A / AS hold `act_quant`'s output. SPLIT > 1: the
     partial goes to WORK[s]; the N tile's last program to arrive sums WORK[0..SPLIT) in order and writes OUT."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -161,10 +160,7 @@ def _splitk_kernel(X, A, AS, W, WS, BIAS, OUT, WORK, COUNT, M, N, K, KB, KB_PER,
     kb0 = pid_s * KB_PER
     kb1 = tl.minimum(kb0 + KB_PER, KB)
     w_ptr = W + offs_n[:, None].to(tl.int64) * K + kb0 * BLOCK_K + offs_k[None, :]
-    if QUANT:
-        x_ptr = X + offs_m[:, None].to(tl.int64) * stride_xm + kb0 * BLOCK_K + offs_k[None, :]
-    else:
-        a_ptr = A + offs_m[:, None].to(tl.int64) * K + kb0 * BLOCK_K + offs_k[None, :]
+    a_ptr = A + offs_m[:, None].to(tl.int64) * K + kb0 * BLOCK_K + offs_k[None, :]
     if BLOCK_N <= BLOCK_K:
         ws_ptr = WS + ((pid_n * BLOCK_N) // BLOCK_K) * KB
     else:
@@ -173,14 +169,9 @@ def _splitk_kernel(X, A, AS, W, WS, BIAS, OUT, WORK, COUNT, M, N, K, KB, KB_PER,
     for kb in range(kb0, kb1):
         k_ok = offs_k < K - kb * BLOCK_K
         w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if QUANT:
-            x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            a, a_s = _quant_tile(x, E4M3, INTERP)
-            x_ptr += BLOCK_K
-        else:
-            a = tl.load(a_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            a_s = tl.load(AS + offs_m * KB + kb, mask=m_ok, other=0.0)
-            a_ptr += BLOCK_K
+        a = tl.load(a_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        a_s = tl.load(AS + offs_m * KB + kb, mask=m_ok, other=0.0)
+        a_ptr += BLOCK_K
         part = tl.dot(w, tl.trans(a))
         if BLOCK_N > BLOCK_K:
             w_s = tl.load(ws_ptr + kb, mask=n_ok, other=0.0)
@@ -255,14 +246,12 @@ def _gemm_config(M: int, N: int) -> dict:
 def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
                             bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                             out: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                            split: int | None = None, config: dict | None = None,
-                            fuse_quant_max_m: int = 16) -> torch.Tensor:
+                            split: int | None = None, config: dict | None = None) -> torch.Tensor:
     """Contract C7 on the Triton kernels: x [..., K] @ (weight · scale)ᵀ (+ bias) → [..., N] in out_dtype (default
     x's dtype), activations quantised per token per 128 columns. Extra knobs (the engine need not pass them):
     out: a contiguous [M, N] tensor of out_dtype to write (returned reshaped); workspace: fp32 with ≥ SPLIT·M·N
     elements for the split-K partials; split: the decode kernel's K split (default `plan_split`); config: tile
-    overrides (BLOCK_M / BLOCK_N / GROUP_M / num_warps / num_stages); fuse_quant_max_m: up to this many rows the
-    decode kernel quantises x itself."""
+    overrides (BLOCK_M / BLOCK_N / GROUP_M / num_warps / num_stages)."""
     check_fp8_linear_args(x, weight, weight_scale_inv, bias)
     N, K = weight.shape
     lead = x.shape[:-1]
@@ -284,7 +273,6 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     w = weight if weight.is_contiguous() else weight.contiguous()
     ws = weight_scale_inv if weight_scale_inv.is_contiguous() else weight_scale_inv.contiguous()
     KB = triton.cdiv(K, BLOCK)
-    interp = _interpreting()
     has_bias = bias is not None
     b = bias if has_bias else ws  # any pointer when there is no bias
     if M > DECODE_MAX_M:
@@ -303,8 +291,7 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
         split = plan_split(M, N, K, cfg["BLOCK_N"], _num_sms(x.device))
     per = triton.cdiv(KB, max(1, min(split, KB)))
     split = triton.cdiv(KB, per)  # no empty program
-    quant = M <= fuse_quant_max_m
-    a, a_s = (x2, x2) if quant else act_quant(x2)
+    a, a_s = act_quant(x2)
     if split > 1:
         if tiles_n > SPLITK_COUNTERS:
             raise ValueError(f"fp8_block_linear: {tiles_n} N tiles exceed the {SPLITK_COUNTERS} split-K counters")
@@ -316,7 +303,7 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     else:
         workspace = count = out  # unused
     _splitk_kernel[(tiles_n, split)](
-        x2, a, a_s, w, ws, b, out, workspace, count, M, N, K, KB, per, x2.stride(0), out.stride(0),
-        SPLIT=split, QUANT=quant, HAS_BIAS=has_bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK,
-        E4M3=E4M3_MAX, INTERP=interp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        a, a_s, w, ws, b, out, workspace, count, M, N, K, KB, per, out.stride(0),
+        SPLIT=split, HAS_BIAS=has_bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out.view(*lead, N)
