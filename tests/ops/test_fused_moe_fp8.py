@@ -36,7 +36,9 @@ def rand_fp8(shape, fan_in, g, device="cpu"):
     """(float8_e4m3fn weight [..., R, C], fp32 scales [..., ⌈R/128⌉, ⌈C/128⌉]) like a DeepSeek checkpoint: e4m3
     values spread over the format's range, block scales varying by 3x, the dequantised weight of std ≈ 1/√fan_in."""
     *lead, R, C = shape
-    w = (torch.randn(*shape, generator=g, device=device) * 96).clamp(-448, 448).to(FP8)
+    w = torch.empty(shape, dtype=FP8, device=device)
+    for part in w.view(-1, R, C):  # one matrix at a time (V3's experts in fp32 at once would take 30 GB)
+        part.copy_((torch.randn(R, C, generator=g, device=device) * 96).clamp(-448, 448))
     s = (torch.rand(*lead, -(-R // 128), -(-C // 128), generator=g, device=device) + 0.5) / (96 * fan_in ** 0.5)
     return w, s
 
