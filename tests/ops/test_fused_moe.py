@@ -468,7 +468,7 @@ def bad_calls():
         ("w_down_not_contiguous", {"w_down": torch.randn(E0, I0, H0).transpose(1, 2)}, "contiguous", ("triton",)),
         ("fp8_on_triton", {"w_gate_up": torch.randn(E0, 2 * I0, H0).to(FP8), "w_gate_up_scale": torch.ones(E0, 1, 1),
                            "w_down": torch.randn(E0, H0, I0).to(FP8), "w_down_scale": torch.ones(E0, 1, 1)},
-         "no Triton kernel", ("triton",)),
+         "fp8 Triton path", ("triton",)),
         ("unknown_backend", {}, "backend", ("cuda",)),
     ]
 

@@ -6,7 +6,8 @@
 
 - `route.py`: `moe_route` (one Triton kernel) and `moe_route_torch`;
 - `reference.py`: `fused_moe_torch`, the same signature as `fused_moe`;
-- `triton.py`: the align kernel, the two grouped GEMMs and the top-k sum;
+- `triton.py`: the align kernel, the two grouped GEMMs and the top-k sum (bf16 / fp16 / fp32 experts, and
+  float8 block-scaled ones w8a8 with an activation quantisation kernel);
 - `tuning.py` + `configs/`: tile configurations per device and shape (benchmarks/tune_moe.py makes them).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from specmla.ops.backend import pick_backend
 from specmla.ops.moe.reference import check_moe_args, fused_moe_torch
 from specmla.ops.moe.route import RouteSpec, moe_route, moe_route_torch, moe_route_triton
-from specmla.ops.moe.triton import fused_moe_triton
+from specmla.ops.moe.triton import fused_moe_fp8_triton, fused_moe_triton
 
 __all__ = ["RouteSpec", "fused_moe", "fused_moe_torch", "moe_route", "moe_route_torch", "moe_route_triton"]
 
@@ -30,17 +31,19 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_ga
     topk_ids int32/int64 [T, k]. Any T ≥ 0, no host synchronisation, CUDA-graph capturable. float8_e4m3fn
     weights carry fp32 scales per 128 × 128 block: w_gate_up_scale [E, ⌈2I/128⌉, ⌈H/128⌉], w_down_scale
     [E, ⌈H/128⌉, ⌈I/128⌉], shared_scales = (gate‖up scale, down scale) of the shared experts.
-    backend: "auto" (Triton on CUDA without gradients, else the torch reference; float8 experts take the
-    reference), "triton", "torch".
+    backend: "auto" (Triton on CUDA without gradients, else the torch reference), "triton", "torch". float8
+    experts run w8a8 in Triton (x and the intermediate quantised per token and group of 128 columns, as
+    DeepSeek's act_quant; needs I and Is multiples of 128), the reference multiplies the dequantised weights.
     """
     args = dict(shared=shared, out=out)
     fp8 = w_gate_up_scale is not None or w_down_scale is not None or shared_scales is not None
     chosen = pick_backend(backend, x, w_gate_up, w_down, topk_weights, *(shared or ()))
-    if chosen == "torch" or (fp8 and backend == "auto"):  # fp8 experts: the reference (it syncs) for now
+    if chosen == "torch":
         return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
                                w_down_scale=w_down_scale, shared_scales=shared_scales, **args)  # checks its args
     check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
                    shared_scales)
     if fp8:
-        raise ValueError("fused_moe: float8 block-scaled experts have no Triton kernel yet (backend='torch')")
+        return fused_moe_fp8_triton(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
+                                    w_down_scale=w_down_scale, shared_scales=shared_scales, **args)
     return fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, **args)

@@ -18,11 +18,13 @@ exact; the last one may be narrower). Pair p = t·S + j (S = k + shared slots).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from specmla.ops.moe.tuning import Config, fit, lookup, shared_memory
+from specmla.ops.moe.tuning import Config, fit, fit_fp8, lookup, shared_memory
 from specmla.ops.scratch import zeroed_scratch
 
 
@@ -384,6 +386,289 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
         P, H, I, Is, _offset(shared_down, w_down), num_blocks, ids.stride(0), wts.stride(0), hb.stride(0),
         y.stride(0), **common, **tiles(down_cfg),
         EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0),
+    )
+    block_t, block_h = (1, 1024) if T <= 16 else (4, 256)
+    _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
+        y, ids, out, T, H, ids.stride(0), y.stride(0), out.stride(0),
+        E=E, TOP_K=k, N_SHARED=n_shared, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+    )
+    return out
+
+
+# ---- float8 block-scaled experts (w8a8) --------------------------------------------------------------------
+# The same pipeline on float8_e4m3fn experts with fp32 scales per 128 × 128 weight block:
+# 0. `_act_quant_kernel`: x per token and group of 128 columns → e4m3 + scale amax / 448 (DeepSeek's act_quant);
+# 1. `_gate_up_fp8_kernel`: e4m3 × e4m3 dots per K step of 128, each product scaled by the token's group scale and
+#    the weight block's scale, accumulated in fp32; silu(gate)·up is quantised per pair and group of 128 units
+#    (one program owns one group: block_n = 128) and stored as e4m3 + scales;
+# 2. `_down_fp8_kernel`: the same on the quantised intermediate and w_down, times the routing weight;
+# 3. `_sum_kernel` as above.
+E4M3_MAX = 448.0
+QBLOCK = 128  # the weight scale block and the activation group
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_QBLOCK = tl.constexpr(QBLOCK)
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (the kernels then round to e4m3 themselves, see `_to_e4m3`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _to_e4m3(v, INTERP: tl.constexpr):
+    """fp32 → float8_e4m3fn, saturated at ±448, rounded to nearest even. The interpreter's own conversion drops the
+    carry into the exponent when a value rounds up to the next power of two, so under it (INTERP) the value is first
+    rounded to the e4m3 grid in fp32 (its spacing from the exponent bits, the rounding by the 1.5·2^23 trick)."""
+    v = tl.minimum(tl.maximum(v, -_E4M3_MAX), _E4M3_MAX)
+    if INTERP:
+        expo = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 121: 2^-6, the smallest normal
+        ulp = ((expo - 3) << 23).to(tl.float32, bitcast=True)
+        v = ((v / ulp + 12582912.0) - 12582912.0) * ulp
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_rows(v, INTERP: tl.constexpr):
+    """[M, 128] fp32 → (e4m3 [M, 128], fp32 scales [M]): per row scale = amax / 448 (1 for a row of zeros)."""
+    amax = tl.max(tl.abs(v), axis=1)
+    scale = tl.where(amax > 0, amax / _E4M3_MAX, 1.0)
+    return _to_e4m3(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape)), INTERP), scale
+
+
+@triton.jit
+def _act_quant_kernel(X, Q, S, T, H, stride_x, stride_q, stride_s, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+    """Program (i, g): rows i·BLOCK_T.. of x, columns g·128.. (the last group partial) → e4m3 + scales."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * _QBLOCK + tl.arange(0, _QBLOCK)
+    m = (offs_t < T)[:, None] & (offs_h < H)[None, :]
+    v = tl.load(X + offs_t[:, None].to(tl.int64) * stride_x + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+    q, s = _quant_rows(v, INTERP)
+    tl.store(Q + offs_t[:, None].to(tl.int64) * stride_q + offs_h[None, :], q, mask=m)
+    tl.store(S + offs_t.to(tl.int64) * stride_s + tl.program_id(1), s, mask=offs_t < T)
+
+
+@triton.jit
+def _gate_up_fp8_kernel(
+    XQ, XS, IDS, SORTED, BLOCK_EXPERT, WGU, WS, HQ, HS,
+    P, H, I, Is, shared_gu_off, shared_s_off, num_m, stride_ids, stride_xq, stride_xs, stride_hq, stride_hs,
+    E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Program (block, n): units n·128.. of the block's expert; I and Is are multiples of 128 (= BLOCK_N = BLOCK_K).
+    Weight scales: WS [E, 2I/128, KB] (routed) and, at WS + shared_s_off, [2Is/128, KB] (shared), KB = ⌈H/128⌉."""
+    S: tl.constexpr = TOP_K + N_SHARED
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    e, rows, row_ok = _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids, E, TOP_K, S, BLOCK_M,
+                                  PAIR_BLOCKS)
+    if e < 0:
+        return
+    routed = e < E
+    c = e - E
+    g_off = tl.where(routed, e.to(tl.int64) * (2 * I * H), shared_gu_off + c.to(tl.int64) * I * H)
+    u_off = tl.where(routed, g_off + I * H, shared_gu_off + (Is + c.to(tl.int64) * I) * H)
+    n_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
+    if pid_n * BLOCK_N >= n_lim:
+        return
+    KB = tl.cdiv(H, BLOCK_K)
+    NB = I // BLOCK_N  # scale rows of one routed expert's gate (and of its up)
+    gs_off = tl.where(routed, (e.to(tl.int64) * 2 * NB + pid_n) * KB, shared_s_off + (c * NB + pid_n) * KB)
+    us_off = tl.where(routed, gs_off + NB * KB, shared_s_off + (Is // BLOCK_N + c * NB + pid_n) * KB)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    tok = rows // S
+    a_ptrs = XQ + tok[:, None].to(tl.int64) * stride_xq + offs_k[None, :]
+    as_ptrs = XS + tok.to(tl.int64) * stride_xs
+    g_ptrs = WGU + g_off + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
+    u_ptrs = WGU + u_off + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, KB):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k + kb * BLOCK_K < H
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        sg = tl.load(WS + gs_off + kb)
+        su = tl.load(WS + us_off + kb)
+        acc_g += tl.dot(a, wg) * (a_s * sg)[:, None]
+        acc_u += tl.dot(a, wu) * (a_s * su)[:, None]
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    q, s = _quant_rows(h, INTERP)
+    tl.store(HQ + rows[:, None].to(tl.int64) * stride_hq + offs_n[None, :], q, mask=row_ok[:, None])
+    tl.store(HS + rows.to(tl.int64) * stride_hs + pid_n, s, mask=row_ok)
+
+
+@triton.jit
+def _down_fp8_kernel(
+    HQ, HS, IDS, WTS, SORTED, BLOCK_EXPERT, WD, WS, OUT,
+    P, H, I, Is, shared_down_off, shared_s_off, num_m, stride_ids, stride_wts, stride_hq, stride_hs, stride_o,
+    E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Program (block, n): output columns n·BLOCK_N.. (the last block partial when H is no multiple of it).
+    Weight scales: WS [E, ⌈H/128⌉, I/128] (routed) and, at WS + shared_s_off, [⌈H/128⌉, Is/128] (shared)."""
+    S: tl.constexpr = TOP_K + N_SHARED
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    e, rows, row_ok = _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids, E, TOP_K, S, BLOCK_M,
+                                  PAIR_BLOCKS)
+    if e < 0:
+        return
+    routed = e < E
+    c = e - E
+    NB = I // BLOCK_K
+    b_off = tl.where(routed, e.to(tl.int64) * H * I, shared_down_off + c.to(tl.int64) * I)
+    rs = tl.where(routed, I, Is)
+    k_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
+    s_off = tl.where(routed, e.to(tl.int64) * tl.cdiv(H, BLOCK_K) * NB, shared_s_off + c * NB)
+    s_rs = tl.where(routed, NB, Is // BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = HQ + rows[:, None].to(tl.int64) * stride_hq + offs_k[None, :]
+    as_ptrs = HS + rows.to(tl.int64) * stride_hs
+    b_ptrs = WD + b_off + offs_n[None, :].to(tl.int64) * rs + offs_k[:, None]
+    bs_ptrs = WS + s_off + (offs_n // BLOCK_K) * s_rs
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, k_lim // BLOCK_K):
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=row_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    j = rows % S
+    w = tl.load(WTS + (rows // S) * stride_wts + j, mask=row_ok & (j < TOP_K), other=1.0)
+    acc = acc * w[:, None]
+    out = OUT + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """The fp8 path's per-call intermediates (tests fill them with NaN through this hook)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (last dimension contiguous) → (float8_e4m3fn [T, H], fp32 [T, ⌈H/128⌉]): DeepSeek's act_quant,
+    as `act_quant_torch` (per token and group of 128 columns, scale = amax / 448)."""
+    T, H = x.shape
+    kb = triton.cdiv(H, QBLOCK)
+    q = _empty((T, H), torch.float8_e4m3fn, x.device)
+    s = _empty((T, kb), torch.float32, x.device)
+    if T:
+        block_t = 4
+        _act_quant_kernel[(triton.cdiv(T, block_t), kb)](x, q, s, T, H, x.stride(0), q.stride(0), s.stride(0),
+                                                         BLOCK_T=block_t, INTERP=interpreting(), num_warps=4)
+    return q, s
+
+
+def _check_fp8(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, shared, shared_scales, up, down) -> None:
+    """The fp8 Triton path's own requirements (check_moe_args has checked the shapes)."""
+    E, two_i, H = w_gate_up.shape
+    I = two_i // 2
+    FP8 = torch.float8_e4m3fn
+    weights = (w_gate_up, w_down, *(shared or ()))
+    if any(w.dtype != FP8 for w in weights):
+        raise ValueError("fused_moe: the fp8 Triton path needs float8_e4m3fn routed and shared experts alike")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fused_moe: x must be bf16, fp16 or fp32 with fp8 experts, got {x.dtype}")
+    Is = shared[1].shape[1] if shared is not None else 0
+    if I % QBLOCK or Is % QBLOCK:
+        raise ValueError(f"fused_moe: the fp8 Triton path needs I and Is multiples of {QBLOCK} (pad the experts at "
+                         f"load), got I={I}, Is={Is}")
+    kb = triton.cdiv(H, QBLOCK)
+    want = [("w_gate_up_scale", w_gate_up_scale, (E, 2 * I // QBLOCK, kb)),
+            ("w_down_scale", w_down_scale, (E, kb, I // QBLOCK))]
+    if shared is not None:
+        want += [("shared_scales[0]", shared_scales[0], (2 * Is // QBLOCK, kb)),
+                 ("shared_scales[1]", shared_scales[1], (kb, Is // QBLOCK))]
+    for name, s, shape in want:
+        if tuple(s.shape) != shape or s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"fused_moe: {name} must be contiguous float32 {list(shape)}, got {s.dtype} "
+                             f"{tuple(s.shape)}")
+    if x.stride(-1) != 1 or not all(w.is_contiguous() for w in weights):
+        raise ValueError("fused_moe: the expert weights must be contiguous and x contiguous in its last dimension")
+    if len({t.device for t in (x, *weights, w_gate_up_scale, w_down_scale, *(shared_scales or ()))}) != 1:
+        raise ValueError("fused_moe: x, the experts and their scales must be on one device")
+    for name, cfg in (("up_config", up), ("down_config", down)):
+        if cfg.block_k != QBLOCK or (name == "up_config" and cfg.block_n != QBLOCK):
+            raise ValueError(f"fused_moe: fp8 {name} needs block_k = {QBLOCK}" +
+                             (f" and block_n = {QBLOCK}" if name == "up_config" else "") + f", got {cfg}")
+    if up.block_m != down.block_m:
+        raise ValueError("fused_moe: the up and down configurations must share block_m")
+
+
+def fused_moe_fp8_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale, w_down_scale,
+                         shared=None, shared_scales=None, out=None, up_config: Config | None = None,
+                         down_config: Config | None = None):
+    """`fused_moe` on float8_e4m3fn experts with fp32 128 × 128 block scales, w8a8: x and the intermediate are
+    quantised per token (pair) and group of 128 columns, the products are e4m3 dots scaled per K step of 128 and
+    accumulated in fp32; bf16 / fp16 / fp32 x, out in x's dtype. Needs I and Is multiples of 128 (H may be any).
+    Tile configurations from `tuning.lookup("up_fp8" / "down_fp8", ...)` unless given (block_k 128; up block_n
+    128; shared block_m)."""
+    T, H = x.shape
+    E = w_gate_up.shape[0]
+    I = w_down.shape[2]
+    k = topk_ids.shape[1]
+    smem = shared_memory(x.device)
+    up_cfg = fit_fp8(up_config or lookup("up_fp8", E, I, H, T, x.device, k), 2, smem)
+    down_cfg = fit_fp8(down_config or lookup("down_fp8", E, H, I, T, x.device, k), 1, smem)
+    _check_fp8(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, shared, shared_scales, up_cfg, down_cfg)
+    n_shared = shared_slots(shared, I)
+    if E + n_shared > MAX_EXPERT_SLOTS:
+        raise ValueError(f"fused_moe: at most {MAX_EXPERT_SLOTS} routed + shared expert slots, got {E + n_shared}")
+    P = T * (k + n_shared)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.stride(-1) != 1:  # the sum writes rows contiguous in H: go through a temporary
+        return out.copy_(fused_moe_fp8_triton(
+            x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
+            w_down_scale=w_down_scale, shared=shared, shared_scales=shared_scales, up_config=up_config,
+            down_config=down_config))
+    if T == 0:
+        return out
+    shared_gu, shared_down = shared if shared is not None else (w_gate_up, w_down)
+    shared_gu_s, shared_down_s = shared_scales if shared is not None else (w_gate_up_scale, w_down_scale)
+    Is = shared_down.shape[1] if shared is not None else 0
+    ids = topk_ids if topk_ids.stride(1) == 1 else topk_ids.contiguous()
+    wts = topk_weights if topk_weights.stride(1) == 1 else topk_weights.contiguous()
+    pair_blocks = T == 1
+    if pair_blocks:
+        sorted_pairs = block_expert = ids
+        num_blocks = P
+    else:
+        sorted_pairs, block_expert = align_pairs(ids, E, n_shared, up_cfg.block_m)
+        num_blocks = block_expert.shape[0]
+    xq, xs = act_quant(x)
+    hq = _empty((P, I), torch.float8_e4m3fn, x.device)
+    hs = _empty((P, I // QBLOCK), torch.float32, x.device)
+    y = _empty((P, H), x.dtype, x.device)
+    common = dict(E=E, TOP_K=k, N_SHARED=n_shared, PAIR_BLOCKS=pair_blocks)
+
+    def tiles(c: Config) -> dict:
+        return dict(BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                    GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages)
+
+    _gate_up_fp8_kernel[(num_blocks * (I // QBLOCK),)](
+        xq, xs, ids, sorted_pairs, block_expert, w_gate_up, w_gate_up_scale, hq, hs,
+        P, H, I, Is, _offset(shared_gu, w_gate_up), _offset(shared_gu_s, w_gate_up_scale), num_blocks,
+        ids.stride(0), xq.stride(0), xs.stride(0), hq.stride(0), hs.stride(0),
+        **common, **tiles(up_cfg), EVEN_K=H % QBLOCK == 0, INTERP=interpreting(),
+    )
+    _down_fp8_kernel[(num_blocks * triton.cdiv(H, down_cfg.block_n),)](
+        hq, hs, ids, wts, sorted_pairs, block_expert, w_down, w_down_scale, y,
+        P, H, I, Is, _offset(shared_down, w_down), _offset(shared_down_s, w_down_scale), num_blocks,
+        ids.stride(0), wts.stride(0), hq.stride(0), hs.stride(0), y.stride(0), **common, **tiles(down_cfg),
     )
     block_t, block_h = (1, 1024) if T <= 16 else (4, 256)
     _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](

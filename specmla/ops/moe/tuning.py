@@ -4,7 +4,9 @@
 [max_tokens, config] rows in increasing max_tokens; a call takes the first row whose max_tokens
 covers its token count. Shapes or devices without a file fall back to `default_config`, which
 follows the same buckets: narrow row blocks and deep pipelines while the GEMMs stream weights,
-128-row blocks once they are compute-bound.
+128-row blocks once they are compute-bound. The float8 block-scaled GEMMs have kinds "up_fp8" and
+"down_fp8" (block_k 128, one scale block per K step; "up_fp8" block_n 128, one quantisation group of
+the intermediate per program) and fall back to `default_fp8_config`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,22 @@ def default_config(kind: str, tokens_per_expert: float) -> Config:
     return Config(128, 64, 64, 8, 8, 4) if kind == "up" else Config(128, 128, 64, 8, 8, 4)
 
 
+FP8_BLOCK = 128  # DeepSeek's scale block: the fp8 GEMMs' block_k, and the fp8 gate_up's block_n
+
+
+def default_fp8_config(kind: str, tokens_per_expert: float) -> Config:
+    """A configuration of the float8 block-scaled GEMMs ("up_fp8", "down_fp8") by the mean rows per expert:
+    16-row blocks with three or four stages of e4m3 weight tiles in flight while they stream weights (two
+    gate_up programs fit one SM), 64-row blocks once they multiply (eight warps hold gate_up's two accumulators
+    and the per-block products), 128 rows for the down projection at long prefills."""
+    up = kind.startswith("up")
+    if tokens_per_expert <= 8:
+        return Config(16, 128, 128, 1, 4, 3) if up else Config(16, 128, 128, 1, 4, 4)
+    if tokens_per_expert <= 48:
+        return Config(32, 128, 128, 4, 4, 3) if up else Config(32, 128, 128, 4, 4, 4)
+    return Config(64, 128, 128, 8, 8, 3) if up else Config(64, 128, 128, 8, 4, 4)
+
+
 SHARED_MEMORY = 227 * 1024  # bytes of shared memory a program may hold on Hopper (the configurations' target)
 
 
@@ -66,6 +84,14 @@ def fit(cfg: Config, elem_bytes: int, b_tiles: int, limit: int = SHARED_MEMORY) 
         else:
             break
     return replace(cfg, num_stages=stages, block_k=bk)
+
+
+def fit_fp8(cfg: Config, b_tiles: int, limit: int = SHARED_MEMORY) -> Config:
+    """cfg with fewer pipeline stages (never below 2; block_k stays 128) until its e4m3 stages fit `limit`."""
+    stages = cfg.num_stages
+    while stages > 2 and stages * (cfg.block_m + b_tiles * cfg.block_n) * cfg.block_k > limit:
+        stages -= 1
+    return replace(cfg, num_stages=stages)
 
 
 def device_key(device: torch.device) -> str:
@@ -93,4 +119,6 @@ def lookup(kind: str, E: int, N: int, K: int, tokens: int, device: torch.device,
             if tokens <= max_tokens:
                 return cfg
         return rows[-1][1]
+    if kind.endswith("_fp8"):
+        return default_fp8_config(kind, tokens * top_k / E)
     return default_config(kind, tokens * top_k / E)
