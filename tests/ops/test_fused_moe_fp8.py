@@ -19,7 +19,8 @@ import specmla.ops.moe as moe_ops
 import specmla.ops.moe.triton as moe_triton
 from specmla.ops import fused_moe, fused_moe_torch
 from specmla.ops.linear.reference import act_quant_torch, weight_dequant
-from specmla.ops.moe.triton import act_quant, fused_moe_fp8_triton
+from specmla.ops.linear.triton import act_quant
+from specmla.ops.moe.triton import fused_moe_fp8_triton
 from specmla.ops.moe.tuning import Config
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -33,7 +33,7 @@ DECODE_MAX_M = 64  # rows served by the split-K kernel
 SPLITK_COUNTERS = 1 << 16  # arrival counters (one per N tile) kept zeroed for the split-K kernel
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -53,7 +53,7 @@ def _to_e4m3(v, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _quant_tile(x, E4M3: tl.constexpr, INTERP: tl.constexpr):
+def quant_tile(x, E4M3: tl.constexpr, INTERP: tl.constexpr):
     """x fp32 [R, 128] → (e4m3 [R, 128], fp32 scales [R]): scale = amax / 448 per row (1 for a row of zeros)."""
     amax = tl.max(tl.abs(x), axis=1)
     s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, E4M3, tl.float32)), 1.0)
@@ -70,7 +70,7 @@ def _act_quant_kernel(X, Q, S, M, K, KB, stride_xm, ROWS: tl.constexpr, GBLK: tl
     cols = tl.program_id(1) * GBLK + tl.arange(0, GBLK)
     ok = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    q, s = _quant_tile(x, E4M3, INTERP)
+    q, s = quant_tile(x, E4M3, INTERP)
     tl.store(Q + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=ok)
     tl.store(S + rows.to(tl.int64) * KB + tl.program_id(1), s, mask=rows < M)
 
@@ -92,7 +92,7 @@ def act_quant(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.
     if M > 0 and K > 0:
         rows = 8
         _act_quant_kernel[(triton.cdiv(M, rows), KB)](
-            x2, q, s, M, K, KB, x2.stride(0), ROWS=rows, GBLK=BLOCK, E4M3=E4M3_MAX, INTERP=_interpreting(),
+            x2, q, s, M, K, KB, x2.stride(0), ROWS=rows, GBLK=BLOCK, E4M3=E4M3_MAX, INTERP=interpreting(),
             num_warps=4)
     return q.view(*lead, K), s.view(*lead, KB)
 

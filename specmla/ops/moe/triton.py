@@ -18,12 +18,13 @@ exact; the last one may be narrower). Pair p = t·S + j (S = k + shared slots).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from specmla.ops.linear.reference import BLOCK, E4M3_MAX
+from specmla.ops.linear.triton import interpreting, quant_tile, act_quant
 from specmla.ops.moe.tuning import Config, fit, fit_fp8, lookup, shared_memory
 from specmla.ops.scratch import zeroed_scratch
 
@@ -397,54 +398,15 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
 
 # ---- float8 block-scaled experts (w8a8) --------------------------------------------------------------------
 # The same pipeline on float8_e4m3fn experts with fp32 scales per 128 × 128 weight block:
-# 0. `_act_quant_kernel`: x per token and group of 128 columns → e4m3 + scale amax / 448 (DeepSeek's act_quant);
+# 0. `ops.linear`'s `act_quant`: x per token and group of 128 columns → e4m3 + scale amax / 448 (DeepSeek's);
 # 1. `_gate_up_fp8_kernel`: e4m3 × e4m3 dots per K step of 128, each product scaled by the token's group scale and
 #    the weight block's scale, accumulated in fp32; silu(gate)·up is quantised per pair and group of 128 units
 #    (one program owns one group: block_n = 128) and stored as e4m3 + scales;
 # 2. `_down_fp8_kernel`: the same on the quantised intermediate and w_down, times the routing weight;
 # 3. `_sum_kernel` as above.
-E4M3_MAX = 448.0
-QBLOCK = 128  # the weight scale block and the activation group
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
+QBLOCK = BLOCK  # the weight scale block and the activation group
 _QBLOCK = tl.constexpr(QBLOCK)
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (the kernels then round to e4m3 themselves, see `_to_e4m3`)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _to_e4m3(v, INTERP: tl.constexpr):
-    """fp32 → float8_e4m3fn, saturated at ±448, rounded to nearest even. The interpreter's own conversion drops the
-    carry into the exponent when a value rounds up to the next power of two, so under it (INTERP) the value is first
-    rounded to the e4m3 grid in fp32 (its spacing from the exponent bits, the rounding by the 1.5·2^23 trick)."""
-    v = tl.minimum(tl.maximum(v, -_E4M3_MAX), _E4M3_MAX)
-    if INTERP:
-        expo = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 121)  # 121: 2^-6, the smallest normal
-        ulp = ((expo - 3) << 23).to(tl.float32, bitcast=True)
-        v = ((v / ulp + 12582912.0) - 12582912.0) * ulp
-    return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def _quant_rows(v, INTERP: tl.constexpr):
-    """[M, 128] fp32 → (e4m3 [M, 128], fp32 scales [M]): per row scale = amax / 448 (1 for a row of zeros)."""
-    amax = tl.max(tl.abs(v), axis=1)
-    scale = tl.where(amax > 0, amax / _E4M3_MAX, 1.0)
-    return _to_e4m3(tl.math.div_rn(v, tl.broadcast_to(scale[:, None], v.shape)), INTERP), scale
-
-
-@triton.jit
-def _act_quant_kernel(X, Q, S, T, H, stride_x, stride_q, stride_s, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
-    """Program (i, g): rows i·BLOCK_T.. of x, columns g·128.. (the last group partial) → e4m3 + scales."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.program_id(1) * _QBLOCK + tl.arange(0, _QBLOCK)
-    m = (offs_t < T)[:, None] & (offs_h < H)[None, :]
-    v = tl.load(X + offs_t[:, None].to(tl.int64) * stride_x + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-    q, s = _quant_rows(v, INTERP)
-    tl.store(Q + offs_t[:, None].to(tl.int64) * stride_q + offs_h[None, :], q, mask=m)
-    tl.store(S + offs_t.to(tl.int64) * stride_s + tl.program_id(1), s, mask=offs_t < T)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 
 
 @triton.jit
@@ -502,7 +464,7 @@ def _gate_up_fp8_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    q, s = _quant_rows(h, INTERP)
+    q, s = quant_tile(h, _E4M3_MAX, INTERP)
     tl.store(HQ + rows[:, None].to(tl.int64) * stride_hq + offs_n[None, :], q, mask=row_ok[:, None])
     tl.store(HS + rows.to(tl.int64) * stride_hs + pid_n, s, mask=row_ok)
 
@@ -556,20 +518,6 @@ def _down_fp8_kernel(
 def _empty(shape, dtype, device) -> torch.Tensor:
     """The fp8 path's per-call intermediates (tests fill them with NaN through this hook)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] (last dimension contiguous) → (float8_e4m3fn [T, H], fp32 [T, ⌈H/128⌉]): DeepSeek's act_quant,
-    as `act_quant_torch` (per token and group of 128 columns, scale = amax / 448)."""
-    T, H = x.shape
-    kb = triton.cdiv(H, QBLOCK)
-    q = _empty((T, H), torch.float8_e4m3fn, x.device)
-    s = _empty((T, kb), torch.float32, x.device)
-    if T:
-        block_t = 4
-        _act_quant_kernel[(triton.cdiv(T, block_t), kb)](x, q, s, T, H, x.stride(0), q.stride(0), s.stride(0),
-                                                         BLOCK_T=block_t, INTERP=interpreting(), num_warps=4)
-    return q, s
 
 
 def _check_fp8(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, shared, shared_scales, up, down) -> None:
