@@ -318,7 +318,9 @@ def test_gpu_fp8_matches_reference_and_bf16_moe(shape, T, gpu_cases):
         bf16 = fused_moe(args[0], wgu, wd, args[3], ids, shared=shared)
     assert got.dtype == BF16 and got.shape == (T, GPU_SHAPES[shape][2])
     assert torch.isfinite(got).all()
-    assert fro_err(got, emu) <= 1e-2
+    # 2e-2: the kernel's intermediate h comes from fp32 sums in another order than the emulation's; h values on an
+    # e4m3 rounding boundary round to the other neighbour (one e4m3 step, ~6 %), which measured 1.1–1.5 % overall
+    assert fro_err(got, emu) <= 2e-2
     assert fro_err(got, ref) <= ACT_TOL
     assert fro_err(got, bf16) <= ACT_TOL
 
