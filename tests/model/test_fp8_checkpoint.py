@@ -47,7 +47,7 @@ def _ids(vocab, n, seed):
 
 def _logits(model, ids):
     T = ids.shape[0]
-    meta = AttentionMetadata.for_contiguous([T])
+    meta = AttentionMetadata.for_contiguous([T], device=ids.device)
     with torch.no_grad():
         return model.compute_logits(model(ids, meta))
 

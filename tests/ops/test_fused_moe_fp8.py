@@ -347,8 +347,8 @@ def test_gpu_fp8_cuda_graph_capture_and_replay(T):
                 dst.copy_(src)
             graph.replay()
             torch.cuda.synchronize()
-            want = w8a8_emulation(*case.args, **case.kwargs)
-            assert fro_err(out, want) <= 1e-2
+            assert torch.equal(out, fused_moe(*case.args, **case.kwargs))  # the replay computes what a call does
+            assert fro_err(out, w8a8_emulation(*case.args, **case.kwargs)) <= 2e-2  # see the test above
             assert previous is None or not torch.equal(previous, out)
             previous = out.clone()
 
@@ -359,7 +359,7 @@ def test_gpu_fp8_no_host_sync(T):
     E, k, H, I, Is = GPU_SHAPES["small_odd_h"]
     case = Fp8Case(T, E, k, H, I, Is, BF16, seed=T, device="cuda")
     with torch.inference_mode():
-        fused_moe(*case.args, **case.kwargs)
+        first = fused_moe(*case.args, **case.kwargs)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -367,4 +367,5 @@ def test_gpu_fp8_no_host_sync(T):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         want = w8a8_emulation(*case.args, **case.kwargs)
-    assert fro_err(got, want) <= 1e-2
+    assert torch.equal(got, first)
+    assert fro_err(got, want) <= 2e-2  # see test_gpu_fp8_matches_reference_and_bf16_moe
