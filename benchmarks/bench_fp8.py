@@ -208,12 +208,91 @@ def bench_linear(args, ctx) -> dict:
     return {"rows": rows, "table": "\n".join(lines)}
 
 
-SECTIONS = {"linear": bench_linear}  # name → fn(args, ctx) → {"rows", "table"}; "moe" joins here
+V3 = {  # DeepSeek-V3's config.json shapes; the engine section keeps as many layers as fit one H100 in bf16
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "num_nextn_predict_layers": 0, "bos_token_id": 0, "eos_token_id": 1,
+}
+ENGINE_LAYERS = 5  # 3 dense + 2 MoE layers: about 53 GB of bf16 weights
+ENGINE_BATCHES = (1, 32)
+
+
+def step_read_bytes(model, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads, in the model's own storage (e4m3 + scales or bf16):
+    every parameter but the embedding (gathered) and the routed experts, plus the routed experts the batch touches
+    on average (E·(1 − (1 − k/E)^batch) per MoE layer)."""
+    from specmla.model.deepseek import MoE
+
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    routed = {"w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"}
+    total = sum(nbytes(p) for n, p in model.named_parameters()
+                if not n.startswith(("mtp.", "model.embed_tokens")) and n.rsplit(".", 1)[-1] not in routed)
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and not name.startswith("mtp."):
+            E, k = m.w_down.shape[0], model.config.num_experts_per_tok
+            per_expert = sum(nbytes(t[0]) for t in (m.w_gate_up, m.w_down, m.w_gate_up_scale, m.w_down_scale)
+                             if t is not None)
+            total += E * (1 - (1 - k / E) ** batch) * per_expert
+    return total
+
+
+def bench_engine(args, ctx) -> dict:
+    """The engine's decode step on a V3-shaped random model of ENGINE_LAYERS layers: bf16 weights, then the same
+    weights block-quantised in place (`quantize_fp8_`), each through `LLM(model)` with CUDA graphs; step per batch
+    size by `bench_engine.decode_steps`; floor = the weight bytes the step reads in that storage + KV bytes, over
+    the copy rate of the run."""
+    from bench_engine import decode_steps, kv_read_bytes, random_model
+
+    from specmla import LLM
+    from specmla.model.fp8 import quantize_fp8_
+
+    if ctx["smoke"]:
+        return {"rows": [], "table": "(engine: GPU only)"}
+    prompt, new = 512, 129
+    batches = list(ENGINE_BATCHES)
+    model = random_model(dict(V3, num_hidden_layers=ENGINE_LAYERS), ctx["device"], torch.bfloat16,
+                         max_positions=prompt + new + 64)
+    rows = []
+    for kind in ("bf16", "fp8"):
+        if kind == "fp8":
+            quantize_fp8_(model)
+            torch.cuda.empty_cache()
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        llm = LLM(model, max_num_seqs=max(batches), page_size=64,
+                  num_pages=max(batches) * -(-(prompt + new) // 64) + 64)
+        res = decode_steps(llm, batches, prompt, 3, ctx["copy_bw"], new_tokens=new)
+        for r in res["rows"]:
+            w, kv = step_read_bytes(model, r["batch"]), kv_read_bytes(model.config, r["batch"], prompt + new // 2)
+            rows.append({"weights": kind, "batch": r["batch"], "step_s": r["step_s"], "samples_s": r["step_samples_s"],
+                         "weight_bytes_on_gpu": weights, "read_bytes": w + kv,
+                         "floor_s": (w + kv) / ctx["copy_bw"]})
+            print(f"  {kind} B={r['batch']}: step {r['step_s'] * 1e3:.2f} ms, "
+                  f"floor {rows[-1]['floor_s'] * 1e3:.2f} ms, weights on the GPU {weights / 1e9:.1f} GB", flush=True)
+        del llm
+        torch.cuda.empty_cache()
+    by = {(r["weights"], r["batch"]): r for r in rows}
+    lines = ["| B | bf16 step ms (floor) | fp8 step ms (floor) | bf16 / fp8 | weights on the GPU bf16 / fp8 GB |",
+             "|---|---|---|---|---|"]
+    for B in batches:
+        a, b = by[("bf16", B)], by[("fp8", B)]
+        lines.append(f"| {B} | {a['step_s'] * 1e3:.2f} ({a['floor_s'] * 1e3:.2f}) | {b['step_s'] * 1e3:.2f} "
+                     f"({b['floor_s'] * 1e3:.2f}) | {a['step_s'] / b['step_s']:.2f}x | "
+                     f"{a['weight_bytes_on_gpu'] / 1e9:.1f} / {b['weight_bytes_on_gpu'] / 1e9:.1f} |")
+    return {"rows": rows, "table": "\n".join(lines)}
+
+
+SECTIONS = {"linear": bench_linear, "engine": bench_engine}  # name → fn(args, ctx) → {"rows", "table"}; the fused
+# MoE's fp8 comparison is benchmarks/bench_fp8_moe.py
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=["linear"],
+                    help="linear (default); engine: the decode step of a V3-shaped model, bf16 against fp8 weights")
     ap.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     ap.add_argument("--reps", type=int, default=20, help="timed replays (median)")
     ap.add_argument("--sweep", action="store_true", help="also time tile / split variants of the fp8 kernels")

@@ -31,6 +31,9 @@ def dirs(tmp_path_factory):
     if not _DIRS:
         base = tmp_path_factory.mktemp("fp8")
         hf = build_hf_model("v3", FP8_V3, seed=5, std=0.06)
+        with torch.no_grad():  # decisive routing: the w8a8 path's activation rounding must not flip expert choices
+            for layer in hf.model.layers[FP8_V3["first_k_dense_replace"]:]:
+                layer.mlp.gate.weight.mul_(4.0)
         save_hf_model(hf, str(base / "src"), max_shard_size="300KB", mtp_layers=1, seed=5)
         _DIRS["fp8"] = fp8_checkpoint_dir(base / "src", base / "fp8")
         _DIRS["deq"] = dequantized_dir(base / "fp8", base / "deq")
@@ -207,7 +210,9 @@ def test_gpu_fp8_model_w8a8_logits_and_greedy_tokens(dirs):
     cpu = load_model(fp8_dir, device="cpu", progress=False)
     for seed, n in ((0, 23), (1, 200)):
         ids = _ids(FP8_V3["vocab_size"], n, seed)
-        assert _rel(_logits(gpu, ids.cuda()).cpu(), _logits(cpu, ids)) <= 3e-2
+        rel = _rel(_logits(gpu, ids.cuda()).cpu(), _logits(cpu, ids))
+        print(f"w8a8 GPU logits against the reference, {n} tokens: rel {rel:.2e}")
+        assert rel <= 3e-2
     del gpu
     prompts = [_ids(FP8_V3["vocab_size"], n, 10 + s).tolist() for s, n in enumerate((5, 17, 40, 64, 9, 100, 33, 21))]
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
