@@ -6,6 +6,7 @@
 #   OUT=dir bash benchmarks/run_all.sh engine27  # decode step of a 27-layer V2-Lite-shaped checkpoint (CKPT=dir, 31 GB)
 #   OUT=dir bash benchmarks/run_all.sh moe       # one MoE layer against the torch._grouped_mm sort and the floor
 #   OUT=dir bash benchmarks/run_all.sh tune      # fused-MoE tile configurations → $OUT/<device>.json
+#   OUT=dir bash benchmarks/run_all.sh fp8       # FP8 linear and fused MoE against bf16, V3-shaped engine step
 #   OUT=dir bash benchmarks/run_all.sh tp        # tensor parallelism (2 GPUs)
 #   OUT=dir bash benchmarks/run_all.sh cpu       # paged-cache memory and quantised-cache quality (no GPU needed)
 # The speculative-decoding workload needs data/stdlib (scripts/prepare_data.py) for its prompt file.
@@ -44,6 +45,10 @@ case ${1:-decode} in
   moe)
     python3 benchmarks/bench_moe.py --out "$OUT"
     ;;
+  fp8)
+    python3 benchmarks/bench_fp8.py --sections linear engine --out "$OUT"
+    python3 benchmarks/bench_fp8_moe.py --out "$OUT"
+    ;;
   tune)
     python3 benchmarks/tune_moe.py --out-json "$OUT/" --report "$OUT/tune_moe.json"
     ;;
@@ -56,7 +61,7 @@ case ${1:-decode} in
       --out "$OUT"
     ;;
   *)
-    echo "usage: OUT=dir bash benchmarks/run_all.sh decode|prefill|engine|engine27|moe|tune|tp|cpu" >&2
+    echo "usage: OUT=dir bash benchmarks/run_all.sh decode|prefill|engine|engine27|chunks|moe|fp8|tune|tp|cpu" >&2
     exit 2
     ;;
 esac
