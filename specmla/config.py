@@ -30,7 +30,9 @@ FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "
 
 def _quantization(qc: dict | None) -> str | None:
     """config.json's quantization_config → "fp8" (DeepSeek's block-scaled e4m3 weights, `FP8_QUANTIZATION`) or
-    None; any other method, format, activation scheme or block size is refused with what is supported."""
+    None; any other method, format, activation scheme or block size is refused with what is supported. Other keys
+    (V3.1's scale_fmt "ue8m0": its fp32 scales are powers of two) do not change how the weights are read: which
+    layers are FP8 follows the checkpoint's tensors (a weight with a `_scale_inv`)."""
     if not qc:
         return None
     if not isinstance(qc, dict):

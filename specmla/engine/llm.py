@@ -24,7 +24,7 @@ from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.engine.tp_worker import TPModel, serve_model_calls
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.default import default_model_path
-from specmla.model.loader import load_model
+from specmla.model.loader import WEIGHTS, load_model
 from specmla.ops.kv_cache import QUANTIZED
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
@@ -65,6 +65,8 @@ class LLM:
         """`model`: a model directory, None (the embedded default), or an already built
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's). weights: "auto"
         runs an FP8 checkpoint's block-scaled weights as stored, "dequantize" turns them into dtype at load."""
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
         if speculative not in (None, "ngram", "mtp", "hybrid"):
             raise ValueError(f"speculative={speculative!r}: expected None, 'ngram', 'mtp' or 'hybrid'")
         if tensor_parallel_size < 1:

@@ -24,6 +24,7 @@ from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.decode import mla_decode
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
+from specmla.ops.linear.reference import BLOCK as FP8_BLOCK
 from specmla.ops.moe import RouteSpec, fused_moe, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
 from specmla.ops.prefill import mla_prefill, prefill_schedule
@@ -109,9 +110,10 @@ class MoE(nn.Module):
     tp_reduce = False
     local_experts: tuple[int, int] | None = None  # expert parallelism: the global ids [e0, e1) held here
 
-    def use_fp8_(self, block: int = 128) -> None:
-        """Replace the stacks by float8_e4m3fn ones with fp32 block scales (uninitialised, on the stacks' device;
-        the loader fills them, `zero_padding_` clears the padding)."""
+    def use_fp8_(self) -> None:
+        """Replace the stacks by float8_e4m3fn ones with fp32 scales per FP8_BLOCK × FP8_BLOCK block
+        (uninitialised, on the stacks' device; the loader fills them, `zero_padding_` clears the padding)."""
+        block = FP8_BLOCK
         E, H = self.w_down.shape[:2]
         cdiv = lambda a: -(-a // block)  # noqa: E731
         dev = self.w_down.device
@@ -151,7 +153,7 @@ class MoE(nn.Module):
         out, I, Ip = {}, self.inter, self.inter_padded
         e0 = self.local_experts[0] if self.local_experts is not None else 0  # global id of local expert 0
         fp8 = self.w_gate_up_scale is not None
-        nb = -(-Ip // 128)  # scale rows of one projection (fp8: Ip is a multiple of 128)
+        nb = -(-Ip // FP8_BLOCK)  # scale rows of one projection (fp8: Ip is a multiple of FP8_BLOCK)
         for e in range(self.w_down.shape[0]):
             pre = f"experts.{e0 + e}."
             out[pre + "gate_proj.weight"] = self.w_gate_up[e, :I]
@@ -167,7 +169,7 @@ class MoE(nn.Module):
             out["shared_experts.up_proj.weight"] = self.shared_gate_up[Isp:Isp + Is]
             out["shared_experts.down_proj.weight"] = self.shared_down[:, :Is]
             if fp8:
-                nbs = Isp // 128
+                nbs = Isp // FP8_BLOCK
                 out["shared_experts.gate_proj.weight_scale_inv"] = self.shared_gate_up_scale[:nbs]
                 out["shared_experts.up_proj.weight_scale_inv"] = self.shared_gate_up_scale[nbs:]
                 out["shared_experts.down_proj.weight_scale_inv"] = self.shared_down_scale

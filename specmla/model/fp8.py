@@ -4,7 +4,7 @@
 What stays in the model dtype: every tensor the checkpoint keeps unquantised (embedding, head, norms, the
 router, `e_score_correction_bias`) and kv_b_proj, dequantised at load (`loader`): the absorbed decode folds its
 W_UK / W_UV blocks into the queries and the output per head (`MLAttention.absorbed_weights`), which takes them
-as 16-bit matrices, and it is about 0.15 % of a V3 layer's weight bytes.
+as 16-bit matrices, and it is a small part of a layer's weight bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(
             torch.empty(-(-out_features // BLOCK), -(-in_features // BLOCK), dtype=torch.float32, device=device),
             requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype), requires_grad=False) \
+            if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_block_linear(x, self.weight, self.weight_scale_inv, bias=self.bias)
@@ -63,8 +64,9 @@ def use_fp8_weights_(model: nn.Module, fp8_names: set[str], checkpoint_name) -> 
     return converted
 
 
-NOT_QUANTISED = DEQUANTISED_AT_LOAD + ("eh_proj",)  # linear layers DeepSeek's FP8 checkpoints leave in bf16 or
-# that load dequantised; embedding, head, norms and router are not nn.Linear layers of the decoder layers
+# linear layers DeepSeek's FP8 checkpoints leave in bf16 or that load dequantised (embedding, head, norms and router
+# are not nn.Linear layers of the decoder layers)
+NOT_QUANTISED = DEQUANTISED_AT_LOAD + ("eh_proj",)
 
 
 @torch.no_grad()

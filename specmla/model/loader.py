@@ -86,8 +86,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = 
                     raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} has non-float dtype {t.dtype}")
                 if (t.dtype == torch.float8_e4m3fn) != (dst.dtype == torch.float8_e4m3fn):
                     if dst.dtype == torch.float8_e4m3fn:
-                        raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} is {t.dtype}, but its "
-                                              f"{ckpt_name}_scale_inv makes it a float8_e4m3fn weight")
+                        raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} is {t.dtype}, but its layer is "
+                                              f"stored as FP8 (the checkpoint scales the layer's other weights)")
                     t = weight_dequant(t, _scale_of(ckpt_name, f, available, file, files))
                 with torch.no_grad():
                     dst.copy_(t)
@@ -177,7 +177,7 @@ def load_model(
             dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.bfloat16)
     if shard is not None:
         if cfg.quantization and weights == "auto":
-            raise ValueError(f"{path}: tensor parallelism of FP8 checkpoints is not supported yet; load with "
+            raise ValueError(f"{path}: tensor parallelism of FP8 checkpoints is not supported: load with "
                              f"weights='dequantize'")
         model = load_model(path, device="cpu", dtype=dtype, max_positions=max_positions, progress=progress,
                            weights=weights)

@@ -39,8 +39,7 @@ def shard_model_(model: DeepseekForCausalLM, rank: int, world: int) -> None:
     """Cut a fully loaded model down to rank's shard (in place)."""
     cfg = model.config
     if any(p.dtype == torch.float8_e4m3fn for p in model.parameters()):
-        raise ValueError("tensor parallelism of FP8 weights is not supported yet: load them with "
-                         "weights='dequantize'")
+        raise ValueError("tensor parallelism of FP8 weights is not supported: load them with weights='dequantize'")
     H = cfg.num_attention_heads
     if H % world:
         raise ValueError(f"{H} heads do not split over tensor_parallel_size={world}")
@@ -79,6 +78,7 @@ def _split_moe(moe: MoE, rank: int, world: int) -> None:
         gu = moe.shared_gate_up.data
         moe.shared_gate_up = nn.Parameter(torch.cat([gu[i0:i1], gu[Is + i0:Is + i1]]).contiguous())
         moe.shared_down = nn.Parameter(moe.shared_down.data[:, i0:i1].contiguous())
+        moe.shared_inter = i1 - i0
 
 
 def _split_mlp(mlp: MLP, rank: int, world: int) -> None:

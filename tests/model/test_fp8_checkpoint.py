@@ -9,8 +9,7 @@ import shutil
 import pytest
 import torch
 
-from specmla.config import UnsupportedModelError
-from specmla.config import ModelConfig
+from specmla.config import ModelConfig, UnsupportedModelError
 from specmla.model.deepseek import DeepseekForCausalLM, MoE, checkpoint_name
 from specmla.model.fp8 import Fp8Linear, use_fp8_weights_
 from specmla.model.loader import CheckpointError, load_model
@@ -72,12 +71,54 @@ def test_fp8_directory_keeps_float8_weights_with_their_scales(dirs):
     assert moe.gate.weight.dtype == torch.float32
     # the expert stacks' padding is zero; the real rows are the checkpoint's bytes
     I = moe.inter
-    assert not moe.w_gate_up[:, I:256].float().any() and not moe.w_down[..., I:].float().any()
+    assert not moe.w_gate_up[:, I:256].float().any() and not moe.w_gate_up[:, 256 + I:].float().any()
+    assert not moe.w_down[..., I:].float().any()
     assert torch.equal(moe.w_down[3, :, :I].view(torch.uint8),
                        stored["model.layers.1.mlp.experts.3.down_proj.weight"].view(torch.uint8))
     assert isinstance(model.mtp[0].self_attn.q_b_proj, Fp8Linear) and model.mtp[0].mlp.w_down_scale is not None
     deq = load_model(fp8_dir, device="cpu", dtype=torch.bfloat16, progress=False, weights="dequantize")
     assert not any(p.dtype == torch.float8_e4m3fn for p in deq.parameters())
+
+
+def test_moe_fp8_padding_is_zeroed_and_real_rows_kept():
+    """`MoE.use_fp8_` pads each expert's width to a multiple of 128; `zero_padding_` clears exactly the padding
+    (gate and up rows, down columns, the shared experts' too), whatever the memory held (NaN here)."""
+    cfg = ModelConfig.from_dict(dict(V3_BASE, architectures=["DeepseekV3ForCausalLM"], hidden_size=160,
+                                     moe_intermediate_size=136, n_shared_experts=2))
+    moe = MoE(cfg)
+    moe.use_fp8_()
+    I, Ip, Is, Isp = moe.inter, moe.inter_padded, moe.shared_inter, moe.shared_down.shape[1]
+    assert (Ip, Is, Isp) == (256, 272, 384)
+    stacks = (moe.w_gate_up, moe.w_down, moe.shared_gate_up, moe.shared_down)
+    for t in stacks:
+        t.data.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+    moe.zero_padding_()
+    gu = moe.w_gate_up.float().view(-1, 2, Ip, 160)
+    assert not gu[:, :, I:].any() and gu[:, :, :I].isnan().all()
+    assert not moe.w_down.float()[..., I:].any() and moe.w_down.float()[..., :I].isnan().all()
+    sgu = moe.shared_gate_up.float().view(2, Isp, 160)
+    assert not sgu[:, Is:].any() and sgu[:, :Is].isnan().all()
+    assert not moe.shared_down.float()[:, Is:].any() and moe.shared_down.float()[:, :Is].isnan().all()
+    views = moe.checkpoint_tensors()  # the checkpoint's per-expert views skip the padding
+    assert views["experts.1.up_proj.weight"].shape == (I, 160) and views["experts.1.down_proj.weight"].shape == (160, I)
+    assert views["experts.1.up_proj.weight_scale_inv"].shape == (2, 2)
+    assert views["shared_experts.up_proj.weight"].shape == (Is, 160)
+    assert views["shared_experts.down_proj.weight_scale_inv"].shape == (2, 3)
+
+
+def test_bad_weights_option_and_tensor_parallel_fp8_are_refused(dirs):
+    from specmla import LLM
+    from specmla.model.sharding import shard_model_
+
+    fp8_dir, _ = dirs
+    with pytest.raises(ValueError, match="weights="):
+        load_model(fp8_dir, device="cpu", progress=False, weights="fp8")
+    with pytest.raises(ValueError, match="weights="):
+        LLM(fp8_dir, device="cpu", weights="bogus")
+    with pytest.raises(ValueError, match="dequantize"):
+        load_model(fp8_dir, device="cpu", progress=False, shard=(0, 2))
+    with pytest.raises(ValueError, match="dequantize"):
+        shard_model_(load_model(fp8_dir, device="cpu", progress=False), 0, 2)
 
 
 def _weight_bytes(model) -> int:

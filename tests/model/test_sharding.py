@@ -22,7 +22,12 @@ def test_shards_split_heads_and_experts(tiny_model_dir):
     assert moe.shared_down.shape == (whole.shared_down.shape[0], Is // 2)
     gate_up = whole.shared_gate_up
     assert torch.equal(moe.shared_gate_up, torch.cat([gate_up[Is // 2:Is], gate_up[Is + Is // 2:]]))
-    assert set(moe.checkpoint_tensors()) >= {"experts.2.down_proj.weight", "experts.3.gate_proj.weight"}
+    views = moe.checkpoint_tensors()
+    assert set(views) >= {"experts.2.down_proj.weight", "experts.3.gate_proj.weight"}
+    # the shared experts' views cover this rank's slice: gate and up rows apart, down columns
+    assert torch.equal(views["shared_experts.gate_proj.weight"], gate_up[Is // 2:Is])
+    assert torch.equal(views["shared_experts.up_proj.weight"], gate_up[Is + Is // 2:])
+    assert torch.equal(views["shared_experts.down_proj.weight"], whole.shared_down[:, Is // 2:])
     with pytest.raises(ValueError, match="heads"):
         shard_model_(load_model(tiny_model_dir, device="cpu", progress=False), 0, 3)
 

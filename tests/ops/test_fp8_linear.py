@@ -112,6 +112,14 @@ def test_dispatch_out_dtype_3d_and_empty():
     empty = fp8_block_linear(torch.randn(0, K), w, s, backend="triton")
     assert empty.shape == (0, N)
     assert fp8_block_linear(torch.randn(2, 0, K), w, s, backend="triton").shape == (2, 0, N)
+    # K = 0: the bias alone (or zeros); act_quant of no columns
+    w0, s0 = torch.empty(N, 0, dtype=torch.float8_e4m3fn), torch.empty(2, 0)
+    bias = torch.randn(N)
+    torch.testing.assert_close(fp8_block_linear(torch.randn(3, 0), w0, s0, bias=bias, backend="triton"),
+                               bias.expand(3, N))
+    assert not fp8_block_linear(torch.randn(2, 3, 0), w0, s0, backend="triton").any()
+    q, qs = act_quant(torch.randn(4, 0))
+    assert q.shape == (4, 0) and qs.shape == (4, 0)
 
 
 def test_bad_inputs_raise_naming_the_argument():

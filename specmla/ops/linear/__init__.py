@@ -10,13 +10,36 @@ float8_e4m3fn with one fp32 `weight_scale_inv` per 128 × 128 block.
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
 from specmla.ops.backend import pick_backend
 from specmla.ops.linear.reference import (act_quant_torch, fp8_block_linear_torch, weight_dequant,
                                           weight_quant)
 from specmla.ops.linear.triton import act_quant, fp8_block_linear_triton
 
-__all__ = ["act_quant", "act_quant_torch", "fp8_block_linear", "fp8_block_linear_torch", "fp8_block_linear_triton",
-           "weight_dequant", "weight_quant"]
+__all__ = ["act_quant", "act_quant_torch", "e4m3_backend", "fp8_block_linear", "fp8_block_linear_torch",
+           "fp8_block_linear_triton", "weight_dequant", "weight_quant"]
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m3_dots(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def e4m3_backend(backend: str, *tensors) -> str:
+    """`pick_backend` for the e4m3 kernels: "auto" keeps to the torch reference on CUDA devices without e4m3
+    matmuls (compute capability below 8.9: A100 and older); "triton" there raises."""
+    chosen = pick_backend(backend, *tensors)
+    t = tensors[0]
+    if chosen == "triton" and t.is_cuda and not _e4m3_dots(t.device.index if t.device.index is not None
+                                                           else torch.cuda.current_device()):
+        if backend == "triton":
+            raise ValueError(f"the e4m3 Triton kernels need compute capability 8.9 or newer; {t.device} has "
+                             f"{torch.cuda.get_device_capability(t.device)} (backend='torch' runs the reference)")
+        return "torch"
+    return chosen
 
 
 def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, backend="auto"):
@@ -25,6 +48,6 @@ def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, 
     when no tensor needs a gradient, else the torch reference), "triton" (also under TRITON_INTERPRET=1 on CPU
     tensors; activations quantised per token per 128 columns) or "torch" (the weights dequantised, activations
     exact). No host synchronisation; graph-capturable once called eagerly (its split-K counters are allocated then)."""
-    if pick_backend(backend, x, weight, weight_scale_inv, bias) == "triton":
+    if e4m3_backend(backend, x, weight, weight_scale_inv, bias) == "triton":
         return fp8_block_linear_triton(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     return fp8_block_linear_torch(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)

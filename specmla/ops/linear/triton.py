@@ -8,7 +8,7 @@ promotion of DeepGEMM and vLLM's w8a8_block_fp8_matmul).
 Two regimes, chosen by the number of rows M (`fp8_block_linear_triton`):
 - M ≤ 64 (decode, bound by the weight stream): `_splitk_kernel` computes outᵀ tiles (swap-AB: the weight rows fill
   the MMA's M, the tokens its N), K split so that the grid fills the SMs, after `act_quant` (the kernel reads
-  e4m3 rows: half the bytes that every N tile re-reads; quantising inside the kernel stalled its weight stream). Split partials go to an fp32 workspace [SPLIT, M, N]; the last
+  e4m3 rows: half the bytes that every N tile re-reads). Split partials go to an fp32 workspace [SPLIT, M, N]; the last
   program of an N tile to arrive (a counter per tile in `zeroed_scratch`, put back to 0 by that program) sums them
   in split order, adds the bias and writes the output: deterministic, no host sync, graph-capturable;
 - M > 64 (prefill, bound by the tensor cores): `act_quant`, then `_gemm_kernel`, a tiled GEMM in grouped tile order.
@@ -20,6 +20,7 @@ kernels convert with the hardware's round-to-nearest-even.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -83,7 +84,7 @@ def act_quant(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.
     if not x.is_floating_point() or x.dtype == torch.float8_e4m3fn or x.dim() < 1:
         raise ValueError(f"act_quant: x must be a bf16 / fp16 / fp32 tensor [..., K], got {x.dtype} {tuple(x.shape)}")
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(math.prod(lead), K)
     if K > 0 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, KB = x2.shape[0], triton.cdiv(K, BLOCK)
@@ -192,7 +193,8 @@ def _splitk_kernel(A, AS, W, WS, BIAS, OUT, WORK, COUNT, M, N, K, KB, KB_PER, st
         if tl.atomic_add(COUNT + pid_n, 1, sem="acq_rel") == SPLIT - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in range(0, SPLIT):
-                total += tl.load(WORK + s * M * N + work_off, mask=out_ok, other=0.0, cache_modifier=".cg")
+                total += tl.load(WORK + (s * M).to(tl.int64) * N + work_off, mask=out_ok, other=0.0,
+                                 cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(out_ptr, total.to(OUT.dtype.element_ty), mask=out_ok)
@@ -239,7 +241,7 @@ def _decode_config(M: int, N: int) -> dict:
 
 
 def _gemm_config(M: int, N: int) -> dict:
-    """Tiles of the prefill GEMM: vLLM's tuned H100 block-fp8 tiles for M ≥ 128 (64 × 128 × 128, 4 warps)."""
+    """Tiles of the prefill GEMM: vLLM's tuned H100 block-fp8 tiles for M > 64 (64 × 128 × 128, 4 warps)."""
     return dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=16, num_warps=4, num_stages=3 if M <= 1024 else 4)
 
 
@@ -256,7 +258,7 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     N, K = weight.shape
     lead = x.shape[:-1]
     out_dtype = out_dtype or x.dtype
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(math.prod(lead), K)
     if K > 0 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from specmla.ops.backend import pick_backend
+from specmla.ops.linear import e4m3_backend
 from specmla.ops.moe.reference import check_moe_args, fused_moe_torch
 from specmla.ops.moe.route import RouteSpec, moe_route, moe_route_torch, moe_route_triton
 from specmla.ops.moe.triton import fused_moe_fp8_triton, fused_moe_triton
@@ -31,13 +32,14 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_ga
     topk_ids int32/int64 [T, k]. Any T ≥ 0, no host synchronisation, CUDA-graph capturable. float8_e4m3fn
     weights carry fp32 scales per 128 × 128 block: w_gate_up_scale [E, ⌈2I/128⌉, ⌈H/128⌉], w_down_scale
     [E, ⌈H/128⌉, ⌈I/128⌉], shared_scales = (gate‖up scale, down scale) of the shared experts.
-    backend: "auto" (Triton on CUDA without gradients, else the torch reference), "triton", "torch". float8
+    backend: "auto" (Triton on CUDA without gradients, else the torch reference; float8 experts need compute
+    capability 8.9, see `ops.linear.e4m3_backend`), "triton", "torch". float8
     experts run w8a8 in Triton (x and the intermediate quantised per token and group of 128 columns, as
     DeepSeek's act_quant; needs I and Is multiples of 128), the reference multiplies the dequantised weights.
     """
     args = dict(shared=shared, out=out)
     fp8 = w_gate_up_scale is not None or w_down_scale is not None or shared_scales is not None
-    chosen = pick_backend(backend, x, w_gate_up, w_down, topk_weights, *(shared or ()))
+    chosen = (e4m3_backend if fp8 else pick_backend)(backend, x, w_gate_up, w_down, topk_weights, *(shared or ()))
     if chosen == "torch":
         return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
                                w_down_scale=w_down_scale, shared_scales=shared_scales, **args)  # checks its args

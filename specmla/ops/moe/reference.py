@@ -36,7 +36,7 @@ def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_
     if fp8 != (w_gate_up_scale is not None) or (w_down.dtype == torch.float8_e4m3fn) != (w_down_scale is not None):
         raise ValueError("fused_moe: float8_e4m3fn experts need w_gate_up_scale / w_down_scale, other dtypes none")
     shared_fp8 = shared is not None and any(w.dtype == torch.float8_e4m3fn for w in shared)
-    if shared_fp8 != (shared_scales is not None) or (shared_scales is not None and shared is None):
+    if shared_fp8 != (shared_scales is not None):
         raise ValueError("fused_moe: float8_e4m3fn shared experts need shared_scales = (gate_up scale, down scale), "
                          "other shared experts none")
     if out is not None and (tuple(out.shape) != (T, H) or out.dtype != x.dtype or out.device != x.device):

@@ -18,13 +18,12 @@ exact; the last one may be narrower). Pair p = t·S + j (S = k + shared slots).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from specmla.ops.linear.reference import BLOCK, E4M3_MAX
-from specmla.ops.linear.triton import interpreting, quant_tile, act_quant
+from specmla.ops.linear.triton import act_quant, interpreting, quant_tile
 from specmla.ops.moe.tuning import Config, fit, fit_fp8, lookup, shared_memory
 from specmla.ops.scratch import zeroed_scratch
 
@@ -405,7 +404,6 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
 # 2. `_down_fp8_kernel`: the same on the quantised intermediate and w_down, times the routing weight;
 # 3. `_sum_kernel` as above.
 QBLOCK = BLOCK  # the weight scale block and the activation group
-_QBLOCK = tl.constexpr(QBLOCK)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 
 
@@ -434,8 +432,9 @@ def _gate_up_fp8_kernel(
         return
     KB = tl.cdiv(H, BLOCK_K)
     NB = I // BLOCK_N  # scale rows of one routed expert's gate (and of its up)
-    gs_off = tl.where(routed, (e.to(tl.int64) * 2 * NB + pid_n) * KB, shared_s_off + (c * NB + pid_n) * KB)
-    us_off = tl.where(routed, gs_off + NB * KB, shared_s_off + (Is // BLOCK_N + c * NB + pid_n) * KB)
+    c64 = c.to(tl.int64)  # (the shared offsets span two allocations: int64 before any product)
+    gs_off = tl.where(routed, (e.to(tl.int64) * 2 * NB + pid_n) * KB, shared_s_off + (c64 * NB + pid_n) * KB)
+    us_off = tl.where(routed, gs_off + NB * KB, shared_s_off + (Is // BLOCK_N + c64 * NB + pid_n) * KB)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     tok = rows // S
@@ -490,7 +489,7 @@ def _down_fp8_kernel(
     b_off = tl.where(routed, e.to(tl.int64) * H * I, shared_down_off + c.to(tl.int64) * I)
     rs = tl.where(routed, I, Is)
     k_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
-    s_off = tl.where(routed, e.to(tl.int64) * tl.cdiv(H, BLOCK_K) * NB, shared_s_off + c * NB)
+    s_off = tl.where(routed, e.to(tl.int64) * tl.cdiv(H, BLOCK_K) * NB, shared_s_off + c.to(tl.int64) * NB)
     s_rs = tl.where(routed, NB, Is // BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H

@@ -45,7 +45,6 @@ def default_config(kind: str, tokens_per_expert: float) -> Config:
     return Config(128, 64, 64, 8, 8, 4) if kind == "up" else Config(128, 128, 64, 8, 8, 4)
 
 
-FP8_BLOCK = 128  # DeepSeek's scale block: the fp8 GEMMs' block_k, and the fp8 gate_up's block_n
 
 
 def default_fp8_config(kind: str, tokens_per_expert: float) -> Config:

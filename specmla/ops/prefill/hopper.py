@@ -526,7 +526,7 @@ if G.HAVE_GLUON:
             n_done = n_blocks
             if start_m < q_len:
                 row0 = start_m + ROLE * WG_M
-                staged = row0 < 0  # False
+                staged = row0 < 0  # a runtime False: both branches give `staged` one type
                 if TMA_OUT:
                     staged = row0 + WG_M <= q_len
                 acc, m_i, l_i = _attend(ROLE, shared, tiles, c0, c0 + tiles, q_len, k_len, start_m, end, n_blocks,
