@@ -198,6 +198,32 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_slices(e, I, Is, H, shared_gu_off, E: tl.constexpr):
+    """Where expert slot e's gate and up rows start (elements from the routed gate‖up base) and how many units it
+    has. Shared pseudo-expert c = e − E: gate rows c·I.., up rows Is + c·I.. of the shared gate‖up (at
+    shared_gu_off); one base pointer plus a selected offset keeps the loads' alignment known to the compiler."""
+    routed = e < E
+    c = e - E
+    g_off = tl.where(routed, e.to(tl.int64) * (2 * I * H), shared_gu_off + c.to(tl.int64) * I * H)
+    u_off = tl.where(routed, g_off + I * H, shared_gu_off + (Is + c.to(tl.int64) * I) * H)
+    n_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
+    return routed, c, g_off, u_off, n_lim
+
+
+@triton.jit
+def _down_slice(e, I, Is, H, shared_down_off, E: tl.constexpr):
+    """Where expert slot e's down projection starts (elements from the routed base), its row stride and its K
+    extent. Shared pseudo-expert c = e − E: columns c·I.. of the shared down projection [H, Is] (at
+    shared_down_off)."""
+    routed = e < E
+    c = e - E
+    b_off = tl.where(routed, e.to(tl.int64) * H * I, shared_down_off + c.to(tl.int64) * I)
+    rs = tl.where(routed, I, Is)
+    k_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
+    return routed, c, b_off, rs, k_lim
+
+
+@triton.jit
 def _gate_up_kernel(
     X, IDS, SORTED, BLOCK_EXPERT, WGU, HB,
     P, H, I, Is, shared_gu_off, num_m, stride_ids, stride_x, stride_hb,
@@ -211,13 +237,7 @@ def _gate_up_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    # shared pseudo-expert c: gate rows c·I.., up rows Is + c·I.. of the shared gate‖up (at WGU + shared_gu_off);
-    # one base pointer plus a selected offset keeps the loads' alignment known to the compiler
-    routed = e < E
-    c = e - E
-    g_off = tl.where(routed, e.to(tl.int64) * (2 * I * H), shared_gu_off + c.to(tl.int64) * I * H)
-    u_off = tl.where(routed, g_off + I * H, shared_gu_off + (Is + c.to(tl.int64) * I) * H)
-    n_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
+    routed, c, g_off, u_off, n_lim = _gate_up_slices(e, I, Is, H, shared_gu_off, E)
     if pid_n * BLOCK_N >= n_lim:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -263,12 +283,7 @@ def _down_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    # shared pseudo-expert c: columns c·I.. of the shared down projection [H, Is] (at WD + shared_down_off)
-    routed = e < E
-    c = e - E
-    b_off = tl.where(routed, e.to(tl.int64) * H * I, shared_down_off + c.to(tl.int64) * I)
-    rs = tl.where(routed, I, Is)
-    k_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
+    routed, c, b_off, rs, k_lim = _down_slice(e, I, Is, H, shared_down_off, E)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
@@ -423,11 +438,7 @@ def _gate_up_fp8_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    routed = e < E
-    c = e - E
-    g_off = tl.where(routed, e.to(tl.int64) * (2 * I * H), shared_gu_off + c.to(tl.int64) * I * H)
-    u_off = tl.where(routed, g_off + I * H, shared_gu_off + (Is + c.to(tl.int64) * I) * H)
-    n_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
+    routed, c, g_off, u_off, n_lim = _gate_up_slices(e, I, Is, H, shared_gu_off, E)
     if pid_n * BLOCK_N >= n_lim:
         return
     KB = tl.cdiv(H, BLOCK_K)
@@ -483,12 +494,8 @@ def _down_fp8_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    routed = e < E
-    c = e - E
+    routed, c, b_off, rs, k_lim = _down_slice(e, I, Is, H, shared_down_off, E)
     NB = I // BLOCK_K
-    b_off = tl.where(routed, e.to(tl.int64) * H * I, shared_down_off + c.to(tl.int64) * I)
-    rs = tl.where(routed, I, Is)
-    k_lim = tl.where(routed, I, tl.minimum(I, Is - c * I))
     s_off = tl.where(routed, e.to(tl.int64) * tl.cdiv(H, BLOCK_K) * NB, shared_s_off + c.to(tl.int64) * NB)
     s_rs = tl.where(routed, NB, Is // BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
