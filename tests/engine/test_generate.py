@@ -168,18 +168,6 @@ def test_gpu_engine_with_triton_decode_matches_cpu(tiny_model_dir):
     assert all(len(o.token_ids) == 16 for o in outs) and bf16.kv_pool.num_free_pages() == 64
 
 
-
-V2_LITE_4_LAYERS = {  # DeepSeek-V2-Lite's dimensions, 4 layers (the shape in which the fault below showed)
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
-    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 4,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
-    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
-    "norm_topk_prob": False, "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 8704,
-    "rope_theta": 10000.0, "bos_token_id": 100000, "eos_token_id": 100001,
-}
-
-
 @pytest.mark.gpu
 def test_gpu_a_graph_captured_after_the_decode_graphs_reads_zeroed_moe_counters():
     """Decode graphs of several batch sizes share one memory pool. The fused MoE's counters must not come from
@@ -187,14 +175,17 @@ def test_gpu_a_graph_captured_after_the_decode_graphs_reads_zeroed_moe_counters(
     bounds): a graph captured later in its own pool, like the speculative verify step's, gives what the same
     step gives eagerly, after the decode graphs of B=1 and B=128 (the align's two-pass path) have run."""
     import random
+    import sys
+    from pathlib import Path
 
-    from specmla.config import ModelConfig
     from specmla.engine.cuda_graphs import GraphedDecoder
-    from specmla.model.default import init_random_
-    from specmla.model.loader import empty_model
 
-    model = empty_model(ModelConfig.from_dict(V2_LITE_4_LAYERS), "cuda", torch.bfloat16)
-    init_random_(model, std=0.02, generator=torch.Generator(device="cuda").manual_seed(0)).eval()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_engine import V2_LITE, random_model
+
+    # DeepSeek-V2-Lite's dimensions with 4 layers and 8704 positions: the shape in which the fault showed
+    model = random_model(dict(V2_LITE, num_hidden_layers=4, max_position_embeddings=8704), "cuda", torch.bfloat16,
+                         max_positions=8704)
     llm = LLM(model, max_num_seqs=128)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
