@@ -213,13 +213,17 @@ def empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
 
 
 def save_checkpoint(model: DeepseekForCausalLM, path: str | Path, max_shard_bytes: int | None = None) -> None:
-    """Write the model's tensors to `path`/model.safetensors with HF checkpoint names (per-expert
-    tensors, MTP modules as model.layers.{num_hidden_layers + i}.*, their shared embedding/head
-    not written again: the loader uses the trunk's). With max_shard_bytes: shards
-    model-0000i-of-0000n.safetensors of about that size and model.safetensors.index.json, one shard at a
-    time through host memory."""
+    """Write the model's tensors to `path` with HF checkpoint names (per-expert tensors, MTP modules as
+    model.layers.{num_hidden_layers + i}.*, their shared embedding/head not written again: the loader uses the
+    trunk's), as `save_tensors` lays them out."""
+    save_tensors(model.checkpoint_tensors(), path, max_shard_bytes)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, max_shard_bytes: int | None = None) -> None:
+    """Write named tensors to `path`/model.safetensors, or with max_shard_bytes to shards
+    model-0000i-of-0000n.safetensors of about that size and model.safetensors.index.json, one shard at a time
+    through host memory."""
     path = Path(path)
-    tensors = model.checkpoint_tensors()
     if max_shard_bytes is None:
         save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(path / "model.safetensors"),
                   metadata={"format": "pt"})

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from specmla.config import FP8_QUANTIZATION
+from specmla.model.loader import save_tensors
 from specmla.ops.linear.reference import weight_dequant, weight_quant
 
 KEEP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "eh_proj", "shared_head")
@@ -29,26 +29,6 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path / fname), framework="pt") as f:
             out.update({name: f.get_tensor(name) for name in f.keys()})
     return out
-
-
-def write_checkpoint(tensors: dict[str, torch.Tensor], path: Path, shard_bytes: int = 200_000) -> None:
-    """Sharded safetensors (model-0000i-of-0000n.safetensors of about shard_bytes) + index."""
-    shards, size = [[]], 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    weight_map = {}
-    for i, names in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in names}, str(path / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map}))
 
 
 def _copy_side_files(src: Path, dst: Path) -> dict:
@@ -74,7 +54,7 @@ def fp8_checkpoint_dir(src: Path, dst: Path, shard_bytes: int = 200_000) -> Path
             out[name], out[name + "_scale_inv"] = weight_quant(t)
         else:
             out[name] = t
-    write_checkpoint(out, dst, shard_bytes)
+    save_tensors(out, dst, shard_bytes)
     cfg["quantization_config"] = dict(FP8_QUANTIZATION)
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return dst
@@ -86,7 +66,7 @@ def dequantized_dir(src: Path, dst: Path, dtype: torch.dtype = torch.float32) ->
     tensors = read_checkpoint(src)
     out = {name: (weight_dequant(t, tensors[name + "_scale_inv"]) if t.dtype == torch.float8_e4m3fn else t.float())
                .to(dtype) for name, t in tensors.items() if not name.endswith("_scale_inv")}
-    write_checkpoint(out, dst, 10 ** 12)
+    save_tensors(out, dst, 10 ** 12)
     cfg.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))
     return dst

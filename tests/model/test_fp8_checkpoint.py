@@ -12,9 +12,9 @@ import torch
 from specmla.config import ModelConfig, UnsupportedModelError
 from specmla.model.deepseek import DeepseekForCausalLM, MoE, checkpoint_name
 from specmla.model.fp8 import Fp8Linear, use_fp8_weights_
-from specmla.model.loader import CheckpointError, load_model
+from specmla.model.loader import CheckpointError, load_model, save_tensors
 from specmla.model.metadata import AttentionMetadata
-from helpers.fp8_checkpoint import dequantized_dir, fp8_checkpoint_dir, quantized, read_checkpoint, write_checkpoint
+from helpers.fp8_checkpoint import dequantized_dir, fp8_checkpoint_dir, quantized, read_checkpoint
 from helpers.hf_models import V3_BASE, build_hf_model, save_hf_model
 
 # dims past one 128 block and not multiples of 128: partial edge blocks on both axes of every quantised weight,
@@ -210,7 +210,7 @@ def test_float8_weight_without_its_scale_is_named(dirs, tmp_path):
     tensors = read_checkpoint(fp8_dir)
     victim = "model.layers.2.self_attn.kv_b_proj.weight"  # dequantised at load: needs its scale
     del tensors[victim + "_scale_inv"]
-    write_checkpoint(tensors, dst)
+    save_tensors(tensors, dst, 200_000)
     for f in fp8_dir.iterdir():
         if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
             shutil.copy(f, dst / f.name)
