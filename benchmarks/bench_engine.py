@@ -17,7 +17,7 @@ holds it, and loaded with `LLM(DIR)` (CUDA graphs, the engine's default). Then, 
 prompts of --prompt-len tokens (512 by default here), greedy, EOS ignored:
 - decode step = (time to generate 129 tokens − time to generate 1 token) / 128, B = 1, 8, 32, 64, 128,
   median over --rounds rounds, each round going through every B (after one untimed warm-up per B);
-- floor = (step_floor_bytes + the KV cache the batch reads at its mid-generation length) / the copy
+- floor = (step_read_bytes + the KV cache the batch reads at its mid-generation length) / the copy
   bandwidth of the same run; PASS/MISS against B=1 ≤ 3.5 ms, B=8 ≤ 9, B=32 ≤ 14, B=128 ≤ 20 and "no
   batch slower than a larger one";
 - an MTP-shaped verify step at B=1: the model's decode forward + logits with S = 1 + 3 query tokens
@@ -140,19 +140,21 @@ def decode_step_s(llm: LLM, prompts, tokens: int = 48) -> float:
     return statistics.median(o.metrics["tpot_s"] for o in outs)
 
 
-def step_floor_bytes(cfg: ModelConfig, batch: int, elem: int = 2) -> float:
-    """Weight bytes one decode step must read: everything but the routed experts, plus the routed
-    experts a batch of `batch` tokens touches on average (E·(1 − (1 − k/E)^batch) per MoE layer)."""
-    H, I = cfg.hidden_size, cfg.moe_intermediate_size
-    with torch.device("meta"):
-        m = DeepseekForCausalLM(cfg, max_positions=16)
-    total = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("mtp."))
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    E, k = cfg.n_routed_experts or 0, cfg.num_experts_per_tok or 0
-    expert = 3 * H * I
-    touched = E * (1 - (1 - k / E) ** batch) if E else 0
-    dense = total - moe_layers * E * expert - cfg.vocab_size * H  # the embedding is gathered, not read whole
-    return (dense + moe_layers * touched * expert) * elem
+def step_read_bytes(model: DeepseekForCausalLM, batch: int) -> float:
+    """Weight bytes a decode step of `batch` tokens reads, in the model's own storage (bf16, or e4m3 + scales): every
+    parameter but the embedding (gathered) and the routed experts, plus the routed experts the batch touches on
+    average (E·(1 − (1 − k/E)^batch) per MoE layer); the MTP layers are not part of the step."""
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    routed = {"w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"}
+    total = sum(nbytes(p) for n, p in model.named_parameters()
+                if not n.startswith(("mtp.", "model.embed_tokens")) and n.rsplit(".", 1)[-1] not in routed)
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and not name.startswith("mtp."):
+            E, k = m.w_down.shape[0], model.config.num_experts_per_tok
+            per_expert = sum(nbytes(t[0]) for t in (m.w_gate_up, m.w_down, m.w_gate_up_scale, m.w_down_scale)
+                             if t is not None)
+            total += E * (1 - (1 - k / E) ** batch) * per_expert
+    return total
 
 
 def bench_model(label, llm: LLM, hf, batches, prompt_len, new_tokens, copy_bw, seed=0) -> dict:
@@ -176,7 +178,7 @@ def bench_model(label, llm: LLM, hf, batches, prompt_len, new_tokens, copy_bw, s
                 llm.engine.runner.graphed = graphed = None
                 while llm.engine.has_unfinished():
                     llm.engine.abort(llm.engine.running[0] if llm.engine.running else llm.engine.waiting[0])
-        row["floor_step_s"] = step_floor_bytes(cfg, B) / copy_bw
+        row["floor_step_s"] = step_read_bytes(llm.model, B) / copy_bw
         best = row.get("graph_step_s", row["eager_step_s"])
         row["step_vs_floor"] = row["floor_step_s"] / best
         row["specmla"] = run_throughput(llm, prompts, new_tokens)
@@ -274,7 +276,7 @@ def decode_steps(llm: LLM, batches, prompt_len: int, rounds: int, copy_bw: float
     rows = []
     for B in batches:
         step = statistics.median(samples[B])
-        w, kv = step_floor_bytes(cfg, B), kv_read_bytes(cfg, B, prompt_len + new_tokens // 2)
+        w, kv = step_read_bytes(llm.model, B), kv_read_bytes(cfg, B, prompt_len + new_tokens // 2)
         row = {"batch": B, "step_s": step, "step_samples_s": samples[B], "weight_bytes": w, "kv_bytes": kv,
                "floor_step_s": (w + kv) / copy_bw, "weight_floor_step_s": w / copy_bw}
         row["floor_frac"] = row["floor_step_s"] / step

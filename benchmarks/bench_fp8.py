@@ -223,31 +223,12 @@ ENGINE_LAYERS = 5  # 3 dense + 2 MoE layers: about 53 GB of bf16 weights
 ENGINE_BATCHES = (1, 32)
 
 
-def step_read_bytes(model, batch: int) -> float:
-    """Weight bytes a decode step of `batch` tokens reads, in the model's own storage (e4m3 + scales or bf16):
-    every parameter but the embedding (gathered) and the routed experts, plus the routed experts the batch touches
-    on average (E·(1 − (1 − k/E)^batch) per MoE layer)."""
-    from specmla.model.deepseek import MoE
-
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    routed = {"w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"}
-    total = sum(nbytes(p) for n, p in model.named_parameters()
-                if not n.startswith(("mtp.", "model.embed_tokens")) and n.rsplit(".", 1)[-1] not in routed)
-    for name, m in model.named_modules():
-        if isinstance(m, MoE) and not name.startswith("mtp."):
-            E, k = m.w_down.shape[0], model.config.num_experts_per_tok
-            per_expert = sum(nbytes(t[0]) for t in (m.w_gate_up, m.w_down, m.w_gate_up_scale, m.w_down_scale)
-                             if t is not None)
-            total += E * (1 - (1 - k / E) ** batch) * per_expert
-    return total
-
-
 def bench_engine(args, ctx) -> dict:
     """The engine's decode step on a V3-shaped random model of ENGINE_LAYERS layers: bf16 weights, then the same
     weights block-quantised in place (`quantize_fp8_`), each through `LLM(model)` with CUDA graphs; step per batch
     size by `bench_engine.decode_steps`; floor = the weight bytes the step reads in that storage + KV bytes, over
     the copy rate of the run."""
-    from bench_engine import decode_steps, kv_read_bytes, random_model
+    from bench_engine import decode_steps, kv_read_bytes, random_model, step_read_bytes
 
     from specmla import LLM
     from specmla.model.fp8 import quantize_fp8_
