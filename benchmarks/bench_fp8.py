@@ -126,6 +126,8 @@ def linear_variants(M: int, N: int, K: int, dev) -> dict[str, dict]:
                 out[f"bn{bn}_split{sp}"] = dict(config=dict(BLOCK_N=bn), split=sp)
         out["stages3"] = dict(config=dict(num_stages=3))
         out["stages6"] = dict(config=dict(num_stages=6))
+        out["warps4" if M > 32 else "warps8"] = dict(config=dict(num_warps=4 if M > 32 else 8))
+        out["no_prefetch"] = dict(config=dict(PREFETCH=0))
         return out
     return {"128x128_w8_s3": dict(config=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)),
             "128x128_w8_s4": dict(config=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)),

@@ -97,6 +97,20 @@ def test_split_k_is_deterministic_and_resets_its_counters():
     assert not zeroed_scratch("fp8_linear_splitk", SPLITK_COUNTERS, torch.device("cpu")).any()
 
 
+@pytest.mark.parametrize("N,K,want", [(7168, 2048, 2), (24576, 1536, 1), (18432, 7168, 1), (2112, 7168, 7),
+                                      (7168, 18432, 2), (64, 300, 3), (100, 128, 1)])
+def test_plan_split_gives_each_sm_about_two_programs_none_empty(N, K, want):
+    from specmla.ops.linear.triton import plan_split
+    split = plan_split(16, N, K, 64, 132)
+    assert split == want
+    kb = -(-K // 128)
+    per = -(-kb // split)
+    assert -(-kb // per) == split  # every program has K blocks
+    if split > 1:  # the fewest splits reaching 1.7 programs per SM
+        assert -(-N // 64) * (split - 1) < 1.6 * 132
+
+
+
 def test_dispatch_out_dtype_3d_and_empty():
     N, K = 136, 260
     w, s = make_linear(N, K, seed=5)
@@ -202,6 +216,43 @@ def test_gpu_cuda_graph_replay_and_no_sync(M):
         want = fp8_block_linear(xs[i], w, s)
         assert torch.equal(y, want) and torch.equal(y2, want)
     assert torch.equal(y, y_eager)  # the last replay read xs[0], as the eager call did
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_gpu_chained_linears_in_a_graph_wait_for_their_inputs(M, monkeypatch):
+    """Each linear's input is written by the kernel right before it (a torch op, then the first linear): the
+    programmatic dependent launches (act_quant, then the split-K GEMM prefetching its weights) must not read it
+    early. Replays on fresh inputs equal the same chain run without PDL, bit for bit; against the emulation 3e-2,
+    since h rounded to bf16 moves some of the second layer's e4m3 roundings."""
+    import specmla.ops.linear.triton as lt
+    w1, s1 = make_linear(7168, 2048, seed=11, device="cuda")
+    w2, s2 = make_linear(2112, 7168, seed=12, device="cuda")
+    xs = [make_x((M, 2048), seed=20 + i, dtype=torch.bfloat16, device="cuda") for i in range(4)]
+    x = xs[0].clone()
+
+    def chain():
+        h = fp8_block_linear(x * 3.0, w1, s1)
+        return fp8_block_linear(h, w2, s2) + 1.0
+
+    def no_pdl(i):
+        with monkeypatch.context() as m:
+            m.setattr(lt, "use_pdl", lambda device: False)
+            return (fp8_block_linear(fp8_block_linear(xs[i] * 3.0, w1, s1), w2, s2) + 1.0)
+
+    assert lt.use_pdl(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain()
+    for rnd in range(3):
+        for i in (1, 2, 3, 0):
+            x.copy_(xs[i])
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, no_pdl(i)), (rnd, i)
+    assert rel(y, w8a8_emulation(w8a8_emulation(xs[0] * 3.0, w1, s1).to(torch.bfloat16), w2, s2) + 1.0) <= 3e-2
 
 
 def test_bench_fp8_smoke(tmp_path, monkeypatch):

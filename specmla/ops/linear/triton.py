@@ -7,10 +7,13 @@ promotion of DeepGEMM and vLLM's w8a8_block_fp8_matmul).
 
 Two regimes, chosen by the number of rows M (`fp8_block_linear_triton`):
 - M ≤ 64 (decode, bound by the weight stream): `_splitk_kernel` computes outᵀ tiles (swap-AB: the weight rows fill
-  the MMA's M, the tokens its N), K split so that the grid fills the SMs, after `act_quant` (the kernel reads
-  e4m3 rows: half the bytes that every N tile re-reads). Split partials go to an fp32 workspace [SPLIT, M, N]; the last
-  program of an N tile to arrive (a counter per tile in `zeroed_scratch`, put back to 0 by that program) sums them
-  in split order, adds the bias and writes the output: deterministic, no host sync, graph-capturable;
+  the MMA's M, the tokens its N), K split so that the grid fills the SMs about twice, after `act_quant` (the kernel
+  reads e4m3 rows: half the bytes that every N tile re-reads). Split partials go to an fp32 workspace [SPLIT, M, N];
+  the last program of an N tile to arrive (a counter per tile in `zeroed_scratch`, put back to 0 by that program)
+  sums them in split order, adds the bias and writes the output: deterministic, no host sync, graph-capturable.
+  On sm_90+ both launches are programmatic dependent launches (PDL): `act_quant` lets the GEMM start at once, and
+  the GEMM prefetches its first weight blocks into L2 before it waits for the quantised activations, so the
+  weight stream overlaps the quantisation and the launch gap instead of following them;
 - M > 64 (prefill, bound by the tensor cores): `act_quant`, then `_gemm_kernel`, a tiled GEMM in grouped tile order.
 
 Under TRITON_INTERPRET=1 the interpreter's fp32 → e4m3 conversion carries no mantissa overflow into the exponent
@@ -26,12 +29,14 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specmla.ops.linear.reference import BLOCK, E4M3_MAX, check_fp8_linear_args
 from specmla.ops.scratch import zeroed_scratch
 
 DECODE_MAX_M = 64  # rows served by the split-K kernel
 SPLITK_COUNTERS = 1 << 16  # arrival counters (one per N tile) kept zeroed for the split-K kernel
+PREFETCH_BLOCKS = 4  # K blocks of its weights a decode program asks L2 for before it waits on act_quant
 
 
 def interpreting() -> bool:
@@ -63,10 +68,26 @@ def quant_tile(x, E4M3: tl.constexpr, INTERP: tl.constexpr):
     return _to_e4m3(q, INTERP), s
 
 
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on; never under the interpreter."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ptrs (a hint: no value is read into registers, no ordering implied)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 @triton.jit
 def _act_quant_kernel(X, Q, S, M, K, KB, stride_xm, ROWS: tl.constexpr, GBLK: tl.constexpr, E4M3: tl.constexpr,
-                      INTERP: tl.constexpr):
-    """Program (i, j): rows i·ROWS.., column group j (GBLK columns) of x → e4m3 Q [M, K] and scales S [M, KB]."""
+                      INTERP: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): rows i·ROWS.., column group j (GBLK columns) of x → e4m3 Q [M, K] and scales S [M, KB].
+    PDL: x may come from the kernel before (wait for it), and the kernel after may launch at once."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * GBLK + tl.arange(0, GBLK)
     ok = (rows[:, None] < M) & (cols[None, :] < K)
@@ -76,9 +97,10 @@ def _act_quant_kernel(X, Q, S, M, K, KB, stride_xm, ROWS: tl.constexpr, GBLK: tl
     tl.store(S + rows.to(tl.int64) * KB + tl.program_id(1), s, mask=rows < M)
 
 
-def act_quant(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, block: int = BLOCK, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (bf16 / fp16 / fp32) → (float8_e4m3fn [..., K], fp32 scales [..., ⌈K/block⌉]): per row, per group
-    of `block` columns (the last one partial), scale = amax / 448 (1 for a group of zeros); `act_quant_torch`'s rule."""
+    of `block` columns (the last one partial), scale = amax / 448 (1 for a group of zeros); `act_quant_torch`'s rule.
+    pdl: launch as a programmatic dependent launch that lets the next kernel start early (sm_90+; see `use_pdl`)."""
     if block != BLOCK:
         raise ValueError(f"act_quant: block must be {BLOCK}, got {block}")
     if not x.is_floating_point() or x.dtype == torch.float8_e4m3fn or x.dim() < 1:
@@ -93,8 +115,8 @@ def act_quant(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.
     if M > 0 and K > 0:
         rows = 8
         _act_quant_kernel[(triton.cdiv(M, rows), KB)](
-            x2, q, s, M, K, KB, x2.stride(0), ROWS=rows, GBLK=BLOCK, E4M3=E4M3_MAX, INTERP=interpreting(),
-            num_warps=4)
+            x2, q, s, M, K, KB, x2.stride(0), ROWS=rows, GBLK=BLOCK, E4M3=E4M3_MAX, INTERP=interpreting(), PDL=pdl,
+            num_warps=4, launch_pdl=pdl)
     return q.view(*lead, K), s.view(*lead, KB)
 
 
@@ -147,10 +169,12 @@ def _gemm_kernel(A, AS, W, WS, BIAS, OUT, M, N, K, KB, stride_om,
 @triton.jit(do_not_specialize=["M"])
 def _splitk_kernel(A, AS, W, WS, BIAS, OUT, WORK, COUNT, M, N, K, KB, KB_PER, stride_om,
                    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (n tile, split s): outᵀ[BLOCK_N, BLOCK_M] over K blocks s·KB_PER.. (swap-AB: the weight tile is the
     MMA's A operand); A / AS hold `act_quant`'s output. SPLIT > 1: the
-    partial goes to WORK[s]; the N tile's last program to arrive sums WORK[0..SPLIT) in order and writes OUT."""
+    partial goes to WORK[s]; the N tile's last program to arrive sums WORK[0..SPLIT) in order and writes OUT.
+    PDL: the program asks L2 for its first PREFETCH weight blocks (read-only: safe before the wait), then waits
+    for the kernel before (act_quant) to finish; everything it reads or writes besides W comes after the wait."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -160,6 +184,12 @@ def _splitk_kernel(A, AS, W, WS, BIAS, OUT, WORK, COUNT, M, N, K, KB, KB_PER, st
     n_ok = offs_n < N
     kb0 = pid_s * KB_PER
     kb1 = tl.minimum(kb0 + KB_PER, KB)
+    if PDL:
+        if PREFETCH > 0:  # one 128-byte line per (weight row, K block): a row's K block is BLOCK_K e4m3 bytes
+            pf_kb = kb0 + tl.arange(0, PREFETCH)
+            pf_ok = n_ok[:, None] & (pf_kb[None, :] < kb1)
+            _prefetch_l2(W + tl.where(pf_ok, offs_n[:, None].to(tl.int64) * K + pf_kb[None, :] * BLOCK_K, 0))
+        gdc_wait()
     w_ptr = W + offs_n[:, None].to(tl.int64) * K + kb0 * BLOCK_K + offs_k[None, :]
     a_ptr = A + offs_m[:, None].to(tl.int64) * K + kb0 * BLOCK_K + offs_k[None, :]
     if BLOCK_N <= BLOCK_K:
@@ -180,6 +210,8 @@ def _splitk_kernel(A, AS, W, WS, BIAS, OUT, WORK, COUNT, M, N, K, KB, KB_PER, st
         else:
             acc += part * (a_s * tl.load(ws_ptr + kb))[None, :]
         w_ptr += BLOCK_K
+    if PDL:
+        gdc_launch_dependents()
     out_ptr = OUT + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     out_ok = m_ok[None, :] & n_ok[:, None]
     if SPLIT == 1:
@@ -213,31 +245,23 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[index]
 
 
-def plan_split(M: int, N: int, K: int, block_n: int, sms: int, slots: int = 2) -> int:
-    """Split count of the decode kernel, minimising a model of its time in weight bytes per SM: an SM streams at
-    the full rate only with `slots` programs resident, so it takes ⌈programs / (SMs · slots)⌉ rounds of slots ×
-    (K blocks per split) weight tiles; the split partials (fp32 [SPLIT, M, N], written and read back) add their
-    bytes spread over the SMs. Ties (within 2 %) go to fewer splits."""
+def plan_split(M: int, N: int, K: int, block_n: int, sms: int, waves: float = 1.6) -> int:
+    """Split count of the decode kernel: the fewest splits that give about `waves` programs per SM (one program
+    holds too few weight bytes in flight to stream at an SM's share of the copy rate; two or more resident do),
+    and never an empty program. Fewer splits also mean fewer fp32 partials. docs/benchmarks.md §9 has the sweep
+    behind it (BLOCK_N 64: one split for 18432×7168 and 24576×1536, two for 7168×2048, seven for 2112×7168)."""
     kb = triton.cdiv(K, BLOCK)
-    tiles_n = triton.cdiv(N, block_n)
-    tile = block_n * BLOCK  # bytes of one e4m3 weight tile
-    best, best_cost = 1, float("inf")
-    for split in range(1, min(kb, 64) + 1):
-        per = triton.cdiv(kb, split)
-        if triton.cdiv(kb, per) != split:  # a split count that leaves empty programs
-            continue
-        cost = triton.cdiv(tiles_n * split, sms * slots) * slots * per * tile
-        if split > 1:
-            cost += 2 * 4 * split * M * N / sms
-        if cost < best_cost * 0.98:
-            best, best_cost = split, cost
-    return best
+    split = max(1, min(kb, math.ceil(waves * sms / triton.cdiv(N, block_n))))
+    return triton.cdiv(kb, triton.cdiv(kb, split))
 
 
-def _decode_config(M: int, N: int) -> dict:
-    """Tiles of the split-K kernel for M ≤ 64 rows."""
+def _decode_config(M: int, split: int) -> dict:
+    """Tiles of the split-K kernel for M ≤ 64 rows (the sweep of `bench_fp8.py --sweep`): 64 weight rows per
+    program, so that more programs are resident per SM than with 128; 6 stages of weight tiles in flight up to 16
+    rows, 4 with 64 rows (the activation tile grows to 8 KB per stage); 4 warps except 64 rows with a K split."""
     block_m = max(16, triton.next_power_of_2(M))
-    return dict(BLOCK_M=block_m, BLOCK_N=128, num_warps=4 if block_m <= 32 else 8, num_stages=4)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4 if block_m <= 32 or split == 1 else 8,
+                num_stages=6 if block_m <= 16 else 4)
 
 
 def _gemm_config(M: int, N: int) -> dict:
@@ -253,7 +277,7 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     x's dtype), activations quantised per token per 128 columns. Extra knobs (the engine need not pass them):
     out: a contiguous [M, N] tensor of out_dtype to write (returned reshaped); workspace: fp32 with ≥ SPLIT·M·N
     elements for the split-K partials; split: the decode kernel's K split (default `plan_split`); config: tile
-    overrides (BLOCK_M / BLOCK_N / GROUP_M / num_warps / num_stages)."""
+    overrides (BLOCK_M / BLOCK_N / GROUP_M / num_warps / num_stages; PREFETCH for the decode kernel)."""
     check_fp8_linear_args(x, weight, weight_scale_inv, bias)
     N, K = weight.shape
     lead = x.shape[:-1]
@@ -285,15 +309,16 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
                            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK, GROUP_M=cfg["GROUP_M"],
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out.view(*lead, N)
-    cfg = {**_decode_config(M, N), **(config or {})}
+    if split is None:
+        split = plan_split(M, N, K, (config or {}).get("BLOCK_N", 64), _num_sms(x.device))
+    per = triton.cdiv(KB, max(1, min(split, KB)))
+    split = triton.cdiv(KB, per)  # no empty program
+    cfg = {**_decode_config(M, split), **(config or {})}
     if cfg["BLOCK_M"] < M:
         raise ValueError(f"fp8_block_linear: config BLOCK_M {cfg['BLOCK_M']} < {M} rows")
     tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
-    if split is None:
-        split = plan_split(M, N, K, cfg["BLOCK_N"], _num_sms(x.device))
-    per = triton.cdiv(KB, max(1, min(split, KB)))
-    split = triton.cdiv(KB, per)  # no empty program
-    a, a_s = act_quant(x2)
+    pdl = use_pdl(x.device)
+    a, a_s = act_quant(x2, pdl=pdl)
     if split > 1:
         if tiles_n > SPLITK_COUNTERS:
             raise ValueError(f"fp8_block_linear: {tiles_n} N tiles exceed the {SPLITK_COUNTERS} split-K counters")
@@ -307,5 +332,6 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     _splitk_kernel[(tiles_n, split)](
         a, a_s, w, ws, b, out, workspace, count, M, N, K, KB, per, out.stride(0),
         SPLIT=split, HAS_BIAS=has_bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PDL=pdl, PREFETCH=cfg.get("PREFETCH", PREFETCH_BLOCKS), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], launch_pdl=pdl)
     return out.view(*lead, N)
