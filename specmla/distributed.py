@@ -1,7 +1,8 @@
 """The tensor-parallel process group over torch.distributed (NCCL on GPUs, gloo on CPU).
 
 Joining and leaving the group, torchrun detection, the all-reduce the sharded model layers call,
-and the object broadcast that carries rank 0's model calls to the workers. Imports only torch.
+and the byte broadcast that carries rank 0's request stream to the other ranks over a CPU (gloo) group, so that it
+never waits on the GPU. Imports only torch.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+_CONTROL = None  # the gloo group of the byte broadcasts (the default group itself on CPU)
 
 
 def tp_group_size() -> int:
@@ -41,15 +44,28 @@ def init_group(rank: int, world: int, init_file: str | None, device: str) -> Non
         torch.cuda.set_device(local_rank(rank))
     init = "env://" if init_file is None else f"file://{init_file}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    global _CONTROL
+    _CONTROL = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
 def destroy_group() -> None:
     """Leave the group (every rank calls it once, after the last collective)."""
+    global _CONTROL
+    _CONTROL = None
     dist.destroy_process_group()
 
 
-def broadcast_object(obj=None, src: int = 0):
-    """Rank `src` sends `obj` (any picklable object) to every rank; every rank returns it."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+def broadcast_bytes(data: bytes | None = None, src: int = 0, *, stop: bool = False) -> bytes | None:
+    """Rank `src` sends `data` to every rank over the CPU group: an int64 length (-1 for `stop`), then the bytes
+    when there are any. Every rank returns the bytes (b"" for none), or None for a stop."""
+    header = torch.tensor([-1 if stop else len(data or b"")], dtype=torch.int64)
+    dist.broadcast(header, src=src, group=_CONTROL)
+    n = int(header[0])
+    if n < 0:
+        return None
+    if n == 0:
+        return b""
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if dist.get_rank() == src
+               else torch.empty(n, dtype=torch.uint8))
+    dist.broadcast(payload, src=src, group=_CONTROL)
+    return payload.numpy().tobytes()

@@ -21,7 +21,7 @@ from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
 from specmla.engine.spec_graph import GraphedSpecStep
-from specmla.engine.tp_worker import TPModel, serve_model_calls
+from specmla.engine.tp_worker import TPEngine, follow_engine
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.default import default_model_path
 from specmla.model.loader import WEIGHTS, load_model
@@ -116,30 +116,41 @@ class LLM:
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
-        if device.type == "cuda" and not enforce_eager and tensor_parallel_size == 1 and _tp_rank is None:
-            pages = -(-max_len // page_size)
-            self.engine.runner.prefill_graphs = PiecewisePrefill(self.model, pool, max_num_batched_tokens)
-            if proposer is None:
-                self.engine.runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, pages)
-            else:  # every decode step is a verify step with S = 1 + k query tokens
-                self.engine.runner.graphed_verify = GraphedDecoder(self.model, pool, max_num_seqs, pages,
-                                                                   query_len=1 + proposer.k)
-                if proposer.uses_mtp:  # the MTP catch-up + k drafts after each verify step: one more replay
-                    self.engine.runner.graphed_mtp = GraphedMtpDrafter(self.model, pool, max_num_seqs, pages,
-                                                                       proposer.k, num_draft=proposer.num_mtp_drafts)
-                if proposer.whole_step_graph:  # greedy batches: the whole step in one replay
-                    self.engine.runner.graphed_spec = GraphedSpecStep(self.model, pool, max_num_seqs, pages,
-                                                                      proposer.k)
         self._workers = []
         if tensor_parallel_size > 1 and _tp_rank is None:
+            # every rank builds this same engine (graphs included, their all-reduces captured in lockstep); the
+            # other ranks mirror rank 0's pool page for page (sizing from their own free memory could differ)
             self._start_tensor_parallel(tensor_parallel_size, device, dict(
-                # the workers mirror rank 0's pool page for page (sizing from their own free memory could differ)
-                device=str(device), dtype=dtype, weights=weights, page_size=page_size, num_pages=pool.num_pages,
-                max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-                speculative=None))
+                device=str(device), dtype=dtype, weights=weights, speculative=speculative,
+                num_speculative_tokens=num_speculative_tokens, ngram_min=ngram_min, ngram_max=ngram_max,
+                kv_cache_dtype=kv_cache_dtype, page_size=page_size, num_pages=pool.num_pages,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+                enforce_eager=enforce_eager))
+        if device.type == "cuda" and not enforce_eager:
+            self._capture_graphs(pool, proposer, max_num_seqs, max_len, page_size, max_num_batched_tokens)
+        if self._workers:
+            self.engine = TPEngine(self.engine)
+
+    def _capture_graphs(self, pool: KVPool, proposer, max_num_seqs: int, max_len: int, page_size: int,
+                        max_num_batched_tokens: int) -> None:
+        """CUDA graphs of the decode / verify / MTP steps and the prefill pieces (under tensor parallelism every
+        rank captures the same ones in the same order: their all-reduces pair up across ranks)."""
+        runner, pages = self.engine.runner, -(-max_len // page_size)
+        runner.prefill_graphs = PiecewisePrefill(self.model, pool, max_num_batched_tokens)
+        if proposer is None:
+            runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, pages)
+        else:  # every decode step is a verify step with S = 1 + k query tokens
+            runner.graphed_verify = GraphedDecoder(self.model, pool, max_num_seqs, pages, query_len=1 + proposer.k)
+            if proposer.uses_mtp:  # the MTP catch-up + k drafts after each verify step: one more replay
+                runner.graphed_mtp = GraphedMtpDrafter(self.model, pool, max_num_seqs, pages, proposer.k,
+                                                       num_draft=proposer.num_mtp_drafts)
+            if proposer.whole_step_graph:  # greedy batches: the whole step in one replay
+                runner.graphed_spec = GraphedSpecStep(self.model, pool, max_num_seqs, pages, proposer.k)
 
     def _start_tensor_parallel(self, world: int, device, worker_kwargs: dict) -> None:
-        """Rank 0 (this process): spawn ranks 1..world-1, join the group, shard, route forwards."""
+        """Rank 0 (this process, its shard loaded): spawn ranks 1..world-1 (each builds the same engine on its
+        shard) and join the group."""
         if launched_by_torchrun():  # the other ranks were started by torchrun and run worker_main
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
@@ -154,14 +165,13 @@ class LLM:
                 p.start()
                 self._workers.append(p)
             init_group(0, world, init_file, device.type)
-        self.engine.runner.model = TPModel(self.model)  # the model was loaded as rank 0's shard
         atexit.register(self.shutdown)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (no-op otherwise)."""
         if not self._workers:
             return
-        self.engine.runner.model.shutdown()
+        self.engine.shutdown()
         for p in self._workers:
             if p != "torchrun":
                 p.join(timeout=30)
@@ -219,13 +229,14 @@ class LLM:
 
 
 def worker_main(rank: int, world: int, init_file: str | None, model_path: str, llm_kwargs: dict) -> None:
-    """A worker rank's process: join the group, load its shard and a KV pool mirroring rank 0's, then
-    run rank 0's model calls until it stops. init_file None: launched by torchrun (env:// rendezvous)."""
+    """A worker rank's process: join the group, build rank 0's engine on its own shard (a KV pool mirroring rank
+    0's), then follow rank 0's request stream until it stops. init_file None: launched by torchrun (env://
+    rendezvous)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     device = llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     init_group(rank, world, init_file, device)
     if device != "cpu":
         llm_kwargs = dict(llm_kwargs, device=f"cuda:{local_rank(rank)}")
     llm = LLM(model_path, _tp_rank=rank, _tp_world=world, **llm_kwargs)
-    serve_model_calls(llm.model, llm.kv_pool.caches, llm.kv_pool.device)
+    follow_engine(llm.engine)
     destroy_group()

@@ -1,62 +1,81 @@
-"""Rank 0's model calls, replayed on every tensor-parallel rank.
+"""Tensor parallelism as identical engines: every rank runs the same LLMEngine on its shard.
 
-Rank 0 runs the engine (scheduler, pool bookkeeping, sampling); its model is wrapped in `TPModel`,
-which broadcasts every `forward` / `mtp_forward` to the workers before running it on its own shard.
-Each worker runs `serve_model_calls`: it receives the same calls in the same order and runs them on
-its shard with its own KV caches, so the layers' all-reduces line up across ranks.
+Each rank holds its shard of the weights and a full copy of the KV pool, and runs the same scheduler, the same
+CUDA graphs and the same sampling. The layers' all-reduces leave every rank with the same hidden states (NCCL's
+all-reduce hands each rank the same sums), so every rank samples the same tokens and takes the same scheduling
+decisions, step after step. Only the request stream crosses between ranks: rank 0's `TPEngine` forwards each
+`add_request` / `abort` to the other ranks, batched with the next `step`, as one JSON message over the CPU group
+(`distributed.broadcast_bytes`; a step with nothing new sends an 8-byte header only). The other ranks run
+`follow_engine`. Nothing is pickled and no rank waits on its GPU for the message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 
 import torch
 
-from specmla.distributed import broadcast_object
+from specmla.distributed import broadcast_bytes
+from specmla.engine.sequence import Sequence
+from specmla.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
-class TPModel:
-    """Rank 0's stand-in for the model: every forward is broadcast to the workers first."""
+class TPEngine:
+    """Rank 0's engine: the LLMEngine itself, whose request changes reach the other ranks before the next step."""
 
-    def __init__(self, model):
-        self._model = model
+    def __init__(self, engine):
+        self._engine = engine
+        self._pending: list[list] = []
 
     def __getattr__(self, name):
-        return getattr(self._model, name)
+        return getattr(self._engine, name)
 
-    def __call__(self, input_ids, meta, kv_caches=None, force_naive=False):
-        broadcast_object(("forward", (input_ids, meta, None), {"force_naive": force_naive}))  # caches stay local
-        return self._model(input_ids, meta, kv_caches, force_naive=force_naive)
+    def add_request(self, prompt, params: SamplingParams, admit_unfittable: bool = False) -> Sequence:
+        seq = self._engine.add_request(prompt, params, admit_unfittable)  # raises before any change on bad input
+        # the other ranks get the token ids and the seed this rank drew, so that they sample alike
+        self._pending.append(["add", seq.seq_id, seq.prompt_ids,
+                              dict(dataclasses.asdict(params), seed=seq.seed), admit_unfittable])
+        return seq
 
-    def mtp_forward(self, k, next_ids, prev_hidden, meta, kv_caches=None):
-        broadcast_object(("mtp_forward", (k, next_ids, prev_hidden, meta), {}))
-        return self._model.mtp_forward(k, next_ids, prev_hidden, meta, kv_caches)
+    def abort(self, request: Sequence | int) -> bool:
+        seq = self._engine._unfinished.get(request) if isinstance(request, int) else request
+        done = self._engine.abort(request)
+        if done:
+            self._pending.append(["abort", seq.seq_id])
+        return done
 
-    def shutdown(self):
-        broadcast_object(("stop", (), {}))
+    def step(self) -> list[Sequence]:
+        ops, self._pending = self._pending, []
+        broadcast_bytes(json.dumps(ops).encode() if ops else b"")
+        return self._engine.step()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' `follow_engine` loops."""
+        broadcast_bytes(stop=True)
 
 
-def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
-                                           for f in dataclasses.fields(obj)})
-    return obj
-
-
-def serve_model_calls(model, caches: list[torch.Tensor], device: torch.device) -> None:
-    """A worker's loop: run every call rank 0's `TPModel` broadcasts, on this rank's shard and
-    caches, until rank 0 sends "stop"."""
+def follow_engine(engine) -> None:
+    """Another rank's loop: apply rank 0's request changes, then step, until rank 0 stops. A step that raises is
+    logged and the loop goes on, as rank 0's server does (its aborts of the failed requests arrive next)."""
+    seqs: dict[int, Sequence] = {}  # rank 0's request id → this rank's request
     with torch.inference_mode():
         while True:
-            op, args, kwargs = broadcast_object()
-            if op == "stop":
-                break
-            args = tuple(_to_device(a, device) for a in args)  # rank 0's tensors arrive on rank 0's device
-            if op == "forward":
-                args = (args[0], args[1], caches) + tuple(args[3:])
-                model(*args, **kwargs)
-            elif op == "mtp_forward":
-                args = tuple(args[:4]) + (caches,)
-                model.mtp_forward(*args, **kwargs)
+            msg = broadcast_bytes()
+            if msg is None:
+                return
+            for op in json.loads(msg) if msg else []:
+                if op[0] == "add":
+                    _, rid, ids, params, admit = op
+                    seqs[rid] = engine.add_request(ids, SamplingParams(**params), admit_unfittable=admit)
+                elif op[0] == "abort" and op[1] in seqs:
+                    engine.abort(seqs[op[1]])
+            try:
+                engine.step()
+            except Exception:
+                log.exception("engine step failed on a tensor-parallel rank")
+            for rid in [r for r, s in seqs.items() if s.is_finished]:
+                del seqs[rid]

@@ -1,4 +1,11 @@
-"""Tensor parallelism on CPU: 2 gloo ranks give the same greedy tokens as one process."""
+"""Tensor parallelism: every rank runs the same engine on its shard; rank 0 forwards the request stream.
+
+CPU (gloo ranks): greedy and seeded sampling under TP=2 / TP=4 give the tokens of one process, with every
+speculative mode and KV format, and with requests added and aborted between steps. GPU (NCCL, CUDA graphs on every
+rank): the same in fp32."""
+
+import pytest
+import torch
 
 from specmla import LLM, SamplingParams
 from specmla.model.default import default_model_path
@@ -8,10 +15,12 @@ def prompts(n=8):
     return [[(7 * i + j) % 250 + 3 for j in range(2 + 5 * i)] for i in range(n)]
 
 
-def run(model_dir, tp, **kw):
-    llm = LLM(model_dir, device="cpu", page_size=4, num_pages=512, tensor_parallel_size=tp, **kw)
+def run(model_dir, tp, params=None, n=8, device="cpu", **kw):
+    kw = dict(dict(page_size=4, num_pages=512) if device == "cpu" else {}, **kw)
+    llm = LLM(model_dir, device=device, tensor_parallel_size=tp, **kw)
     try:
-        outs = llm.generate(prompts(), SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+        params = params or SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts(n), params)
         assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
         return [o.token_ids for o in outs]
     finally:
@@ -22,7 +31,67 @@ def test_tp2_equals_tp1_on_a_random_tiny_model(tiny_model_dir):
     assert run(tiny_model_dir, 2) == run(tiny_model_dir, 1)
 
 
-def test_tp2_equals_tp1_on_the_embedded_model_with_mtp_speculation_and_fp8_cache():
-    path = default_model_path()  # production latent shapes (Dc 512): fp8 rows apply (608 bytes, the int8 rope)
-    kw = dict(speculative="mtp", num_speculative_tokens=2, kv_cache_dtype="fp8")
-    assert run(path, 2, **kw) == run(path, 1, **kw)
+def test_tp4_equals_tp1_with_seeded_sampling(tiny_model_dir):
+    """Sampling draws from each request's seed: the same seeds give the same tokens on 4 ranks as on one."""
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i in range(8)]
+    assert run(tiny_model_dir, 4, params) == run(tiny_model_dir, 1, params)
+
+
+def test_tp2_samples_without_seeds_and_all_ranks_agree(tiny_model_dir):
+    """No seed given: rank 0 draws one per request and sends it along, so the ranks sample the same tokens (a
+    disagreement would desynchronise their schedulers and the run would not finish with every page free)."""
+    toks = run(tiny_model_dir, 2, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
+    assert len(toks) == 8 and all(len(t) == 16 for t in toks)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(speculative="mtp", num_speculative_tokens=2, kv_cache_dtype="fp8"),
+    dict(speculative="ngram", num_speculative_tokens=3, kv_cache_dtype="tbq4"),
+    dict(speculative="hybrid", num_speculative_tokens=2, kv_cache_dtype="fp8_ds_mla"),
+], ids=["mtp-fp8", "ngram-tbq4", "hybrid-fp8_ds_mla"])
+def test_tp2_equals_tp1_on_the_embedded_model_with_speculation_and_quantised_caches(kw):
+    path = default_model_path()  # production latent shapes (Dc 512): the quantised row formats apply
+    assert run(path, 2, n=5, **kw) == run(path, 1, n=5, **kw)
+
+
+def test_tp2_follows_requests_added_and_aborted_between_steps(tiny_model_dir):
+    """A stream like a server's: requests join while others run, one is aborted mid-way; TP=2 gives each request
+    the tokens TP=1 gives it, and the aborted one stops at the same length."""
+
+    def stream(tp):
+        llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=512, tensor_parallel_size=tp)
+        try:
+            eng, p = llm.engine, prompts(6)
+            greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+            seqs = [eng.add_request(p[0], greedy), eng.add_request(p[1], greedy)]
+            for step in range(40):
+                if step == 3:
+                    seqs += [eng.add_request(p[2], greedy), eng.add_request(p[3], SamplingParams(
+                        max_tokens=20, temperature=0.8, seed=7, ignore_eos=True))]
+                if step == 6:
+                    assert eng.abort(seqs[1])
+                if step == 9:
+                    seqs.append(eng.add_request(p[4], greedy))
+                if eng.has_unfinished():
+                    eng.step()
+            assert not eng.has_unfinished()
+            return [(s.output_ids, s.finish_reason) for s in seqs]
+        finally:
+            llm.shutdown()
+
+    one, two = stream(1), stream(2)
+    assert two == one
+    assert one[1][1] == "abort" and 0 < len(one[1][0]) < 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{}, dict(speculative="mtp", num_speculative_tokens=2)], ids=["plain", "mtp"])
+def test_gpu_tp2_with_graphs_on_every_rank_equals_tp1_in_fp32(kw):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    path = default_model_path()
+    common = dict(device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, **kw)
+    one = run(path, 1, n=6, **common)
+    two = run(path, 2, n=6, **common)
+    assert two == one
