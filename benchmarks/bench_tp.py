@@ -18,6 +18,7 @@ CUDA graphs on every rank; fp32 greedy identity of TP with TP = 1.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -105,7 +106,12 @@ def main() -> None:
               "tp": {}}
     print(f"{report['device']} × {gpus}: copy {copy_bw / 1e9:.0f} GB/s", flush=True)
     batches = [1, 4] if args.tiny else args.batches
+    llm = None
     for tp in tps:
+        llm = None  # the previous LLM's weights, pool and graphs go before this one sizes its pool
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
         llm = LLM(path, device=dev, dtype="bfloat16" if dev == "cuda" else "float32", tensor_parallel_size=tp,
                   max_num_seqs=max(batches), max_model_len=args.prompt_len + 160, gpu_memory_utilization=0.6)
         try:
@@ -123,8 +129,7 @@ def main() -> None:
             print(f"TP={tp} B={p['batch']} rank 0: wall {p['wall_per_step_s'] * 1e3:.2f} ms/step, kernels "
                   f"{p['kernel_per_step_s'] * 1e3:.2f}, all-reduce {p['allreduce_per_step_s'] * 1e3:.3f} "
                   f"({p['allreduce_calls_per_step']:.0f} kernels), idle {p['idle_per_step_s'] * 1e3:.2f}", flush=True)
-        if dev == "cuda":
-            torch.cuda.empty_cache()
+    llm = None
     base = {r["batch"]: r["step_s"] for r in report["tp"][str(tps[0])]["decode"]["rows"]} if tps[0] == 1 else {}
     for tp in tps:
         for r in report["tp"][str(tp)]["decode"]["rows"]:

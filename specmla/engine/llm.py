@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -172,11 +173,22 @@ class LLM:
         if not self._workers:
             return
         self.engine.shutdown()
+        self._release_graphs()
         for p in self._workers:
             if p != "torchrun":
                 p.join(timeout=30)
         self._workers = []
         destroy_group()
+
+    def _release_graphs(self) -> None:
+        """Drop the CUDA graphs before the group goes: torch's destroy_process_group waits forever on NCCL work
+        captured in graphs that are still alive (pytorch/pytorch#115388)."""
+        runner = self.engine.runner
+        runner.graphed = runner.graphed_verify = runner.graphed_mtp = runner.graphed_spec = None
+        runner.prefill_graphs = None
+        gc.collect()
+        if self.kv_pool.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_pool.device)
 
     @property
     def kv_pool(self) -> KVPool:
@@ -239,4 +251,5 @@ def worker_main(rank: int, world: int, init_file: str | None, model_path: str, l
         llm_kwargs = dict(llm_kwargs, device=f"cuda:{local_rank(rank)}")
     llm = LLM(model_path, _tp_rank=rank, _tp_world=world, **llm_kwargs)
     follow_engine(llm.engine)
+    llm._release_graphs()
     destroy_group()
