@@ -416,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _torchrun_worker(args: argparse.Namespace) -> int | None:
-    """Under torchrun, ranks > 0 do not run the command: they serve rank 0's model calls."""
+    """Under torchrun, ranks > 0 do not run the command: they build the engine rank 0's command builds, on their
+    shard, and follow rank 0's request stream."""
     if not launched_by_torchrun() or int(os.environ["RANK"]) == 0:
         return None
     model = getattr(args, "model_pos", None) or args.model
@@ -425,7 +426,9 @@ def _torchrun_worker(args: argparse.Namespace) -> int | None:
     kwargs = dict(device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
                   num_pages=args.num_pages, max_model_len=args.max_model_len,
                   max_num_seqs=getattr(args, "max_num_seqs", 64),
-                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                  max_num_batched_tokens=getattr(args, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
+                  kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                  **{k: v for k, v in _spec_kwargs(args).items() if k != "tensor_parallel_size"})
     worker_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, str(model), kwargs)
     return 0
 

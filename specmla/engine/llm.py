@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
+import multiprocessing.connection as mp_connection
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +33,8 @@ from specmla.model.loader import WEIGHTS, load_model
 from specmla.ops.kv_cache import QUANTIZED
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -117,7 +123,7 @@ class LLM:
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
-        self._workers = []
+        self._workers, self._stopping = [], False
         if tensor_parallel_size > 1 and _tp_rank is None:
             # every rank builds this same engine (graphs included, their all-reduces captured in lockstep); the
             # other ranks mirror rank 0's pool page for page (sizing from their own free memory could differ)
@@ -165,13 +171,30 @@ class LLM:
                                 args=(rank, world, init_file, str(self.model_path), worker_kwargs))
                 p.start()
                 self._workers.append(p)
+            threading.Thread(target=self._watch_workers, args=(list(self._workers),), daemon=True,
+                             name="specmla-tp-watch").start()
             init_group(0, world, init_file, device.type)
         atexit.register(self.shutdown)
+
+    def _watch_workers(self, workers: list) -> None:
+        """A rank that dies leaves the others waiting in a collective forever: when a spawned worker exits before
+        `shutdown`, stop the remaining workers and this process (a server's supervisor then sees it exit)."""
+        mp_connection.wait([p.sentinel for p in workers])
+        if self._stopping:
+            return
+        dead = [(i + 1, p.exitcode) for i, p in enumerate(workers) if not p.is_alive()]
+        log.error("tensor-parallel rank(s) %s exited (exit codes %s); stopping every rank",
+                  [r for r, _ in dead], [c for _, c in dead])
+        for p in workers:
+            if p.is_alive():
+                p.kill()
+        os._exit(1)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (no-op otherwise)."""
         if not self._workers:
             return
+        self._stopping = True
         self.engine.shutdown()
         self._release_graphs()
         for p in self._workers:
@@ -240,11 +263,21 @@ class LLM:
         self.last_output = self.engine.output_of(seq)
 
 
+def _exit_with_parent() -> None:
+    """A spawned worker whose rank 0 is gone (killed, crashed) would wait in a collective forever: exit."""
+    mp_connection.wait([mp.parent_process().sentinel])
+    os._exit(1)
+
+
 def worker_main(rank: int, world: int, init_file: str | None, model_path: str, llm_kwargs: dict) -> None:
     """A worker rank's process: join the group, build rank 0's engine on its own shard (a KV pool mirroring rank
     0's), then follow rank 0's request stream until it stops. init_file None: launched by torchrun (env://
     rendezvous)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    if init_file is not None:  # spawned by rank 0: it alone decides when this rank ends (its stop, or its exit)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        threading.Thread(target=_exit_with_parent, daemon=True, name="specmla-tp-parent").start()
     device = llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     init_group(rank, world, init_file, device)
     if device != "cpu":

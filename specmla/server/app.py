@@ -360,6 +360,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
         yield
         if state["engine"]:
             state["engine"].shutdown()
+        if state["llm"]:
+            state["llm"].shutdown()  # tensor parallelism: the other ranks stop with this one
 
     app = FastAPI(title="specmla", lifespan=lifespan)
     app.state.specmla = state

@@ -51,9 +51,11 @@ def start_server(model_dir, *extra, api_key=KEY):
     raise RuntimeError("server did not become healthy")
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    proc, base, saw_503 = start_server(tiny_model_dir, "--num-pages", "512", "--max-num-seqs", "32")
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(tiny_model_dir, request):
+    """The server on one rank, and on two tensor-parallel ranks (gloo): every test here runs against both."""
+    proc, base, saw_503 = start_server(tiny_model_dir, "--num-pages", "512", "--max-num-seqs", "32",
+                                       "--tp", str(request.param))
     yield base, saw_503
     proc.terminate()
     proc.wait(timeout=30)
