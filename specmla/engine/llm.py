@@ -195,11 +195,19 @@ class LLM:
         if not self._workers:
             return
         self._stopping = True
+        clean = isinstance(self.engine, TPEngine) and not self.engine.in_step
+        if not clean:  # a half-built LLM, or a step cut short: the workers may sit in a collective, never to read a stop
+            for p in self._workers:
+                if p != "torchrun":
+                    p.kill()  # they ignore SIGTERM: multiprocessing's exit handler would join them forever
+            return
         self.engine.shutdown()
         self._release_graphs()
         for p in self._workers:
             if p != "torchrun":
                 p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
         self._workers = []
         destroy_group()
 

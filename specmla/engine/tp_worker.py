@@ -30,6 +30,7 @@ class TPEngine:
     def __init__(self, engine):
         self._engine = engine
         self._pending: list[list] = []
+        self.in_step = False  # a step began and has not returned: the other ranks may be inside a collective
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -50,8 +51,11 @@ class TPEngine:
 
     def step(self) -> list[Sequence]:
         ops, self._pending = self._pending, []
+        self.in_step = True
         broadcast_bytes(json.dumps(ops).encode() if ops else b"")
-        return self._engine.step()
+        out = self._engine.step()
+        self.in_step = False
+        return out
 
     def shutdown(self) -> None:
         """Stop the other ranks' `follow_engine` loops."""

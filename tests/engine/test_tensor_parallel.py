@@ -95,3 +95,55 @@ def test_gpu_tp2_with_graphs_on_every_rank_equals_tp1_in_fp32(kw):
     one = run(path, 1, n=6, **common)
     two = run(path, 2, n=6, **common)
     assert two == one
+
+
+def test_tp2_unseeded_sampling_equals_tp1_with_the_seeds_rank_0_drew(tiny_model_dir):
+    """Review: the length-only check above passes even when rank 0 does not send its drawn seeds (the ranks then
+    sample different tokens, but with ignore_eos every request still ends after max_tokens). Rank 0's tokens must
+    be those of one process given the same seeds; a worker sampling other tokens feeds other embeddings into the
+    all-reduces and changes them."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=512, tensor_parallel_size=2)
+    try:
+        seqs = [llm.engine.add_request(p, params) for p in prompts()]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        two = [s.output_ids for s in seqs]
+    finally:
+        llm.shutdown()
+    seeded = [SamplingParams(max_tokens=16, temperature=1.0, seed=s.seed, ignore_eos=True) for s in seqs]
+    assert two == run(tiny_model_dir, 1, seeded)
+
+
+_CUT_SHORT = """
+import sys
+from specmla import LLM, SamplingParams
+
+def main():
+    llm = LLM(sys.argv[1], device="cpu", page_size=4, num_pages=128, tensor_parallel_size=2)
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    llm.model.model.layers[1].forward = interrupted  # rank 0 only: the worker waits in this layer's all-reduce
+    try:
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0))
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_rank_0_exits_after_a_step_cut_short(tiny_model_dir, tmp_path):
+    """Review: Ctrl-C on rank 0 mid-step left the worker inside a collective; the atexit shutdown then waited in
+    the stop broadcast forever (and multiprocessing's exit handler joins workers that ignore SIGTERM)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "cut_short.py"
+    script.write_text(_CUT_SHORT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0 and "interrupted" in r.stdout, r.stderr[-2000:]
