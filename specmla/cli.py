@@ -135,6 +135,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     """Checks across flags (argparse's one-line error, exit code 2)."""
     if getattr(args, "ngram_min", 1) > getattr(args, "ngram_max", 1):
         parser.error(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")
+    if getattr(args, "func", None) is cmd_bench_spec and getattr(args, "tp", 1) > 1:
+        parser.error("bench spec builds one engine per configuration, which tensor-parallel ranks cannot follow: "
+                     "use --tp 1")
     if getattr(args, "command", None) == "serve" and (not launched_by_torchrun() or os.environ["RANK"] == "0"):
         try:
             socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)

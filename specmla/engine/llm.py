@@ -80,6 +80,8 @@ class LLM:
             raise ValueError("tensor_parallel_size must be >= 1")
         if tensor_parallel_size > 1 and isinstance(model, DeepseekForCausalLM):
             raise ValueError("tensor parallelism needs a model directory (each rank loads its shard)")
+        if tensor_parallel_size > 1 and tokenizer is not None:
+            raise ValueError("tensor parallelism takes the model directory's tokenizer (every rank loads the same one)")
         if isinstance(model, DeepseekForCausalLM):
             self.model_path = None
             self.model, self.tokenizer = model, tokenizer
@@ -158,6 +160,8 @@ class LLM:
     def _start_tensor_parallel(self, world: int, device, worker_kwargs: dict) -> None:
         """Rank 0 (this process, its shard loaded): spawn ranks 1..world-1 (each builds the same engine on its
         shard) and join the group."""
+        if device.type == "cpu":  # the workers' thread count: the replicated ops then reduce in the same order
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
         if launched_by_torchrun():  # the other ranks were started by torchrun and run worker_main
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
@@ -182,6 +186,8 @@ class LLM:
         mp_connection.wait([p.sentinel for p in workers])
         if self._stopping:
             return
+        for p in workers:
+            p.join(timeout=0.5)  # the sentinel fires before is_alive() turns False
         dead = [(i + 1, p.exitcode) for i, p in enumerate(workers) if not p.is_alive()]
         log.error("tensor-parallel rank(s) %s exited (exit codes %s); stopping every rank",
                   [r for r, _ in dead], [c for _, c in dead])

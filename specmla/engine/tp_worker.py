@@ -28,12 +28,19 @@ class TPEngine:
     """Rank 0's engine: the LLMEngine itself, whose request changes reach the other ranks before the next step."""
 
     def __init__(self, engine):
-        self._engine = engine
-        self._pending: list[list] = []
-        self.in_step = False  # a step began and has not returned: the other ranks may be inside a collective
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_pending", [])
+        object.__setattr__(self, "in_step", False)  # a step began and has not returned: the other ranks may be
+        # inside a collective
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+    def __setattr__(self, name, value):
+        """Setting an engine attribute here would change rank 0 only and split the ranks apart: refused."""
+        if name not in ("_pending", "in_step"):
+            raise AttributeError(f"cannot set {name!r} on a tensor-parallel engine: every rank must stay identical")
+        object.__setattr__(self, name, value)
 
     def add_request(self, prompt, params: SamplingParams, admit_unfittable: bool = False) -> Sequence:
         seq = self._engine.add_request(prompt, params, admit_unfittable)  # raises before any change on bad input

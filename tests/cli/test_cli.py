@@ -86,17 +86,11 @@ def test_bench_spec_sweep_keeps_outputs_identical(tiny_model_dir, tmp_path):
 def test_torchrun_ranks_generate_what_one_process_generates(tiny_model_dir):
     """The multi-node launch path on one host: torchrun starts 2 ranks (env:// rendezvous); rank 0 runs the command,
     rank 1 builds the same engine (here with n-gram speculation) and follows it; both exit when it is done."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     args = ["generate", "--model", str(tiny_model_dir), "--device", "cpu", "--num-pages", "256", "--prompt",
             "hello there", "--max-tokens", "12", "--ignore-eos", "--speculative", "ngram"]
     one = run_cli(*args)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(port), "-m", "specmla.cli", *args, "--tp", "2"], capture_output=True, text=True,
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "specmla.cli", *args, "--tp", "2"], capture_output=True, text=True,
                          env=env, timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and one.stdout.startswith("hello there")

@@ -58,6 +58,7 @@ BAD_FLAGS = [
     (["bench", "spec", "--batch", "1", "0"], "argument --batch: 0 is out of range"),
     (["bench", "spec", "--rounds", "0"], "argument --rounds: 0 is out of range"),
     (["bench", "spec", "--modes", "eagle"], "argument --modes: invalid choice: 'eagle'"),
+    (["bench", "spec", "--tp", "2"], "bench spec builds one engine per configuration"),
 ]
 
 

@@ -38,13 +38,6 @@ def test_tp4_equals_tp1_with_seeded_sampling(tiny_model_dir):
     assert run(tiny_model_dir, 4, params) == run(tiny_model_dir, 1, params)
 
 
-def test_tp2_samples_without_seeds_and_all_ranks_agree(tiny_model_dir):
-    """No seed given: rank 0 draws one per request and sends it along, so the ranks sample the same tokens (a
-    disagreement would desynchronise their schedulers and the run would not finish with every page free)."""
-    toks = run(tiny_model_dir, 2, SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True))
-    assert len(toks) == 8 and all(len(t) == 16 for t in toks)
-
-
 @pytest.mark.parametrize("kw", [
     dict(speculative="mtp", num_speculative_tokens=2, kv_cache_dtype="fp8"),
     dict(speculative="ngram", num_speculative_tokens=3, kv_cache_dtype="tbq4"),
@@ -53,6 +46,24 @@ def test_tp2_samples_without_seeds_and_all_ranks_agree(tiny_model_dir):
 def test_tp2_equals_tp1_on_the_embedded_model_with_speculation_and_quantised_caches(kw):
     path = default_model_path()  # production latent shapes (Dc 512): the quantised row formats apply
     assert run(path, 2, n=5, **kw) == run(path, 1, n=5, **kw)
+
+
+def test_tp_engine_refuses_writes_and_a_custom_tokenizer(tiny_model_dir):
+    """Rank 0's engine attributes cannot be set (that would change rank 0 only), and a tokenizer object cannot
+    be passed (the other ranks load the directory's); both raise before any rank diverges."""
+    from specmla.tokenizer import Tokenizer
+
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(tiny_model_dir, device="cpu", tensor_parallel_size=2, tokenizer=Tokenizer(tiny_model_dir))
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=64, tensor_parallel_size=2)
+    try:
+        with pytest.raises(AttributeError, match="every rank must stay identical"):
+            llm.engine.max_model_len = 8
+        assert llm.engine.max_model_len == llm.engine._engine.max_model_len > 8
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))[0]
+        assert len(out.token_ids) == 3
+    finally:
+        llm.shutdown()
 
 
 def test_tp2_follows_requests_added_and_aborted_between_steps(tiny_model_dir):
@@ -98,10 +109,8 @@ def test_gpu_tp2_with_graphs_on_every_rank_equals_tp1_in_fp32(kw):
 
 
 def test_tp2_unseeded_sampling_equals_tp1_with_the_seeds_rank_0_drew(tiny_model_dir):
-    """Review: the length-only check above passes even when rank 0 does not send its drawn seeds (the ranks then
-    sample different tokens, but with ignore_eos every request still ends after max_tokens). Rank 0's tokens must
-    be those of one process given the same seeds; a worker sampling other tokens feeds other embeddings into the
-    all-reduces and changes them."""
+    """No seed given: rank 0 draws one per request and sends it along. Its tokens are those of one process given
+    the same seeds; a worker that sampled other tokens would feed other embeddings into the all-reduces."""
     params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
     llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=512, tensor_parallel_size=2)
     try:
@@ -135,8 +144,8 @@ if __name__ == "__main__":
 
 
 def test_rank_0_exits_after_a_step_cut_short(tiny_model_dir, tmp_path):
-    """Review: Ctrl-C on rank 0 mid-step left the worker inside a collective; the atexit shutdown then waited in
-    the stop broadcast forever (and multiprocessing's exit handler joins workers that ignore SIGTERM)."""
+    """Ctrl-C on rank 0 mid-step leaves the worker inside a collective, where no stop message reaches it: rank 0's
+    exit kills it instead of waiting (multiprocessing's exit handler would join a worker that ignores SIGTERM)."""
     import os
     import subprocess
     import sys

@@ -106,7 +106,7 @@ def test_plan_split_gives_each_sm_about_two_programs_none_empty(N, K, want):
     kb = -(-K // 128)
     per = -(-kb // split)
     assert -(-kb // per) == split  # every program has K blocks
-    if split > 1:  # the fewest splits reaching 1.7 programs per SM
+    if split > 1:  # the fewest splits reaching 1.6 programs per SM
         assert -(-N // 64) * (split - 1) < 1.6 * 132
 
 
@@ -151,6 +151,8 @@ def test_bad_inputs_raise_naming_the_argument():
         fp8_block_linear_triton(x, w, s, out=torch.empty(3, 137))
     with pytest.raises(ValueError, match="workspace"):
         fp8_block_linear_triton(x, w, s, split=2, workspace=torch.empty(10))
+    with pytest.raises(ValueError, match="PREFETCH"):
+        fp8_block_linear_triton(x, w, s, config=dict(PREFETCH=3))
     with pytest.raises(ValueError, match="unknown backend"):
         fp8_block_linear(x, w, s, backend="cuda")
 

@@ -316,6 +316,9 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     cfg = {**_decode_config(M, split), **(config or {})}
     if cfg["BLOCK_M"] < M:
         raise ValueError(f"fp8_block_linear: config BLOCK_M {cfg['BLOCK_M']} < {M} rows")
+    prefetch = cfg.get("PREFETCH", PREFETCH_BLOCKS)
+    if prefetch < 0 or prefetch & (prefetch - 1):
+        raise ValueError(f"fp8_block_linear: config PREFETCH must be 0 or a power of two, got {prefetch}")
     tiles_n = triton.cdiv(N, cfg["BLOCK_N"])
     pdl = use_pdl(x.device)
     a, a_s = act_quant(x2, pdl=pdl)
@@ -332,6 +335,6 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     _splitk_kernel[(tiles_n, split)](
         a, a_s, w, ws, b, out, workspace, count, M, N, K, KB, per, out.stride(0),
         SPLIT=split, HAS_BIAS=has_bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=BLOCK,
-        PDL=pdl, PREFETCH=cfg.get("PREFETCH", PREFETCH_BLOCKS), num_warps=cfg["num_warps"],
+        PDL=pdl, PREFETCH=prefetch, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], launch_pdl=pdl)
     return out.view(*lead, N)
