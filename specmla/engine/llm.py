@@ -26,6 +26,7 @@ from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
 from specmla.engine.spec_graph import GraphedSpecStep
+from specmla.engine.tp_channel import GlooChannel, ShmChannel
 from specmla.engine.tp_worker import TPEngine, follow_engine
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.default import default_model_path
@@ -125,7 +126,7 @@ class LLM:
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
-        self._workers, self._stopping = [], False
+        self._workers, self._stopping, self._channel = [], False, None
         if tensor_parallel_size > 1 and _tp_rank is None:
             # every rank builds this same engine (graphs included, their all-reduces captured in lockstep); the
             # other ranks mirror rank 0's pool page for page (sizing from their own free memory could differ)
@@ -139,7 +140,7 @@ class LLM:
         if device.type == "cuda" and not enforce_eager:
             self._capture_graphs(pool, proposer, max_num_seqs, max_len, page_size, max_num_batched_tokens)
         if self._workers:
-            self.engine = TPEngine(self.engine)
+            self.engine = TPEngine(self.engine, self._channel)
 
     def _capture_graphs(self, pool: KVPool, proposer, max_num_seqs: int, max_len: int, page_size: int,
                         max_num_batched_tokens: int) -> None:
@@ -166,18 +167,22 @@ class LLM:
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
             init_group(0, world, None, device.type)
-            self._workers = ["torchrun"]
+            self._workers, self._channel = ["torchrun"], GlooChannel()
         else:
             init_file = tempfile.mktemp(prefix="specmla-tp-")
+            self._channel = ShmChannel.create(world - 1) if ShmChannel.available() else GlooChannel()
+            path = self._channel.path if isinstance(self._channel, ShmChannel) else None
             ctx = mp.get_context("spawn")
             for rank in range(1, world):
                 p = ctx.Process(target=worker_main, daemon=True,
-                                args=(rank, world, init_file, str(self.model_path), worker_kwargs))
+                                args=(rank, world, init_file, str(self.model_path), worker_kwargs, path))
                 p.start()
                 self._workers.append(p)
             threading.Thread(target=self._watch_workers, args=(list(self._workers),), daemon=True,
                              name="specmla-tp-watch").start()
             init_group(0, world, init_file, device.type)
+            if path is not None:  # every worker mapped the channel before joining the group
+                self._channel.unlink()
         atexit.register(self.shutdown)
 
     def _watch_workers(self, workers: list) -> None:
@@ -201,6 +206,8 @@ class LLM:
         if not self._workers:
             return
         self._stopping = True
+        if isinstance(self._channel, ShmChannel):
+            self._channel.unlink()  # gone already unless the LLM failed while the workers were starting
         clean = isinstance(self.engine, TPEngine) and not self.engine.in_step
         if not clean:  # a half-built LLM, or a step cut short: the workers may sit in a collective, never to read a stop
             for p in self._workers:
@@ -215,6 +222,7 @@ class LLM:
                 if p.is_alive():
                     p.kill()
         self._workers = []
+        self._channel.close()
         destroy_group()
 
     def _release_graphs(self) -> None:
@@ -283,20 +291,23 @@ def _exit_with_parent() -> None:
     os._exit(1)
 
 
-def worker_main(rank: int, world: int, init_file: str | None, model_path: str, llm_kwargs: dict) -> None:
+def worker_main(rank: int, world: int, init_file: str | None, model_path: str, llm_kwargs: dict,
+                channel_path: str | None = None) -> None:
     """A worker rank's process: join the group, build rank 0's engine on its own shard (a KV pool mirroring rank
     0's), then follow rank 0's request stream until it stops. init_file None: launched by torchrun (env://
-    rendezvous)."""
+    rendezvous). channel_path: rank 0's shared-memory `ShmChannel` (else the request stream comes over gloo)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     if init_file is not None:  # spawned by rank 0: it alone decides when this rank ends (its stop, or its exit)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         threading.Thread(target=_exit_with_parent, daemon=True, name="specmla-tp-parent").start()
     device = llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    channel = ShmChannel.attach(channel_path, world - 1, rank) if channel_path else GlooChannel()
     init_group(rank, world, init_file, device)
     if device != "cpu":
         llm_kwargs = dict(llm_kwargs, device=f"cuda:{local_rank(rank)}")
     llm = LLM(model_path, _tp_rank=rank, _tp_world=world, **llm_kwargs)
-    follow_engine(llm.engine)
+    follow_engine(llm.engine, channel)
+    channel.close()
     llm._release_graphs()
     destroy_group()

@@ -4,9 +4,9 @@ Each rank holds its shard of the weights and a full copy of the KV pool, and run
 CUDA graphs and the same sampling. The layers' all-reduces leave every rank with the same hidden states (NCCL's
 all-reduce hands each rank the same sums), so every rank samples the same tokens and takes the same scheduling
 decisions, step after step. Only the request stream crosses between ranks: rank 0's `TPEngine` forwards each
-`add_request` / `abort` to the other ranks, batched with the next `step`, as one JSON message over the CPU group
-(`distributed.broadcast_bytes`; a step with nothing new sends an 8-byte header only). The other ranks run
-`follow_engine`. Nothing is pickled and no rank waits on its GPU for the message.
+`add_request` / `abort` to the other ranks, batched with the next `step`, as one JSON message over a `tp_channel`
+(shared memory on one host, the gloo group across hosts; a step with nothing new sends an empty message). The
+other ranks run `follow_engine`. Nothing is pickled and no rank waits on its GPU for the message.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import logging
 
 import torch
 
-from specmla.distributed import broadcast_bytes
 from specmla.engine.sequence import Sequence
 from specmla.sampling_params import SamplingParams
 
@@ -27,8 +26,9 @@ log = logging.getLogger(__name__)
 class TPEngine:
     """Rank 0's engine: the LLMEngine itself, whose request changes reach the other ranks before the next step."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, channel):
         object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_channel", channel)
         object.__setattr__(self, "_pending", [])
         object.__setattr__(self, "in_step", False)  # a step began and has not returned: the other ranks may be
         # inside a collective
@@ -59,23 +59,23 @@ class TPEngine:
     def step(self) -> list[Sequence]:
         ops, self._pending = self._pending, []
         self.in_step = True
-        broadcast_bytes(json.dumps(ops).encode() if ops else b"")
+        self._channel.send(json.dumps(ops).encode() if ops else b"")
         out = self._engine.step()
         self.in_step = False
         return out
 
     def shutdown(self) -> None:
         """Stop the other ranks' `follow_engine` loops."""
-        broadcast_bytes(stop=True)
+        self._channel.send(None)
 
 
-def follow_engine(engine) -> None:
+def follow_engine(engine, channel) -> None:
     """Another rank's loop: apply rank 0's request changes, then step, until rank 0 stops. A step that raises is
     logged and the loop goes on, as rank 0's server does (its aborts of the failed requests arrive next)."""
     seqs: dict[int, Sequence] = {}  # rank 0's request id → this rank's request
     with torch.inference_mode():
         while True:
-            msg = broadcast_bytes()
+            msg = channel.recv()
             if msg is None:
                 return
             for op in json.loads(msg) if msg else []:
