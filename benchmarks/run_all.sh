@@ -53,7 +53,9 @@ case ${1:-decode} in
     python3 benchmarks/tune_moe.py --out-json "$OUT/" --report "$OUT/tune_moe.json"
     ;;
   tp)
-    python3 benchmarks/bench_tp.py --layers 4 --new-tokens 64 --out "$OUT"
+    torchrun --standalone --nproc-per-node "$(python3 -c 'import torch; print(min(4, torch.cuda.device_count()))')" \
+      benchmarks/bench_allreduce.py --out "$OUT"
+    python3 benchmarks/bench_tp.py --checkpoint-dir /tmp/specmla_v2lite27 --identity --out "$OUT"
     ;;
   cpu)
     python3 benchmarks/kv_memory_report.py --json "$OUT/kv_memory_report.json"
