@@ -126,7 +126,7 @@ class LLM:
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
-        self._workers, self._stopping, self._channel = [], False, None
+        self._workers, self._stopping, self._channel, self._init_file = [], False, None, None
         if tensor_parallel_size > 1 and _tp_rank is None:
             # every rank builds this same engine (graphs included, their all-reduces captured in lockstep); the
             # other ranks mirror rank 0's pool page for page (sizing from their own free memory could differ)
@@ -169,18 +169,31 @@ class LLM:
             init_group(0, world, None, device.type)
             self._workers, self._channel = ["torchrun"], GlooChannel()
         else:
-            init_file = tempfile.mktemp(prefix="specmla-tp-")
-            self._channel = ShmChannel.create(world - 1) if ShmChannel.available() else GlooChannel()
+            self._init_file = tempfile.mktemp(prefix="specmla-tp-")
+            workers = self._workers
+            try:
+                if not ShmChannel.available():
+                    raise OSError("the shared-memory channel needs x86-64")
+                self._channel = ShmChannel.create(world - 1, alive=lambda: all(p.is_alive() for p in workers))
+            except OSError:  # not x86-64, or no room in /dev/shm: the gloo channel
+                self._channel = GlooChannel()
             path = self._channel.path if isinstance(self._channel, ShmChannel) else None
             ctx = mp.get_context("spawn")
-            for rank in range(1, world):
-                p = ctx.Process(target=worker_main, daemon=True,
-                                args=(rank, world, init_file, str(self.model_path), worker_kwargs, path))
-                p.start()
-                self._workers.append(p)
-            threading.Thread(target=self._watch_workers, args=(list(self._workers),), daemon=True,
-                             name="specmla-tp-watch").start()
-            init_group(0, world, init_file, device.type)
+            try:
+                for rank in range(1, world):
+                    p = ctx.Process(target=worker_main, daemon=True,
+                                    args=(rank, world, self._init_file, str(self.model_path), worker_kwargs, path))
+                    p.start()
+                    workers.append(p)
+                threading.Thread(target=self._watch_workers, args=(list(workers),), daemon=True,
+                                 name="specmla-tp-watch").start()
+                init_group(0, world, self._init_file, device.type)
+            except BaseException:  # the workers would wait for a rank 0 that is not coming
+                self._stopping = True
+                for p in workers:
+                    p.kill()
+                self._remove_files()
+                raise
             if path is not None:  # every worker mapped the channel before joining the group
                 self._channel.unlink()
         atexit.register(self.shutdown)
@@ -199,22 +212,35 @@ class LLM:
         for p in workers:
             if p.is_alive():
                 p.kill()
+        self._remove_files()
         os._exit(1)
+
+    def _remove_files(self) -> None:
+        """The shared-memory channel's file (if still there) and the group's rendezvous file."""
+        if isinstance(self._channel, ShmChannel):
+            self._channel.unlink()
+        if self._init_file is not None and os.path.exists(self._init_file):
+            os.unlink(self._init_file)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (no-op otherwise)."""
         if not self._workers:
             return
         self._stopping = True
-        if isinstance(self._channel, ShmChannel):
-            self._channel.unlink()  # gone already unless the LLM failed while the workers were starting
         clean = isinstance(self.engine, TPEngine) and not self.engine.in_step
-        if not clean:  # a half-built LLM, or a step cut short: the workers may sit in a collective, never to read a stop
+        if clean:
+            try:
+                self.engine.shutdown()
+            except RuntimeError:  # a worker died without reading the stop (the shared-memory channel noticed)
+                log.error("a tensor-parallel rank exited before the stop; stopping the others")
+                clean = False
+        if not clean:  # a half-built LLM, a step cut short, a dead rank: the others may sit in a collective
             for p in self._workers:
                 if p != "torchrun":
                     p.kill()  # they ignore SIGTERM: multiprocessing's exit handler would join them forever
+            self._workers = []
+            self._remove_files()
             return
-        self.engine.shutdown()
         self._release_graphs()
         for p in self._workers:
             if p != "torchrun":
@@ -224,6 +250,7 @@ class LLM:
         self._workers = []
         self._channel.close()
         destroy_group()
+        self._remove_files()
 
     def _release_graphs(self) -> None:
         """Drop the CUDA graphs before the group goes: torch's destroy_process_group waits forever on NCCL work

@@ -43,12 +43,15 @@ class ShmChannel:
 
     Layout (little-endian int64 words, then bytes): [seq][length][more][ack_1 .. ack_readers][payload: capacity].
     Rank 0 writes the payload, the length and the more-flag, then seq + 1 last; readers look at seq first. That
-    needs stores to become visible in program order, as on x86-64 (`available()`). A message longer than `capacity` goes in parts (more = 1 on all but
-    the last). Before writing part n + 1, rank 0 waits until every reader's ack equals n: a reader acks once it has
-    copied a part out, so a slot is never overwritten under a reader. A waiting rank polls with sched_yield for about
-    a thousand polls, then sleeps in growing steps up to 1 ms (an idle server does not hold a core per rank)."""
+    needs stores to become visible in program order, as on x86-64 (`available()`). A message longer than
+    `capacity` goes in parts (more = 1 on all but the last). Before writing part n + 1, rank 0 waits until every
+    reader's ack equals n: a reader acks once it has copied a part out, so a slot is never overwritten under a
+    reader. A waiting rank polls with sched_yield for SPIN_S, then sleeps in growing steps up to 1 ms (an idle
+    server does not hold a core per rank; the first message after idle waits up to 1 ms). `alive()`, when given,
+    is asked while rank 0 waits for acks: False (a reader died) raises instead of waiting forever."""
 
     HEADER_WORDS = 3
+    SPIN_S = 5e-3  # rank 0's host work between two steps fits in it: a worker sees the next step at once
 
     @staticmethod
     def available() -> bool:
@@ -56,34 +59,37 @@ class ShmChannel:
         without explicit fences (plain Python has none)."""
         return platform.machine().lower() in ("x86_64", "amd64")
 
-    def __init__(self, path: str, readers: int, rank: int, capacity: int, create: bool):
-        self.path, self.readers, self.rank = path, readers, rank
+    def __init__(self, path: str, fd: int, readers: int, rank: int, capacity: int, create: bool, alive=None):
+        if not 0 <= rank <= readers or (rank == 0) != create:
+            raise ValueError(f"ShmChannel: rank {rank} of {readers} readers (rank 0 creates, 1..readers attach)")
+        self.path, self.readers, self.rank, self._alive = path, readers, rank, alive
         self._payload = 8 * (self.HEADER_WORDS + readers)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
         try:
-            if create:
-                os.ftruncate(fd, self._payload + capacity)
+            if create:  # the blocks now, not at the first write (a full /dev/shm would then be a SIGBUS)
+                os.posix_fallocate(fd, 0, self._payload + capacity)
             size = os.fstat(fd).st_size  # a reader takes the writer's capacity from the file
             self.capacity = size - self._payload
             self._mem = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                self.unlink()
+            raise
         finally:
             os.close(fd)
         self._seq = 0  # the last sequence number this rank wrote or read
 
     @classmethod
-    def create(cls, readers: int, capacity: int = 1 << 22) -> "ShmChannel":
-        """Rank 0's end, in a new file under /dev/shm (the temp dir where there is none)."""
+    def create(cls, readers: int, capacity: int = 1 << 22, alive=None) -> "ShmChannel":
+        """Rank 0's end, in a new file under /dev/shm (the temp dir where there is none); OSError when it cannot
+        be made (the caller then uses the gloo channel)."""
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="specmla-tp-", dir=folder)
-        os.close(fd)
-        os.unlink(path)  # re-created exclusively below
-        return cls(path, readers, 0, capacity, create=True)
+        fd, path = tempfile.mkstemp(prefix="specmla-tp-", dir=folder)  # created exclusively, mode 0600
+        return cls(path, fd, readers, 0, capacity, create=True, alive=alive)
 
     @classmethod
     def attach(cls, path: str, readers: int, rank: int) -> "ShmChannel":
-        """A reader's end (rank ≥ 1) of rank 0's channel (its capacity is the file's)."""
-        return cls(path, readers, rank, 0, create=False)
+        """A reader's end (rank 1..readers) of rank 0's channel (its capacity is the file's)."""
+        return cls(path, os.open(path, os.O_RDWR), readers, rank, 0, create=False)
 
     def unlink(self) -> None:
         """Remove the file once every reader has attached (the mappings stay); nothing is left behind on a crash."""
@@ -98,15 +104,16 @@ class ShmChannel:
     def _set(self, i: int, v: int) -> None:
         _I64.pack_into(self._mem, 8 * i, v)
 
-    def _wait(self, ready) -> None:
-        polls, pause = 0, 0.0
+    def _wait(self, ready, check_alive: bool = False) -> None:
+        start, pause = time.perf_counter(), 0.0
         while not ready():
-            polls += 1
-            if polls <= 1000:
+            if time.perf_counter() - start < self.SPIN_S:
                 os.sched_yield()  # returns at once on an idle core; lets the other ranks run on a busy one
-            else:
-                pause = min(1e-3, max(2e-5, pause * 2))
-                time.sleep(pause)
+                continue
+            if check_alive and self._alive is not None and not self._alive():
+                raise RuntimeError("a tensor-parallel rank exited without reading rank 0's message")
+            pause = min(1e-3, max(2e-5, pause * 2))
+            time.sleep(pause)
 
     def send(self, data: bytes | None) -> None:
         """Publish one message (None: stop); returns once it is written, without waiting for the readers."""
@@ -116,7 +123,8 @@ class ShmChannel:
             first = False
             part, view = view[: self.capacity], view[self.capacity :]
             seq = self._seq
-            self._wait(lambda: all(self._word(self.HEADER_WORDS + r) == seq for r in range(self.readers)))
+            self._wait(lambda: all(self._word(self.HEADER_WORDS + r) == seq for r in range(self.readers)),
+                       check_alive=True)
             self._mem[self._payload : self._payload + len(part)] = part
             self._set(1, _STOP if data is None else len(part))
             self._set(2, 1 if len(view) else 0)

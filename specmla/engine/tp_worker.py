@@ -32,13 +32,14 @@ class TPEngine:
         object.__setattr__(self, "_pending", [])
         object.__setattr__(self, "in_step", False)  # a step began and has not returned: the other ranks may be
         # inside a collective
+        object.__setattr__(self, "stopped", False)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     def __setattr__(self, name, value):
         """Setting an engine attribute here would change rank 0 only and split the ranks apart: refused."""
-        if name not in ("_pending", "in_step"):
+        if name not in ("_pending", "in_step", "stopped"):
             raise AttributeError(f"cannot set {name!r} on a tensor-parallel engine: every rank must stay identical")
         object.__setattr__(self, name, value)
 
@@ -57,6 +58,8 @@ class TPEngine:
         return done
 
     def step(self) -> list[Sequence]:
+        if self.stopped:
+            raise RuntimeError("the tensor-parallel ranks are stopped (LLM.shutdown was called)")
         ops, self._pending = self._pending, []
         self.in_step = True
         self._channel.send(json.dumps(ops).encode() if ops else b"")
@@ -66,6 +69,7 @@ class TPEngine:
 
     def shutdown(self) -> None:
         """Stop the other ranks' `follow_engine` loops."""
+        self.stopped = True
         self._channel.send(None)
 
 

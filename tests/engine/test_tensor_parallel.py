@@ -66,6 +66,26 @@ def test_tp_engine_refuses_writes_and_a_custom_tokenizer(tiny_model_dir):
         llm.shutdown()
 
 
+def test_tp_leaves_no_files_behind(tiny_model_dir):
+    """The shared-memory channel's file goes once the workers have mapped it, the rendezvous file at shutdown."""
+    import glob
+    import tempfile
+
+    def files():
+        return set(glob.glob("/dev/shm/specmla-tp-*")) | set(glob.glob(f"{tempfile.gettempdir()}/specmla-tp-*"))
+
+    before = files()
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=64, tensor_parallel_size=2)
+    try:
+        assert not {f for f in files() - before if f.startswith("/dev/shm/")}  # unlinked after the rendezvous
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+    finally:
+        llm.shutdown()
+    assert files() - before == set()
+    with pytest.raises(RuntimeError, match="stopped"):
+        llm.engine.step()
+
+
 def test_tp2_follows_requests_added_and_aborted_between_steps(tiny_model_dir):
     """A stream like a server's: requests join while others run, one is aborted mid-way; TP=2 gives each request
     the tokens TP=1 gives it, and the aborted one stops at the same length."""

@@ -35,7 +35,7 @@ def test_every_reader_gets_every_message_in_order_then_the_stop():
     ch = ShmChannel.create(readers, capacity=256)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_reader, args=(ch.path, readers, r, q)) for r in range(1, readers + 1)]
+    procs = [ctx.Process(target=_reader, args=(ch.path, readers, r, q), daemon=True) for r in range(1, readers + 1)]
     for p in procs:
         p.start()
     msgs = messages()
@@ -47,6 +47,8 @@ def test_every_reader_gets_every_message_in_order_then_the_stop():
     finally:
         for p in procs:
             p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
         ch.unlink()
         ch.close()
     want = [hashlib.sha256(m).hexdigest() for m in msgs]
@@ -64,3 +66,46 @@ def test_unlink_after_attach_keeps_the_mapping():
     ch.unlink()  # a second unlink is harmless
     ch.close()
     other.close()
+
+
+def test_the_writer_waits_for_every_reader_before_reusing_the_slot():
+    """Message 2 is not published (seq stays 1, the slot keeps message 1) until the slower of two readers has
+    copied message 1 out; then both readers get message 2."""
+    import threading
+
+    ch = ShmChannel.create(2, capacity=64)
+    r1, r2 = ShmChannel.attach(ch.path, 2, 1), ShmChannel.attach(ch.path, 2, 2)
+    ch.unlink()
+    ch.send(b"first")
+    assert r1.recv() == b"first"
+    t = threading.Thread(target=ch.send, args=(b"second",))
+    t.start()
+    t.join(timeout=0.2)
+    assert t.is_alive() and ch._word(0) == 1  # waiting for reader 2's ack
+    assert r2.recv() == b"first"  # the slot still holds message 1
+    t.join(timeout=10)
+    assert not t.is_alive()
+    assert r1.recv() == b"second" and r2.recv() == b"second"
+    for c in (ch, r1, r2):
+        c.close()
+
+
+def test_a_dead_reader_makes_the_writer_raise_instead_of_waiting_forever():
+    alive = [True]
+    ch = ShmChannel.create(1, capacity=64, alive=lambda: alive[0])
+    ch.unlink()
+    ch.send(b"one")  # never read
+    alive[0] = False
+    with pytest.raises(RuntimeError, match="exited without reading"):
+        ch.send(b"two")
+    ch.close()
+
+
+def test_attach_checks_the_rank():
+    ch = ShmChannel.create(2, capacity=64)
+    try:
+        with pytest.raises(ValueError, match="rank 3 of 2 readers"):
+            ShmChannel.attach(ch.path, 2, 3)
+    finally:
+        ch.unlink()
+        ch.close()
