@@ -176,3 +176,59 @@ def test_rank_0_exits_after_a_step_cut_short(tiny_model_dir, tmp_path):
     r = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, PYTHONPATH=root))
     assert r.returncode == 0 and "interrupted" in r.stdout, r.stderr[-2000:]
+
+
+class _Pipe:
+    """An in-process channel: what TPEngine sends, follow_engine receives (a thread each)."""
+
+    def __init__(self):
+        import queue
+
+        self.q = queue.Queue()
+
+    def send(self, data):
+        self.q.put(data)
+
+    def recv(self):
+        return self.q.get(timeout=60)
+
+
+def test_follower_stops_when_its_requests_drift_from_rank_0s(tiny_model_dir):
+    """follow_engine on the same model as rank 0 follows it step for step; on a model whose weights differ (as a
+    rank whose step failed would differ), it raises at the first step after the outputs part, instead of going on
+    with other batches than rank 0's. Two full single-process engines stand in for the ranks (no collectives)."""
+    import threading
+
+    from specmla.engine.tp_worker import TPEngine, follow_engine
+
+    def follow(perturb: bool):
+        lead = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=128)
+        other = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=128)
+        if perturb:
+            with torch.no_grad():
+                other.model.lm_head.weight.mul_(-1.0)  # other tokens from the first sample on
+        pipe, err = _Pipe(), []
+
+        def run():
+            try:
+                follow_engine(other.engine, pipe)
+            except BaseException as e:
+                err.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        eng = TPEngine(lead.engine, pipe)
+        greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        seqs = [eng.add_request(p, greedy) for p in prompts(3)]
+        while eng.has_unfinished() and not err:
+            eng.step()
+            t.join(timeout=0.05)
+        eng.shutdown()
+        t.join(timeout=60)
+        assert not t.is_alive()
+        return [s.output_ids for s in seqs], (err[0] if err else None)
+
+    outs, err = follow(perturb=False)
+    assert err is None and all(len(o) == 6 for o in outs)
+    _, err = follow(perturb=True)
+    assert isinstance(err, RuntimeError) and "no longer match rank 0" in str(err), err
