@@ -7,7 +7,7 @@ bf16), each captured 16 times in one CUDA graph and timed per call on rank 0 (me
   every GPU of the host), after a copy into the symmetric buffer, which the time includes.
 Each result is checked against the NCCL all-reduce. A layer's call at B = 1 moves 4 KB: the times are latencies.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py --out DIR
+    PYTHONPATH=. torchrun --standalone --nproc-per-node 2 benchmarks/bench_allreduce.py --out DIR
 """
 
 from __future__ import annotations
@@ -15,41 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fp8 import graph_time  # noqa: E402
+
 HIDDEN = 2048
-
-
-def graph_time(fn, reps: int, calls: int = 16) -> float:
-    """Seconds per fn() call: `calls` calls in one CUDA graph, median over reps replays (ranks aligned by a barrier
-    before each replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -83,28 +57,28 @@ def main() -> None:
         work = x.clone()
         row = {"batch": B, "bytes": n * 2}
 
-        def nccl():
+        def nccl(_copy=0):
             dist.all_reduce(work)
 
         shard = torch.empty(n // world, dtype=x.dtype, device="cuda")
         gathered = torch.empty_like(x)
 
-        def rs_ag():
+        def rs_ag(_copy=0):
             dist.reduce_scatter_tensor(shard, x)
             dist.all_gather_into_tensor(gathered, shard)
 
         rs_ag()
         row["rs_ag_max_err"] = (gathered.float() - want).abs().max().item()
-        row["nccl_all_reduce_s"] = graph_time(nccl, args.reps)
-        row["nccl_rs_ag_s"] = graph_time(rs_ag, args.reps)
+        row["nccl_all_reduce_s"] = graph_time(nccl, 1, args.reps, barrier=dist.barrier)
+        row["nccl_rs_ag_s"] = graph_time(rs_ag, 1, args.reps, barrier=dist.barrier)
         if symm is not None:
             out = torch.empty_like(x)
 
-            def one_shot():
+            def one_shot(_copy=0):
                 symm[:n].copy_(x)
                 torch.ops.symm_mem.one_shot_all_reduce_out(symm[:n], "sum", group.group_name, out)
 
-            def two_shot():
+            def two_shot(_copy=0):
                 symm[:n].copy_(x)
                 torch.ops.symm_mem.two_shot_all_reduce_(symm[:n], "sum", group.group_name)
 
@@ -114,7 +88,7 @@ def main() -> None:
                     fn()
                     torch.cuda.synchronize()
                     row[f"{name}_max_err"] = (res().float() - want).abs().max().item()
-                    row[f"{name}_s"] = graph_time(fn, args.reps)
+                    row[f"{name}_s"] = graph_time(fn, 1, args.reps, barrier=dist.barrier)
                 except Exception as e:
                     row[f"{name}_s"] = None
                     row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"

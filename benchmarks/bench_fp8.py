@@ -61,10 +61,12 @@ def target(M: int) -> float | None:
 
 
 # ---- timing ---------------------------------------------------------------------------------------------------
-def graph_time(fn, copies: int, reps: int, calls: int = GRAPH_CALLS) -> float:
+def graph_time(fn, copies: int, reps: int, calls: int = GRAPH_CALLS, barrier=None) -> float:
     """Median seconds per fn(i) call: `calls` (≥ copies) calls cycling over the copies captured in one CUDA graph,
-    after two eager rounds on a side stream (compiles, allocates the split-K counters)."""
+    after two eager rounds on a side stream (compiles, allocates the split-K counters). barrier: called before
+    the capture and before every replay (ranks of a collective start each replay together)."""
     calls = max(calls, copies)
+    barrier = barrier or (lambda: None)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -72,14 +74,17 @@ def graph_time(fn, copies: int, reps: int, calls: int = GRAPH_CALLS) -> float:
             fn(i % copies)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+    barrier()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
             fn(i % copies)
+    barrier()
     graph.replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        barrier()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         graph.replay()
