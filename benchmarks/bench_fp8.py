@@ -126,7 +126,7 @@ def linear_variants(M: int, N: int, K: int, dev) -> dict[str, dict]:
     if M <= DECODE_MAX_M:
         out = {}
         for bn in (64, 128):
-            base = plan_split(M, N, K, bn, _num_sms(dev))
+            base = plan_split(N, K, bn, _num_sms(dev))
             for sp in sorted({max(1, base // 2), base, base * 2}):
                 out[f"bn{bn}_split{sp}"] = dict(config=dict(BLOCK_N=bn), split=sp)
         out["stages3"] = dict(config=dict(num_stages=3))

@@ -101,7 +101,7 @@ def test_split_k_is_deterministic_and_resets_its_counters():
                                       (7168, 18432, 2), (64, 300, 3), (100, 128, 1)])
 def test_plan_split_gives_each_sm_about_two_programs_none_empty(N, K, want):
     from specmla.ops.linear.triton import plan_split
-    split = plan_split(16, N, K, 64, 132)
+    split = plan_split(N, K, 64, 132)
     assert split == want
     kb = -(-K // 128)
     per = -(-kb // split)

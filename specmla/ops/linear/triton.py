@@ -245,7 +245,7 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[index]
 
 
-def plan_split(M: int, N: int, K: int, block_n: int, sms: int, waves: float = 1.6) -> int:
+def plan_split(N: int, K: int, block_n: int, sms: int, waves: float = 1.6) -> int:
     """Split count of the decode kernel: the fewest splits that give about `waves` programs per SM (one program
     holds too few weight bytes in flight to stream at an SM's share of the copy rate; two or more resident do),
     and never an empty program. Fewer splits also mean fewer fp32 partials. docs/benchmarks.md §9 has the sweep
@@ -310,7 +310,7 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
                            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return out.view(*lead, N)
     if split is None:
-        split = plan_split(M, N, K, (config or {}).get("BLOCK_N", 64), _num_sms(x.device))
+        split = plan_split(N, K, (config or {}).get("BLOCK_N", 64), _num_sms(x.device))
     per = triton.cdiv(KB, max(1, min(split, KB)))
     split = triton.cdiv(KB, per)  # no empty program
     cfg = {**_decode_config(M, split), **(config or {})}
