@@ -162,7 +162,7 @@ class LLM:
         """Rank 0 (this process, its shard loaded): spawn ranks 1..world-1 (each builds the same engine on its
         shard) and join the group."""
         if device.type == "cpu":  # the workers' thread count: the replicated ops then reduce in the same order
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+            torch.set_num_threads(_rank_threads(world))
         if launched_by_torchrun():  # the other ranks were started by torchrun and run worker_main
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
@@ -312,6 +312,11 @@ class LLM:
         self.last_output = self.engine.output_of(seq)
 
 
+def _rank_threads(world: int) -> int:
+    """CPU threads per tensor-parallel rank: the cores shared out (every rank the same count)."""
+    return max(1, (os.cpu_count() or 2) // world)
+
+
 def _exit_with_parent() -> None:
     """A spawned worker whose rank 0 is gone (killed, crashed) would wait in a collective forever: exit."""
     mp_connection.wait([mp.parent_process().sentinel])
@@ -323,7 +328,7 @@ def worker_main(rank: int, world: int, init_file: str | None, model_path: str, l
     """A worker rank's process: join the group, build rank 0's engine on its own shard (a KV pool mirroring rank
     0's), then follow rank 0's request stream until it stops. init_file None: launched by torchrun (env://
     rendezvous). channel_path: rank 0's shared-memory `ShmChannel` (else the request stream comes over gloo)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    torch.set_num_threads(_rank_threads(world))
     if init_file is not None:  # spawned by rank 0: it alone decides when this rank ends (its stop, or its exit)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -68,10 +68,9 @@ class TPEngine:
         return seq
 
     def abort(self, request: Sequence | int) -> bool:
-        seq = self._engine._unfinished.get(request) if isinstance(request, int) else request
         done = self._engine.abort(request)
-        if done:
-            self._pending.append(["abort", seq.seq_id])
+        if done:  # a request id is its seq_id
+            self._pending.append(["abort", request if isinstance(request, int) else request.seq_id])
         return done
 
     def step(self) -> list[Sequence]:
