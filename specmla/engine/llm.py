@@ -190,9 +190,7 @@ class LLM:
                 init_group(0, world, self._init_file, device.type)
             except BaseException:  # the workers would wait for a rank 0 that is not coming
                 self._stopping = True
-                for p in workers:
-                    p.kill()
-                self._remove_files()
+                self._abandon_workers()
                 raise
             if path is not None:  # every worker mapped the channel before joining the group
                 self._channel.unlink()
@@ -209,11 +207,17 @@ class LLM:
         dead = [(i + 1, p.exitcode) for i, p in enumerate(workers) if not p.is_alive()]
         log.error("tensor-parallel rank(s) %s exited (exit codes %s); stopping every rank",
                   [r for r, _ in dead], [c for _, c in dead])
-        for p in workers:
-            if p.is_alive():
-                p.kill()
-        self._remove_files()
+        self._abandon_workers()
         os._exit(1)
+
+    def _abandon_workers(self) -> None:
+        """Kill the spawned workers without a stop message (they ignore SIGTERM, and one inside a collective would
+        never read a stop; multiprocessing's exit handler would join them forever) and remove the files."""
+        for p in self._workers:
+            if p != "torchrun" and p.is_alive():
+                p.kill()
+        self._workers = []
+        self._remove_files()
 
     def _remove_files(self) -> None:
         """The shared-memory channel's file (if still there) and the group's rendezvous file."""
@@ -235,11 +239,7 @@ class LLM:
                 log.error("a tensor-parallel rank exited before the stop; stopping the others")
                 clean = False
         if not clean:  # a half-built LLM, a step cut short, a dead rank: the others may sit in a collective
-            for p in self._workers:
-                if p != "torchrun":
-                    p.kill()  # they ignore SIGTERM: multiprocessing's exit handler would join them forever
-            self._workers = []
-            self._remove_files()
+            self._abandon_workers()
             return
         self._release_graphs()
         for p in self._workers:
