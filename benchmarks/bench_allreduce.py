@@ -1,7 +1,9 @@
 """The collectives behind tensor / expert parallelism at a decode step's message sizes (B tokens × hidden 2048,
 bf16), each captured 16 times in one CUDA graph and timed per call on rank 0 (median of --reps replays):
 
-- `nccl_all_reduce`: torch.distributed.all_reduce, what every sharded layer does today (`distributed.all_reduce_`);
+- `one_shot`: `ops.all_reduce.one_shot_all_reduce` over `distributed`'s symmetric buffers, what the sharded layers
+  call for messages up to its capacity (`model.tp_reduce.tp_all_reduce_`);
+- `nccl_all_reduce`: torch.distributed.all_reduce (the layers' path with custom_all_reduce=False);
 - `nccl_rs_ag`: reduce-scatter then all-gather (the alternative for a MoE layer's output);
 - `symm_one_shot` / `symm_two_shot`: torch's symmetric-memory all-reduce (`torch.ops.symm_mem`, buffers mapped on
   every GPU of the host), after a copy into the symmetric buffer, which the time includes.
@@ -23,6 +25,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fp8 import graph_time  # noqa: E402
 
+from specmla import distributed  # noqa: E402
+from specmla.model.tp_reduce import tp_all_reduce_  # noqa: E402
+from specmla.ops.all_reduce import BLOCK, MAX_PROGRAMS, symmetric_bytes  # noqa: E402
+
 HIDDEN = 2048
 
 
@@ -33,8 +39,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl")
+    distributed.init_group(rank, world, None, "cuda", symmetric_bytes(world))
     group = dist.group.WORLD
     symm = None
     try:
@@ -70,6 +75,11 @@ def main() -> None:
         rs_ag()
         row["rs_ag_max_err"] = (gathered.float() - want).abs().max().item()
         row["nccl_all_reduce_s"] = graph_time(nccl, 1, args.reps, barrier=dist.barrier)
+        if distributed.symmetric_buffers() is not None and n <= BLOCK * MAX_PROGRAMS:  # beyond: NCCL's anyway
+            mine = x.clone()
+            tp_all_reduce_(mine)
+            row["one_shot_max_err"] = (mine.float() - want).abs().max().item()
+            row["one_shot_s"] = graph_time(lambda _copy=0: tp_all_reduce_(mine), 1, args.reps, barrier=dist.barrier)
         row["nccl_rs_ag_s"] = graph_time(rs_ag, 1, args.reps, barrier=dist.barrier)
         if symm is not None:
             out = torch.empty_like(x)
@@ -101,7 +111,7 @@ def main() -> None:
         with open(os.path.join(args.out, "bench_allreduce.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "world": world, "hidden": HIDDEN, "rows": rows}, f,
                       indent=1)
-    dist.destroy_process_group()
+    distributed.destroy_group()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ CUDA graphs on every rank; fp32 greedy identity of TP with TP = 1.
   the NCCL all-reduce kernels' share of it; the measured step (without the profiler, whose own host overhead
   inflates its wall time) minus the kernel time is the GPU idle per step: host time the step does not hide, incl.
   the other ranks' lag;
+- --nccl: each TP > 1 once more with every all-reduce through NCCL (custom_all_reduce=False), the one-shot
+  kernel's gain measured in the same run;
 - identity: TP greedy tokens == TP = 1's in fp32 (--identity; in bf16 the split sums round differently, so near-tied
   logits of a random model can flip).
 
@@ -41,7 +43,7 @@ TARGETS = {(2, 1): 0.7, (2, 32): 0.65, (4, 32): 0.5}  # (tp, B) → step ÷ TP=1
 
 
 def profile_steps(llm: LLM, B: int, prompt_len: int, steps: int = 16, seed: int = 5) -> dict:
-    """Rank 0's view of `steps` decode steps at batch B: wall, GPU kernel time and NCCL kernel time per step."""
+    """Rank 0's view of `steps` decode steps at batch B: wall, GPU kernel time and all-reduce kernel time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     rng = random.Random(seed)
@@ -63,10 +65,11 @@ def profile_steps(llm: LLM, B: int, prompt_len: int, steps: int = 16, seed: int 
         eng.step()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
-    nccl = sum(e.time_range.elapsed_us() for e in kernels if "nccl" in e.name.lower()) / 1e6
+    is_ar = lambda name: "nccl" in name.lower() or "all_reduce" in name  # noqa: E731  (NCCL's or the one-shot)
+    nccl = sum(e.time_range.elapsed_us() for e in kernels if is_ar(e.name)) / 1e6
     return {"batch": B, "steps": steps, "wall_per_step_s": wall / steps, "kernel_per_step_s": busy / steps,
             "allreduce_per_step_s": nccl / steps,
-            "allreduce_calls_per_step": sum("nccl" in e.name.lower() for e in kernels) / steps}
+            "allreduce_calls_per_step": sum(is_ar(e.name) for e in kernels) / steps}
 
 
 def greedy_tokens(path: Path, tp: int, device: str, n: int = 8, tokens: int = 32) -> list[list[int]]:
@@ -90,6 +93,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--identity", action="store_true", help="also fp32 greedy TP == TP=1 (a small 4-layer model)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--nccl", action="store_true",
+                    help="also each TP > 1 with custom_all_reduce=False (every all-reduce through NCCL), as 'N-nccl'")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU (a smoke run of this script)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -107,14 +112,16 @@ def main() -> None:
               "tp": {}}
     print(f"{report['device']} × {gpus}: copy {copy_bw / 1e9:.0f} GB/s", flush=True)
     batches = [1, 4] if args.tiny else args.batches
+    configs = [(str(tp), tp, True) for tp in tps] + [(f"{tp}-nccl", tp, False) for tp in tps if tp > 1 and args.nccl]
     llm = None
-    for tp in tps:
+    for key, tp, custom in configs:
         llm = None  # the previous LLM's weights, pool and graphs go before this one sizes its pool
         gc.collect()
         if dev == "cuda":
             torch.cuda.empty_cache()
         llm = LLM(path, device=dev, dtype="bfloat16" if dev == "cuda" else "float32", tensor_parallel_size=tp,
-                  max_num_seqs=max(batches), max_model_len=args.prompt_len + 160, gpu_memory_utilization=0.6)
+                  max_num_seqs=max(batches), max_model_len=args.prompt_len + 160, gpu_memory_utilization=0.6,
+                  custom_all_reduce=custom)
         try:
             steps = decode_steps(llm, batches, args.prompt_len, 1 if args.tiny else args.rounds, copy_bw)
             entry = {"decode": steps}
@@ -125,24 +132,24 @@ def main() -> None:
                     p["idle_per_step_s"] = step_of[p["batch"]] - p["kernel_per_step_s"]
         finally:
             llm.shutdown()
-        report["tp"][str(tp)] = entry
+        report["tp"][key] = entry
         for r in steps["rows"]:
-            print(f"TP={tp} B={r['batch']}: step {r['step_s'] * 1e3:.2f} ms, floor {r['floor_step_s'] * 1e3:.2f} ms",
+            print(f"TP={key} B={r['batch']}: step {r['step_s'] * 1e3:.2f} ms, floor {r['floor_step_s'] * 1e3:.2f} ms",
                   flush=True)
         for p in entry.get("profile", []):
-            print(f"TP={tp} B={p['batch']} rank 0: profiled wall {p['wall_per_step_s'] * 1e3:.2f} ms/step, kernels "
+            print(f"TP={key} B={p['batch']} rank 0: profiled wall {p['wall_per_step_s'] * 1e3:.2f} ms/step, kernels "
                   f"{p['kernel_per_step_s'] * 1e3:.2f}, all-reduce {p['allreduce_per_step_s'] * 1e3:.3f} "
                   f"({p['allreduce_calls_per_step']:.0f} kernels), idle {p['idle_per_step_s'] * 1e3:.2f}", flush=True)
     llm = None
     base = {r["batch"]: r["step_s"] for r in report["tp"][str(tps[0])]["decode"]["rows"]} if tps[0] == 1 else {}
-    for tp in tps:
-        for r in report["tp"][str(tp)]["decode"]["rows"]:
+    for key, tp, custom in configs:
+        for r in report["tp"][key]["decode"]["rows"]:
             if r["batch"] in base:
                 r["vs_tp1"] = r["step_s"] / base[r["batch"]]
-                t = TARGETS.get((tp, r["batch"])) if dev == "cuda" else None  # the CPU smoke run: no target
+                t = TARGETS.get((tp, r["batch"])) if dev == "cuda" and custom else None  # CPU smoke run: no target
                 if t is not None:
                     r["target_vs_tp1"], r["pass"] = t, r["vs_tp1"] <= t
-                print(f"TP={tp} B={r['batch']}: {r['vs_tp1']:.3f} × TP=1" +
+                print(f"TP={key} B={r['batch']}: {r['vs_tp1']:.3f} × TP=1" +
                       (f" (target ≤ {t}: {'PASS' if r['pass'] else 'MISS'})" if t is not None else ""), flush=True)
     if args.identity:
         small = Path(str(path) + "_L4")

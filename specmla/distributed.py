@@ -1,18 +1,24 @@
 """The tensor-parallel process group over torch.distributed (NCCL on GPUs, gloo on CPU).
 
 Joining and leaving the group, torchrun detection, the all-reduce the sharded model layers call,
-and the byte broadcast that carries rank 0's request stream to the other ranks over a CPU (gloo) group, so that it
-never waits on the GPU. Imports only torch.
+the byte broadcast that carries rank 0's request stream to the other ranks over a CPU (gloo) group, so that it
+never waits on the GPU, and buffers every GPU of one host can write (torch's symmetric memory), which the
+layers' one-shot all-reduce uses. Imports only torch.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 _CONTROL = None  # the gloo group of the byte broadcasts (the default group itself on CPU)
+_SYMMETRIC: list = []  # this rank's symmetric allocation and its handle, kept alive until the group goes
+_PEERS: list[torch.Tensor] | None = None  # every rank's symmetric buffer as mapped in this process
 
 
 def tp_group_size() -> int:
@@ -21,10 +27,43 @@ def tp_group_size() -> int:
 
 
 def all_reduce_(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the group in place (a no-op without a group); returns `x`."""
+    """Sum `x` over the group in place with torch.distributed (a no-op without a group); returns `x`."""
     if tp_group_size() > 1:
         dist.all_reduce(x)
     return x
+
+
+def symmetric_buffers() -> list[torch.Tensor] | None:
+    """Rank r's symmetric byte buffer at index r, as mapped in this process (zeroed when the group was set up);
+    None where the group has none (CPU, several hosts, no peer access, or none asked for)."""
+    return _PEERS
+
+
+def _map_symmetric(rank: int, world: int, nbytes: int) -> list[torch.Tensor] | None:
+    """Allocate nbytes of torch's symmetric memory on this GPU, zeroed, and map every rank's (a collective call).
+    Every rank gets them, or none does."""
+    peers, held = None, []
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = dist.group.WORLD.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required by older torch, a no-op in newer
+            symm_mem.enable_symm_mem_for_group(name)
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device="cuda")
+        buf.zero_()
+        handle = symm_mem.rendezvous(buf, name)
+        held = [buf, handle]
+        peers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(world)]
+    except Exception as e:  # no peer access, an older torch: the layers use NCCL for every all-reduce
+        log.warning("no symmetric memory on rank %d (%s: %s): all-reduces go through NCCL", rank, type(e).__name__, e)
+    ok = torch.tensor([peers is not None], dtype=torch.int32, device="cuda")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    torch.cuda.synchronize()
+    dist.barrier()  # every rank's buffer is zeroed before any rank writes into another's
+    if not bool(ok.item()):
+        return None
+    _SYMMETRIC.extend(held)
+    return peers
 
 
 def launched_by_torchrun() -> bool:
@@ -37,21 +76,29 @@ def local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
-def init_group(rank: int, world: int, init_file: str | None, device: str) -> None:
-    """Join the tensor-parallel group: env:// under torchrun (multi-node), else a shared file."""
+def init_group(rank: int, world: int, init_file: str | None, device: str, symmetric_bytes: int = 0) -> None:
+    """Join the tensor-parallel group: env:// under torchrun (multi-node), else a shared file. symmetric_bytes > 0:
+    also map that many bytes of symmetric memory per rank, where the group's GPUs are all on this host."""
     backend = "gloo" if device == "cpu" else "nccl"
     if device != "cpu":
         torch.cuda.set_device(local_rank(rank))
     init = "env://" if init_file is None else f"file://{init_file}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    global _CONTROL
+    global _CONTROL, _PEERS
     _CONTROL = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    one_host = init_file is not None or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == world
+    if backend == "nccl" and symmetric_bytes > 0 and one_host:
+        _PEERS = _map_symmetric(rank, world, symmetric_bytes)
 
 
 def destroy_group() -> None:
     """Leave the group (every rank calls it once, after the last collective)."""
-    global _CONTROL
-    _CONTROL = None
+    global _CONTROL, _PEERS
+    _CONTROL = _PEERS = None
+    if _SYMMETRIC:
+        torch.cuda.synchronize()
+        dist.barrier()  # no rank still writes into another's buffer
+        _SYMMETRIC.clear()
     dist.destroy_process_group()
 
 

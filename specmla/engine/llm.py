@@ -31,6 +31,7 @@ from specmla.engine.tp_worker import TPEngine, follow_engine
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.default import default_model_path
 from specmla.model.loader import WEIGHTS, load_model
+from specmla.ops.all_reduce import symmetric_bytes
 from specmla.ops.kv_cache import QUANTIZED
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
@@ -65,6 +66,7 @@ class LLM:
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
+        custom_all_reduce: bool = True,
         progress: bool = False,
         tokenizer: Tokenizer | None = None,
         _tp_rank: int | None = None,
@@ -72,7 +74,9 @@ class LLM:
     ):
         """`model`: a model directory, None (the embedded default), or an already built
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's). weights: "auto"
-        runs an FP8 checkpoint's block-scaled weights as stored, "dequantize" turns them into dtype at load."""
+        runs an FP8 checkpoint's block-scaled weights as stored, "dequantize" turns them into dtype at load.
+        custom_all_reduce: under tensor parallelism on GPUs of one host, small all-reduces use the one-shot kernel
+        (`ops.all_reduce`); False sends every all-reduce through NCCL."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
         if speculative not in (None, "ngram", "mtp", "hybrid"):
@@ -136,7 +140,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype, page_size=page_size, num_pages=pool.num_pages,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-                enforce_eager=enforce_eager))
+                enforce_eager=enforce_eager, custom_all_reduce=custom_all_reduce))
         if device.type == "cuda" and not enforce_eager:
             self._capture_graphs(pool, proposer, max_num_seqs, max_len, page_size, max_num_batched_tokens)
         if self._workers:
@@ -166,7 +170,7 @@ class LLM:
         if launched_by_torchrun():  # the other ranks were started by torchrun and run worker_main
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"tensor_parallel_size={world} but torchrun started {os.environ['WORLD_SIZE']} ranks")
-            init_group(0, world, None, device.type)
+            init_group(0, world, None, device.type, _symmetric_bytes(world, worker_kwargs))
             self._workers, self._channel = ["torchrun"], GlooChannel()
         else:
             self._init_file = tempfile.mktemp(prefix="specmla-tp-")
@@ -187,7 +191,7 @@ class LLM:
                     workers.append(p)
                 threading.Thread(target=self._watch_workers, args=(list(workers),), daemon=True,
                                  name="specmla-tp-watch").start()
-                init_group(0, world, self._init_file, device.type)
+                init_group(0, world, self._init_file, device.type, _symmetric_bytes(world, worker_kwargs))
             except BaseException:  # the workers would wait for a rank 0 that is not coming
                 self._stopping = True
                 self._abandon_workers()
@@ -312,6 +316,11 @@ class LLM:
         self.last_output = self.engine.output_of(seq)
 
 
+def _symmetric_bytes(world: int, llm_kwargs: dict) -> int:
+    """The symmetric memory each rank maps for the layers' one-shot all-reduce (0: all-reduces go through NCCL)."""
+    return symmetric_bytes(world) if llm_kwargs.get("custom_all_reduce", True) else 0
+
+
 def _rank_threads(world: int) -> int:
     """CPU threads per tensor-parallel rank: the cores shared out (every rank the same count)."""
     return max(1, (os.cpu_count() or 2) // world)
@@ -335,7 +344,7 @@ def worker_main(rank: int, world: int, init_file: str | None, model_path: str, l
         threading.Thread(target=_exit_with_parent, daemon=True, name="specmla-tp-parent").start()
     device = llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
     channel = ShmChannel.attach(channel_path, world - 1, rank) if channel_path else GlooChannel()
-    init_group(rank, world, init_file, device)
+    init_group(rank, world, init_file, device, _symmetric_bytes(world, llm_kwargs))
     if device != "cpu":
         llm_kwargs = dict(llm_kwargs, device=f"cuda:{local_rank(rank)}")
     llm = LLM(model_path, _tp_rank=rank, _tp_world=world, **llm_kwargs)

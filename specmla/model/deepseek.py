@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specmla.config import ModelConfig
-from specmla.distributed import all_reduce_
+from specmla.model.tp_reduce import tp_all_reduce_
 from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.decode import mla_decode
@@ -52,7 +52,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return all_reduce_(out) if self.tp_reduce else out
+        return tp_all_reduce_(out) if self.tp_reduce else out
 
 
 class Router(nn.Module):
@@ -185,7 +185,7 @@ class MoE(nn.Module):
         out = fused_moe(x, self.w_gate_up, self.w_down, weights, idx, shared=shared,
                         w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale,
                         shared_scales=shared_scales)
-        return all_reduce_(out) if self.tp_reduce else out
+        return tp_all_reduce_(out) if self.tp_reduce else out
 
 
 class MLAttention(nn.Module):
@@ -260,7 +260,7 @@ class MLAttention(nn.Module):
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o_proj of attention's output [T, H, v_head_dim] (all-reduced under tensor parallelism)."""
         out = self.o_proj(o.reshape(o.shape[0], -1))
-        return all_reduce_(out) if getattr(self, "tp_reduce", False) else out
+        return tp_all_reduce_(out) if getattr(self, "tp_reduce", False) else out
 
     def _naive(self, qf, c_kv, k_pe, meta, kv_cache):
         cfg, H = self.cfg, self.num_heads
