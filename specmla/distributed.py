@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 _CONTROL = None  # the gloo group of the byte broadcasts (the default group itself on CPU)
 _SYMMETRIC: list = []  # this rank's symmetric allocation and its handle, kept alive until the group goes
 _PEERS: list[torch.Tensor] | None = None  # every rank's symmetric buffer as mapped in this process
+_PEER_VIEWS: dict = {}  # what the buffers' users derive from them (views), dropped with the group
 
 
 def tp_group_size() -> int:
@@ -39,10 +40,22 @@ def symmetric_buffers() -> list[torch.Tensor] | None:
     return _PEERS
 
 
+def symmetric_views() -> dict:
+    """A dict for the symmetric buffers' users to keep what they derive from them; emptied when the group goes."""
+    return _PEER_VIEWS
+
+
+def _every_rank(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (a collective call)."""
+    flag = torch.tensor([ok], dtype=torch.int32, device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _map_symmetric(rank: int, world: int, nbytes: int) -> list[torch.Tensor] | None:
     """Allocate nbytes of torch's symmetric memory on this GPU, zeroed, and map every rank's (a collective call).
-    Every rank gets them, or none does."""
-    peers, held = None, []
+    Every rank gets them, or none does: the ranks agree after the allocation, before the collective mapping."""
+    buf = peers = None
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -51,18 +64,23 @@ def _map_symmetric(rank: int, world: int, nbytes: int) -> list[torch.Tensor] | N
             symm_mem.enable_symm_mem_for_group(name)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device="cuda")
         buf.zero_()
-        handle = symm_mem.rendezvous(buf, name)
-        held = [buf, handle]
-        peers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(world)]
-    except Exception as e:  # no peer access, an older torch: the layers use NCCL for every all-reduce
+    except Exception as e:  # no symmetric memory here, an older torch: the layers use NCCL for every all-reduce
         log.warning("no symmetric memory on rank %d (%s: %s): all-reduces go through NCCL", rank, type(e).__name__, e)
-    ok = torch.tensor([peers is not None], dtype=torch.int32, device="cuda")
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        buf = None
+    if not _every_rank(buf is not None):
+        return None
+    try:
+        handle = symm_mem.rendezvous(buf, name)
+        peers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(world)]
+    except Exception as e:  # no peer access between these GPUs
+        log.warning("symmetric memory not mapped on rank %d (%s: %s): all-reduces go through NCCL", rank,
+                    type(e).__name__, e)
+        peers = None
+    if not _every_rank(peers is not None):
+        return None
     torch.cuda.synchronize()
     dist.barrier()  # every rank's buffer is zeroed before any rank writes into another's
-    if not bool(ok.item()):
-        return None
-    _SYMMETRIC.extend(held)
+    _SYMMETRIC.extend([buf, handle])
     return peers
 
 
@@ -87,14 +105,18 @@ def init_group(rank: int, world: int, init_file: str | None, device: str, symmet
     global _CONTROL, _PEERS
     _CONTROL = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     one_host = init_file is not None or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == world
-    if backend == "nccl" and symmetric_bytes > 0 and one_host:
-        _PEERS = _map_symmetric(rank, world, symmetric_bytes)
+    if backend == "nccl" and one_host:  # the ranks agree on the size (0 where one rank asks for none)
+        size = torch.tensor([symmetric_bytes], dtype=torch.int64, device="cuda")
+        dist.all_reduce(size, op=dist.ReduceOp.MIN)
+        if int(size.item()) > 0:
+            _PEERS = _map_symmetric(rank, world, int(size.item()))
 
 
 def destroy_group() -> None:
     """Leave the group (every rank calls it once, after the last collective)."""
     global _CONTROL, _PEERS
     _CONTROL = _PEERS = None
+    _PEER_VIEWS.clear()
     if _SYMMETRIC:
         torch.cuda.synchronize()
         dist.barrier()  # no rank still writes into another's buffer

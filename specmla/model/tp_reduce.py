@@ -14,17 +14,15 @@ import torch.distributed as dist
 from specmla import distributed
 from specmla.ops.all_reduce import PeerBuffers, one_shot_all_reduce
 
-_views: tuple[list[torch.Tensor], PeerBuffers] | None = None  # the group's raw buffers → this rank's view
-
-
 def _peer_buffers() -> PeerBuffers | None:
-    global _views
+    """This rank's view of the group's symmetric buffers (made once per group: epochs start at zero)."""
     raw = distributed.symmetric_buffers()
     if raw is None:
         return None
-    if _views is None or _views[0] is not raw:  # a new group: new buffers, epochs from zero
-        _views = (raw, PeerBuffers.split(dist.get_rank(), raw))
-    return _views[1]
+    views = distributed.symmetric_views()
+    if "one_shot" not in views:
+        views["one_shot"] = PeerBuffers.split(dist.get_rank(), raw)
+    return views["one_shot"]
 
 
 def tp_all_reduce_(x: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,56 @@ def test_one_shot_all_reduce_equals_rank_ordered_sum(world, impls, sizes, dtype)
         assert torch.equal(counters[r], calls)
 
 
+MIXED = [(1, torch.float16), (2 * BLOCK, torch.float16), (2 * BLOCK, torch.float16), (BLOCK, torch.float32)]
+
+
+def _slow_reader_rank(rank, raw, outs):
+    """Rank 0 runs the kernel; rank 1 the reference, which sees call 2's flags late: rank 0 is in call 3 (another
+    dtype, other byte offsets if regions moved with the dtype) while rank 1 still reads call 2's data."""
+    import specmla.ops.all_reduce as ar
+
+    torch.set_num_threads(1)
+    bufs = PeerBuffers.split(rank, raw)
+    real_sleep = ar.time.sleep
+    for i, (n, dtype) in enumerate(MIXED):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(50 * rank + i)).to(dtype)
+        if rank == 0:
+            if i == 2:
+                real_sleep(0.3)  # rank 1 waits in call 2 first
+            one_shot_all_reduce(x, bufs)
+        else:
+            first = [True]
+
+            def slow(sec, i=i):
+                if i == 2 and first[0]:
+                    first[0] = False
+                    real_sleep(2.0)
+                else:
+                    real_sleep(sec)
+
+            ar.time.sleep = slow
+            one_shot_all_reduce_torch(x, bufs)
+            ar.time.sleep = real_sleep
+        outs[rank][i].copy_(x.float())
+
+
+def test_one_shot_all_reduce_slow_reader_across_dtypes():
+    raw = _shared_buffers(2)
+    outs = [[torch.zeros(n).share_memory_() for n, _ in MIXED] for _ in range(2)]
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_slow_reader_rank, args=(r, raw, outs)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for i, (n, dtype) in enumerate(MIXED):
+        xs = [torch.randn(n, generator=torch.Generator().manual_seed(50 * r + i)).to(dtype) for r in range(2)]
+        want = (xs[0].float() + xs[1].float()).to(dtype).float()
+        for r in range(2):
+            assert torch.equal(outs[r][i], want), (i, r)
+
+
 def test_one_shot_all_reduce_refuses_bad_input_unchanged():
     raw = _shared_buffers(2)
     bufs = PeerBuffers.split(0, raw)
