@@ -142,22 +142,27 @@ class GraphedDecoder(BatchGraphs):
         hidden = self.model(self.input_ids[: b * self.S], self._meta(b), self.pool.caches)
         return hidden, self.model.compute_logits(hidden)
 
-    def load(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
+    def load(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], seq_lens: list[int],
              tables: list[list[int]]) -> int:
         """Copy one batch (S tokens per request, flattened) into the static buffers; returns the
-        padded size. Padded requests write only the scratch page and read only it."""
+        padded size. Padded requests write only the scratch page and read only it. input_ids may be a
+        device tensor (a previous step's tokens, not on the host yet): copied on the device after the upload."""
         B, S = len(seq_lens), self.S
         b = self.padded_size(B)
+        on_device = isinstance(input_ids, torch.Tensor)
         if b is None or len(input_ids) != B * S or any(len(t) > self.max_pages_per_seq for t in tables):
             raise ValueError("batch does not fit the graphed decoder")
         n, P = self.sizes[-1], self.max_pages_per_seq
         long_host, int_host = self._staging()
         longs = long_host.numpy().reshape(3, n * S)[:, : b * S]
-        self._fill_queries(longs[0], longs[1], longs[2], input_ids, positions, slots, S)
+        self._fill_queries(longs[0], longs[1], longs[2], [0] * (B * S) if on_device else input_ids, positions,
+                           slots, S)
         ints = int_host.numpy()
         ints[:B], ints[B:b] = seq_lens, S
         self._fill_tables(ints[n:].reshape(n, P)[:b], tables)
         self._upload()
+        if on_device:  # ordered after the upload on the stream
+            self.input_ids[: B * S].copy_(input_ids)
         return b
 
     @torch.inference_mode()

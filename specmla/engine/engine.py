@@ -71,6 +71,26 @@ class _Snapshot:
             s.detok.prefix, s.detok.read, s.detok.text = self.detok
 
 
+@dataclass
+class _Ahead:
+    """A decode step launched before the step it follows had its tokens on the host (`LLMEngine.pipeline_decode`):
+    row of each request in `tokens` (its sampled tokens, on the device) and its num_cached at the launch."""
+
+    rows: dict[int, int]
+    cached: dict[int, int]
+    tokens: torch.Tensor
+
+    def rows_for(self, seqs: list[Sequence]) -> list[int] | None:
+        """The rows of `seqs`, or None when one of them is not in this step or moved since (preempted)."""
+        rows = []
+        for s in seqs:
+            r = self.rows.get(s.seq_id)
+            if r is None or self.cached[s.seq_id] != s.num_cached:
+                return None
+            rows.append(r)
+        return rows
+
+
 class LLMEngine:
     # labels of `failures` and of Sequence.error_reason
     FAILURE_REASONS = ("invalid_request", "kv_capacity", "step_error")
@@ -85,9 +105,18 @@ class LLMEngine:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         proposer=None,
         fault_hook: Callable[[list[Sequence]], None] | None = None,
+        pipeline_decode: bool = True,
     ):
         """`fault_hook` (tests): called with the requests about to be sampled in every model call; an
-        exception it raises is handled like any failure inside a step."""
+        exception it raises is handled like any failure inside a step.
+
+        `pipeline_decode`: in a step of decodes only (no prefill, no speculation, no logprobs) over the
+        graphed decoder, launch the next step for the requests that can go on before this step's tokens come
+        back to the host, feeding it those tokens on the device; the next step takes its result when its batch is
+        made of those requests. The host's bookkeeping and the next graph's launch then overlap the GPU's work
+        instead of leaving it idle between steps. A request that finishes on a token the host has not seen yet
+        (EOS, a stop string) had one extra token computed, which is dropped; its cache write lands on its own
+        pages, beyond its computed tokens."""
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.runner = ModelRunner(model, pool)
         self.proposer = proposer  # speculative decoding when set
@@ -105,6 +134,8 @@ class LLMEngine:
         self.failures: Counter[str] = Counter()  # requests ended with an error, by FAILURE_REASONS label
         self.num_failed_steps = 0  # steps that raised and were retried request by request
         self._unfinished: dict[int, Sequence] = {}  # request_id → its sequence, until it finishes
+        self.pipeline_decode = pipeline_decode
+        self._ahead: _Ahead | None = None  # the decode step launched ahead, if any
 
     @property
     def max_total_tokens(self) -> int:
@@ -198,14 +229,18 @@ class LLMEngine:
             out = batch.decode + ready
         except Exception:
             log.exception("an engine step over %d requests failed; retrying them one by one", len(members))
+            self._ahead = None
             self.num_failed_steps += 1
             out = self._retry_alone(batch, snaps)
         out += [s for s, _ in batch.rejected]
         self._stamp_handed_back(out, step_start)
         return out
 
-    def _run(self, batch: ScheduledBatch) -> list[Sequence]:
+    def _run(self, batch: ScheduledBatch, pipelined: bool = True) -> list[Sequence]:
         """One model pass over the batch's decodes and prefill chunks; returns the requests sampled."""
+        if pipelined and self._pipelines(batch):
+            return self._decode_pipelined(batch.decode)
+        self._ahead = None
         ready: list[Sequence] = []
         logits = []
         if batch.decode and self.proposer is not None:
@@ -256,7 +291,7 @@ class LLMEngine:
                 else:
                     self.pool.allocate(seq.seq_id, seq.num_cached + chunk)
                     alone = ScheduledBatch(prefill=[(seq, chunk)])
-                self._run(alone)
+                self._run(alone, pipelined=False)
             except Exception as e:
                 log.exception("request %d failed inside an engine step", seq.seq_id)
                 if not seq.is_finished:
@@ -264,6 +299,57 @@ class LLMEngine:
                     self._fail(seq, f"the request failed inside the engine ({type(e).__name__})", "step_error")
             out.append(seq)
         return out
+
+    def _pipelines(self, batch: ScheduledBatch) -> bool:
+        """Whether this step runs as a pipelined decode step (see `pipeline_decode`)."""
+        seqs = batch.decode
+        return (self.pipeline_decode and bool(seqs) and not batch.prefill and self.proposer is None
+                and not self.naive_decode
+                and all(s.params.logprobs is None for s in seqs)
+                and self.runner._graphable(seqs, [1] * len(seqs), False))
+
+    def _decode_pipelined(self, seqs: list[Sequence]) -> list[Sequence]:
+        """A decode step that takes the step launched ahead when it covers `seqs` (else runs it now),
+        launches the next one, then brings this step's tokens to the host and appends them."""
+        ahead, self._ahead = self._ahead, None
+        rows = ahead.rows_for(seqs) if ahead is not None else None
+        if rows is not None:
+            tokens = ahead.tokens if rows == list(range(len(ahead.rows))) else ahead.tokens[_index(rows, ahead.tokens)]
+            self.runner.commit_ahead(seqs)
+        else:
+            tokens = self.runner.sample(seqs, self.runner.forward_logits(seqs, [1] * len(seqs))).tokens
+        host = tokens.to("cpu", non_blocking=tokens.is_cuda)  # queued before the next step's launch
+        copied = None
+        if tokens.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        self._ahead = self._launch_ahead(seqs, tokens)
+        if copied is not None:
+            copied.synchronize()
+        if self.fault_hook is not None:
+            self.fault_hook(seqs)
+        for s, t in zip(seqs, host.tolist()):
+            self._append(s, t, None)
+        return seqs
+
+    def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> _Ahead | None:
+        """Launch the step after this one for the requests of `seqs` that its tokens cannot end by length,
+        when the pool has their next pages and the graphs take them; None otherwise."""
+        keep = [i for i, s in enumerate(seqs)
+                if len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 1 < self.max_model_len]
+        if not keep:
+            return None
+        nxt = [seqs[i] for i in keep]
+        pool = self.pool
+        if sum(pool.pages_needed(s.seq_id, s.total_len + 1) for s in nxt) > pool.num_free_pages():
+            return None  # the next step's scheduling decides who gets pages
+        for s in nxt:
+            pool.allocate(s.seq_id, s.total_len + 1)
+        if not self.runner._graphable(nxt, [1] * len(nxt), False):
+            return None
+        ids = tokens if len(keep) == len(seqs) else tokens[_index(keep, tokens)]
+        out = self.runner.decode_ahead(nxt, ids)
+        return _Ahead({s.seq_id: i for i, s in enumerate(nxt)}, {s.seq_id: s.num_cached for s in nxt}, out)
 
     @staticmethod
     def _stamp_handed_back(seqs: list[Sequence], step_start: float) -> None:
@@ -453,6 +539,12 @@ class LLMEngine:
             error=s.error,
             error_reason=s.error_reason,
         )
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    """rows as an index tensor on like's device, copied without waiting for the device's queued work."""
+    t = torch.tensor(rows, dtype=torch.long)
+    return t.pin_memory().to(like.device, non_blocking=True) if like.is_cuda else t
 
 
 def default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, device: torch.device,

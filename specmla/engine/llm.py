@@ -67,6 +67,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         custom_all_reduce: bool = True,
+        pipeline_decode: bool = True,
         progress: bool = False,
         tokenizer: Tokenizer | None = None,
         _tp_rank: int | None = None,
@@ -76,7 +77,8 @@ class LLM:
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's). weights: "auto"
         runs an FP8 checkpoint's block-scaled weights as stored, "dequantize" turns them into dtype at load.
         custom_all_reduce: under tensor parallelism on GPUs of one host, small all-reduces use the one-shot kernel
-        (`ops.all_reduce`); False sends every all-reduce through NCCL."""
+        (`ops.all_reduce`); False sends every all-reduce through NCCL. pipeline_decode: launch a greedy decode
+        step before the previous one's tokens reach the host (`LLMEngine`); False runs every step after the last."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
         if speculative not in (None, "ngram", "mtp", "hybrid"):
@@ -129,7 +131,8 @@ class LLM:
             proposer = (MtpProposer(num_speculative_tokens) if speculative == "mtp"
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
-                                max_num_batched_tokens=max_num_batched_tokens, proposer=proposer)
+                                max_num_batched_tokens=max_num_batched_tokens, proposer=proposer,
+                                pipeline_decode=pipeline_decode)
         self._workers, self._stopping, self._channel, self._init_file = [], False, None, None
         if tensor_parallel_size > 1 and _tp_rank is None:
             # every rank builds this same engine (graphs included, their all-reduces captured in lockstep); the
@@ -140,7 +143,7 @@ class LLM:
                 kv_cache_dtype=kv_cache_dtype, page_size=page_size, num_pages=pool.num_pages,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
-                enforce_eager=enforce_eager, custom_all_reduce=custom_all_reduce))
+                enforce_eager=enforce_eager, custom_all_reduce=custom_all_reduce, pipeline_decode=pipeline_decode))
         if device.type == "cuda" and not enforce_eager:
             self._capture_graphs(pool, proposer, max_num_seqs, max_len, page_size, max_num_batched_tokens)
         if self._workers:

@@ -103,6 +103,27 @@ class ModelRunner:
             self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
         return logits
 
+    def decode_ahead(self, seqs: list[Sequence], next_ids: torch.Tensor) -> torch.Tensor:
+        """Launch the decode step that follows the current one for `seqs` (their next page allocated, graphable),
+        each fed its token in next_ids (on the device, not appended on the host yet: its position is
+        total_len) and sampled as the step after the current one; returns its tokens, on the device. Host state
+        is untouched until `commit_ahead`."""
+        pool = self.pool
+        _, logits = self.graphed.run(
+            input_ids=next_ids,
+            positions=[s.total_len for s in seqs],
+            slots=[pool.slots(s.seq_id, s.total_len, s.total_len + 1)[0] for s in seqs],
+            seq_lens=[s.total_len + 1 for s in seqs],
+            tables=[pool.pages_of(s.seq_id) for s in seqs],
+        )
+        return self.sample(seqs, logits, step_offset=1).tokens
+
+    def commit_ahead(self, seqs: list[Sequence]) -> None:
+        """Account for a `decode_ahead` step whose tokens the engine takes: one more cached token each."""
+        for s in seqs:
+            s.num_cached += 1
+            self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
+
     def _graphable(self, seqs, q_lens, naive_context) -> bool:
         g = self.graphed
         return (
@@ -289,19 +310,20 @@ class ModelRunner:
             s.drafts = d
 
     @staticmethod
-    def sampling_tensors(seqs: list[Sequence], device) -> SamplingTensors:
+    def sampling_tensors(seqs: list[Sequence], device, step_offset: int = 0) -> SamplingTensors:
+        """step_offset: how many tokens each request will have appended by the time this sample is its next."""
         p = [s.params for s in seqs]
         return SamplingTensors.from_lists(
             temperature=[x.temperature for x in p], top_k=[x.top_k for x in p], top_p=[x.top_p for x in p],
-            seed=[s.seed for s in seqs], step=[len(s.output_ids) for s in seqs], device=device,
+            seed=[s.seed for s in seqs], step=[len(s.output_ids) + step_offset for s in seqs], device=device,
         )
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor):
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, step_offset: int = 0):
         p = [s.params for s in seqs]
         all_greedy = all(x.temperature < 1e-5 for x in p)
         if all_greedy and all(x.logprobs is None for x in p):  # argmax only: no per-request tensors to upload
             return SampleOutput(logits.argmax(-1), None, None, None)
-        st = self.sampling_tensors(seqs, logits.device)
+        st = self.sampling_tensors(seqs, logits.device, step_offset)
         n_logprobs = max((x.logprobs or 0) for x in p)
         return sample(
             logits, st, num_logprobs=n_logprobs,

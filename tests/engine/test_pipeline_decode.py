@@ -1,0 +1,175 @@
+"""Pipelined decode steps (`LLMEngine.pipeline_decode`): the next decode step is launched before this one's
+tokens reach the host. On CPU the graphed decoder's static-buffer path runs eagerly, so the same code runs here;
+every test compares with the engine stepping one step after the other, operation for operation."""
+
+from __future__ import annotations
+
+import torch
+
+from specmla import LLM, SamplingParams
+from specmla.engine.cuda_graphs import GraphedDecoder
+
+
+def _prompts(lengths, seed=0, vocab=250):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _llm(tiny_model_dir, pipeline: bool, max_num_seqs: int = 8, num_pages: int = 256, **kw):
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=num_pages, max_num_seqs=max_num_seqs,
+              pipeline_decode=pipeline, **kw)
+    llm.engine.runner.graphed = GraphedDecoder(llm.model, llm.kv_pool, max_num_seqs, 64, use_graphs=False)
+    return llm
+
+
+class _Count:
+    """Counts the runner's ahead launches, the ones the engine took, and the plain graphed decode steps."""
+
+    def __init__(self, llm):
+        runner = llm.engine.runner
+        self.launched = self.taken = self.plain = 0
+        ahead, commit, plain = runner.decode_ahead, runner.commit_ahead, runner._graphed_decode
+
+        def launched(*a):
+            self.launched += 1
+            return ahead(*a)
+
+        def taken(*a):
+            self.taken += 1
+            return commit(*a)
+
+        def run_plain(*a):
+            self.plain += 1
+            return plain(*a)
+
+        runner.decode_ahead, runner.commit_ahead, runner._graphed_decode = launched, taken, run_plain
+
+
+def _run_ops(llm, ops):
+    """Apply ("add", prompt, params) / ("abort", index) / ("step", n) in order; the outputs of every request."""
+    eng, seqs = llm.engine, []
+    for op in ops:
+        if op[0] == "add":
+            seqs.append(eng.add_request(op[1], op[2]))
+        elif op[0] == "abort":
+            eng.abort(seqs[op[1]])
+        else:
+            for _ in range(op[1]):
+                if eng.has_unfinished():
+                    eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    return [(s.output_ids, s.finish_reason) for s in seqs]
+
+
+def test_pipelined_greedy_equals_stepwise_and_takes_the_steps_launched_ahead(tiny_model_dir):
+    prompts = _prompts([5, 13, 2, 9, 21])
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 3, 17, 1, 8)]
+    want = _llm(tiny_model_dir, False).generate(prompts, params)
+    llm = _llm(tiny_model_dir, True)
+    count = _Count(llm)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == ["length"] * 5
+    # requests ending by length are never launched ahead, so every launch but none is taken here
+    assert count.launched > 10 and count.taken == count.launched
+    assert count.plain < 3  # the first decode step only (and one after the batch shrank to another size)
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+
+
+def test_pipelined_eos_the_host_has_not_seen_drops_the_extra_token(tiny_model_dir):
+    prompts = _prompts([6, 11, 4], seed=3)
+    free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ref = _llm(tiny_model_dir, False).generate(prompts, free)
+    eos = ref[1].token_ids[4]  # request 1 ends on its 5th token; the others end where this token comes up
+    params = SamplingParams(max_tokens=20, temperature=0)
+    outs = {}
+    for pipeline in (False, True):
+        llm = _llm(tiny_model_dir, pipeline)
+        llm.engine.eos_ids = {eos}
+        outs[pipeline] = llm.generate(prompts, params)
+        assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+    for a, b, r in zip(outs[True], outs[False], ref):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        cut = r.token_ids.index(eos) + 1 if eos in r.token_ids else len(r.token_ids)
+        assert a.token_ids == r.token_ids[:cut]
+    assert outs[True][1].finish_reason == "stop" and len(outs[True][1].token_ids) <= 5
+
+
+def test_pipelined_with_arrivals_aborts_and_stop_strings_equals_stepwise(tiny_model_dir):
+    p = _prompts([7, 3, 15, 5, 9], seed=5)
+    g = lambda n, **k: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **k)  # noqa: E731
+    ref = _llm(tiny_model_dir, False).generate([p[2]], g(12))[0].text
+    ops = [("add", p[0], g(14)), ("add", p[1], g(9)), ("step", 4),
+           ("add", p[2], g(12, stop=[ref[5:7]] if len(ref) >= 7 else None)), ("step", 3),
+           ("abort", 1), ("step", 2), ("add", p[3], g(6)), ("step", 1), ("add", p[4], g(10)), ("abort", 3),
+           ("step", 5)]
+    want = _run_ops(_llm(tiny_model_dir, False), ops)
+    llm = _llm(tiny_model_dir, True)
+    count = _Count(llm)
+    assert _run_ops(llm, ops) == want
+    assert count.taken > 0 and count.launched > count.taken  # arrivals and aborts dropped some launches
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+
+
+def test_pipelined_under_page_pressure_equals_stepwise(tiny_model_dir):
+    """A small pool: preemptions, launches skipped for want of pages; the same tokens."""
+    prompts = _prompts([10, 14, 9, 12], seed=7)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = _llm(tiny_model_dir, False, num_pages=24).generate(prompts, params)
+    llm = _llm(tiny_model_dir, True, num_pages=24)
+    got = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+
+
+def test_pipelined_seeded_sampling_equals_stepwise(tiny_model_dir):
+    """The step launched ahead samples with the step counter its request will have: the same random stream."""
+    prompts = _prompts([5, 8, 3], seed=9)
+    params = [SamplingParams(max_tokens=9, temperature=0.8, top_p=0.9, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=1.2, top_k=20, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)]
+    want = _llm(tiny_model_dir, False).generate(prompts, params)
+    llm = _llm(tiny_model_dir, True)
+    count = _Count(llm)
+    got = llm.generate(prompts, params)
+    assert count.taken > 5
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_logprob_requests_step_one_after_the_other(tiny_model_dir):
+    prompts = _prompts([5, 8], seed=9)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    want = _llm(tiny_model_dir, False).generate(prompts, params)
+    llm = _llm(tiny_model_dir, True)
+    count = _Count(llm)
+    got = llm.generate(prompts, params)
+    assert count.launched == 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+
+
+def test_pipelined_step_failure_is_retried_alone_like_stepwise(tiny_model_dir):
+    """A request that fails inside a pipelined step ends with an error; the others go on as without it."""
+    prompts = _prompts([6, 9, 4], seed=11)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outs = {}
+    for pipeline in (False, True):
+        llm = _llm(tiny_model_dir, pipeline)
+        bad = {}
+
+        def hook(seqs):
+            victim = bad.get("seq")
+            if victim is not None and victim in seqs and len(victim.output_ids) == 4:
+                raise RuntimeError("injected")
+
+        llm.engine.fault_hook = hook
+        seqs = [llm.engine.add_request(p, params) for p in prompts]
+        bad["seq"] = seqs[1]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        outs[pipeline] = [(s.output_ids, s.finish_reason) for s in seqs]
+        assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+    assert outs[True] == outs[False]
+    assert outs[True][1][1] == "error" and outs[True][0][1] == outs[True][2][1] == "length"
