@@ -11,6 +11,8 @@ CUDA graphs on every rank; fp32 greedy identity of TP with TP = 1.
   the other ranks' lag;
 - --nccl: each TP > 1 once more with every all-reduce through NCCL (custom_all_reduce=False), the one-shot
   kernel's gain measured in the same run;
+- --sync: each TP once more with pipeline_decode=False (each step launched after the previous one's tokens reached
+  the host), the pipelining's gain measured in the same run;
 - identity: TP greedy tokens == TP = 1's in fp32 (--identity; in bf16 the split sums round differently, so near-tied
   logits of a random model can flip).
 
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--nccl", action="store_true",
                     help="also each TP > 1 with custom_all_reduce=False (every all-reduce through NCCL), as 'N-nccl'")
+    ap.add_argument("--sync", action="store_true",
+                    help="also each TP with pipeline_decode=False (every step after the last), as 'N-sync'")
     ap.add_argument("--tiny", action="store_true", help="tiny dims on CPU (a smoke run of this script)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -112,16 +116,18 @@ def main() -> None:
               "tp": {}}
     print(f"{report['device']} × {gpus}: copy {copy_bw / 1e9:.0f} GB/s", flush=True)
     batches = [1, 4] if args.tiny else args.batches
-    configs = [(str(tp), tp, True) for tp in tps] + [(f"{tp}-nccl", tp, False) for tp in tps if tp > 1 and args.nccl]
+    configs = [(str(tp), tp, True, True) for tp in tps]
+    configs += [(f"{tp}-nccl", tp, False, True) for tp in tps if tp > 1 and args.nccl]
+    configs += [(f"{tp}-sync", tp, True, False) for tp in tps if args.sync]
     llm = None
-    for key, tp, custom in configs:
+    for key, tp, custom, pipeline in configs:
         llm = None  # the previous LLM's weights, pool and graphs go before this one sizes its pool
         gc.collect()
         if dev == "cuda":
             torch.cuda.empty_cache()
         llm = LLM(path, device=dev, dtype="bfloat16" if dev == "cuda" else "float32", tensor_parallel_size=tp,
                   max_num_seqs=max(batches), max_model_len=args.prompt_len + 160, gpu_memory_utilization=0.6,
-                  custom_all_reduce=custom)
+                  custom_all_reduce=custom, pipeline_decode=pipeline)
         try:
             steps = decode_steps(llm, batches, args.prompt_len, 1 if args.tiny else args.rounds, copy_bw)
             entry = {"decode": steps}
@@ -142,11 +148,11 @@ def main() -> None:
                   f"({p['allreduce_calls_per_step']:.0f} kernels), idle {p['idle_per_step_s'] * 1e3:.2f}", flush=True)
     llm = None
     base = {r["batch"]: r["step_s"] for r in report["tp"][str(tps[0])]["decode"]["rows"]} if tps[0] == 1 else {}
-    for key, tp, custom in configs:
+    for key, tp, custom, pipeline in configs:
         for r in report["tp"][key]["decode"]["rows"]:
             if r["batch"] in base:
                 r["vs_tp1"] = r["step_s"] / base[r["batch"]]
-                t = TARGETS.get((tp, r["batch"])) if dev == "cuda" and custom else None  # CPU smoke run: no target
+                t = TARGETS.get((tp, r["batch"])) if dev == "cuda" and key == str(tp) else None  # CPU smoke: none
                 if t is not None:
                     r["target_vs_tp1"], r["pass"] = t, r["vs_tp1"] <= t
                 print(f"TP={key} B={r['batch']}: {r['vs_tp1']:.3f} × TP=1" +

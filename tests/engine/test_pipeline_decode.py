@@ -4,6 +4,7 @@ every test compares with the engine stepping one step after the other, operation
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specmla import LLM, SamplingParams
@@ -173,3 +174,28 @@ def test_pipelined_step_failure_is_retried_alone_like_stepwise(tiny_model_dir):
         assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
     assert outs[True] == outs[False]
     assert outs[True][1][1] == "error" and outs[True][0][1] == outs[True][2][1] == "length"
+
+
+@pytest.mark.gpu
+def test_gpu_pipelined_graph_steps_equal_stepwise():
+    """With CUDA graphs: greedy and seeded requests, some ending on an EOS the host has not seen, the same tokens
+    pipelined and stepwise (fp32: the ahead batches can pad to other sizes than the stepwise ones)."""
+    prompts = _prompts([5, 13, 2, 9, 21, 30, 7], seed=1)
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=3, ignore_eos=True)
+              for n, t in zip((40, 3, 25, 1, 33, 12, 40), (0, 0, 0.7, 0, 1.0, 0, 0))]
+    outs, eos = {}, None
+    for pipeline in (False, True):
+        llm = LLM(None, device="cuda", dtype="float32", max_num_seqs=8, pipeline_decode=pipeline,
+                  gpu_memory_utilization=0.3)
+        assert llm.engine.runner.graphed is not None and llm.engine.runner.graphed.use_graphs
+        count = _Count(llm)
+        outs[pipeline] = [o.token_ids for o in llm.generate(prompts, params)]
+        if eos is None:
+            eos = outs[pipeline][0][7]
+        llm.engine.eos_ids = {eos}
+        stop = [SamplingParams(max_tokens=40, temperature=0) for _ in prompts]
+        outs[pipeline].append([o.token_ids for o in llm.generate(prompts, stop)])
+        if pipeline:
+            assert count.taken > 20
+        assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+    assert outs[True] == outs[False]
