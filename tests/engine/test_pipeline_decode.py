@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from specmla import LLM, SamplingParams
+from specmla.engine import engine as engine_module
 from specmla.engine.cuda_graphs import GraphedDecoder
+
+
+@pytest.fixture(autouse=True)
+def _restore_index(monkeypatch):
+    monkeypatch.setattr(engine_module, "_index", engine_module._index)
 
 
 def _prompts(lengths, seed=0, vocab=250):
@@ -28,7 +34,14 @@ class _Count:
 
     def __init__(self, llm):
         runner = llm.engine.runner
-        self.launched = self.taken = self.plain = 0
+        self.launched = self.taken = self.plain = self.subsets = 0
+        index = engine_module._index
+
+        def subset(*a):
+            self.subsets += 1
+            return index(*a)
+
+        engine_module._index = subset  # restored by the autouse fixture below
         ahead, commit, plain = runner.decode_ahead, runner.commit_ahead, runner._graphed_decode
 
         def launched(*a):
@@ -82,19 +95,23 @@ def test_pipelined_eos_the_host_has_not_seen_drops_the_extra_token(tiny_model_di
     prompts = _prompts([6, 11, 4], seed=3)
     free = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     ref = _llm(tiny_model_dir, False).generate(prompts, free)
-    eos = ref[1].token_ids[4]  # request 1 ends on its 5th token; the others end where this token comes up
+    # request 1 ends on a token it first makes in a decode step; the others end where that token comes up
+    eos = next(t for i, t in enumerate(ref[1].token_ids) if i >= 3 and ref[1].token_ids.index(t) == i)
     params = SamplingParams(max_tokens=20, temperature=0)
     outs = {}
     for pipeline in (False, True):
         llm = _llm(tiny_model_dir, pipeline)
         llm.engine.eos_ids = {eos}
+        count = _Count(llm)
         outs[pipeline] = llm.generate(prompts, params)
         assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+    # the step launched with request 1 still in it (its EOS unseen) was taken for the two others, rows gathered
+    assert count.taken > 0 and count.subsets > 0
     for a, b, r in zip(outs[True], outs[False], ref):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         cut = r.token_ids.index(eos) + 1 if eos in r.token_ids else len(r.token_ids)
         assert a.token_ids == r.token_ids[:cut]
-    assert outs[True][1].finish_reason == "stop" and len(outs[True][1].token_ids) <= 5
+    assert outs[True][1].finish_reason == "stop" and outs[True][1].token_ids[-1] == eos
 
 
 def test_pipelined_with_arrivals_aborts_and_stop_strings_equals_stepwise(tiny_model_dir):
@@ -119,8 +136,9 @@ def test_pipelined_under_page_pressure_equals_stepwise(tiny_model_dir):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     want = _llm(tiny_model_dir, False, num_pages=24).generate(prompts, params)
     llm = _llm(tiny_model_dir, True, num_pages=24)
+    count = _Count(llm)
     got = llm.generate(prompts, params)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0 and count.taken > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
 
@@ -160,9 +178,12 @@ def test_pipelined_step_failure_is_retried_alone_like_stepwise(tiny_model_dir):
         llm = _llm(tiny_model_dir, pipeline)
         bad = {}
 
+        count = _Count(llm)
+
         def hook(seqs):
             victim = bad.get("seq")
             if victim is not None and victim in seqs and len(victim.output_ids) == 4:
+                bad["taken_before"] = count.taken
                 raise RuntimeError("injected")
 
         llm.engine.fault_hook = hook
@@ -172,8 +193,28 @@ def test_pipelined_step_failure_is_retried_alone_like_stepwise(tiny_model_dir):
             llm.engine.step()
         outs[pipeline] = [(s.output_ids, s.finish_reason) for s in seqs]
         assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+    assert bad["taken_before"] > 0  # pipelined: the failing step had taken a step launched ahead
     assert outs[True] == outs[False]
     assert outs[True][1][1] == "error" and outs[True][0][1] == outs[True][2][1] == "length"
+
+
+def test_pipelined_at_the_context_limit_and_under_a_small_token_budget_equals_stepwise(tiny_model_dir):
+    """Requests that reach max_model_len are never launched past it; a token budget below the number of decodes
+    leaves some requests out of a step."""
+    prompts = _prompts([20, 26, 9, 14, 23], seed=13)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    for kw in (dict(max_model_len=32), dict(max_num_batched_tokens=3)):
+        want = _llm(tiny_model_dir, False, **kw).generate(prompts, params)
+        llm = _llm(tiny_model_dir, True, **kw)
+        count = _Count(llm)
+        got = llm.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+        assert count.taken > 0
+        if "max_model_len" in kw:
+            assert all(len(p) + len(o.token_ids) == 32 for p, o in zip(prompts, got))
+            assert count.launched == count.taken  # none launched for a request its token ends by length
+        assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
 
 
 @pytest.mark.gpu
@@ -199,3 +240,28 @@ def test_gpu_pipelined_graph_steps_equal_stepwise():
             assert count.taken > 20
         assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_gpu_launch_ahead_does_not_wait_for_the_gpu():
+    """With ~10 ms of GPU work queued before it, launching the next step returns in far less: nothing on its path
+    (uploads, the device-fed ids, sampling tensors, the graph launch) waits for the device's queued work."""
+    import statistics
+    import time
+
+    llm = LLM(None, device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3)
+    eng, times = llm.engine, []
+    launch = eng._launch_ahead
+
+    def timed(seqs, tokens):
+        torch.cuda._sleep(20_000_000)  # clock cycles: about 10 ms
+        t0 = time.perf_counter()
+        out = launch(seqs, tokens)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    eng._launch_ahead = timed
+    params = [SamplingParams(max_tokens=30, temperature=t, seed=1, ignore_eos=True) for t in (0, 0.8, 0, 1.0)]
+    llm.generate(_prompts([5, 9, 3, 7], seed=2), params)
+    assert len(times) > 20
+    assert statistics.median(times[8:]) < 4e-3, times  # the first launches capture graphs (they synchronise)
