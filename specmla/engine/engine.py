@@ -110,10 +110,9 @@ class LLMEngine:
         """`fault_hook` (tests): called with the requests about to be sampled in every model call; an
         exception it raises is handled like any failure inside a step.
 
-        `pipeline_decode`: in a step of decodes only (no prefill, no speculation, no logprobs) over the
-        graphed decoder, launch the next step for the requests that can go on before this step's tokens come
-        back to the host, feeding it those tokens on the device; the next step takes its result when its batch is
-        made of those requests. The host's bookkeeping and the next graph's launch then overlap the GPU's work
+        `pipeline_decode`: in a step without speculation or logprobs, launch the next (graphed) decode step of
+        the requests sampled here that can go on, before this step's tokens come back to the host, feeding it
+        those tokens on the device; the next step's decodes take its result when they are among those requests. The host's bookkeeping and the next graph's launch then overlap the GPU's work
         instead of leaving it idle between steps. A request that finishes on a token the host has not seen yet
         (EOS, a stop string) had one extra token computed, which is dropped; its cache write lands on its own
         pages, beyond its computed tokens."""
@@ -239,7 +238,7 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch, pipelined: bool = True) -> list[Sequence]:
         """One model pass over the batch's decodes and prefill chunks; returns the requests sampled."""
         if pipelined and self._pipelines(batch):
-            return self._decode_pipelined(batch.decode)
+            return self._run_pipelined(batch)
         self._ahead = None
         ready: list[Sequence] = []
         logits = []
@@ -301,36 +300,51 @@ class LLMEngine:
         return out
 
     def _pipelines(self, batch: ScheduledBatch) -> bool:
-        """Whether this step runs as a pipelined decode step (see `pipeline_decode`)."""
-        seqs = batch.decode
-        return (self.pipeline_decode and bool(seqs) and not batch.prefill and self.proposer is None
-                and not self.naive_decode
-                and all(s.params.logprobs is None for s in seqs)
-                and self.runner._graphable(seqs, [1] * len(seqs), False))
+        """Whether this step runs pipelined (see `pipeline_decode`)."""
+        return (self.pipeline_decode and self.proposer is None and not self.naive_decode
+                and all(s.params.logprobs is None for s in batch.decode)
+                and all(s.params.logprobs is None for s, _ in batch.prefill))
 
-    def _decode_pipelined(self, seqs: list[Sequence]) -> list[Sequence]:
-        """A decode step that takes the step launched ahead when it covers `seqs` (else runs it now),
-        launches the next one, then brings this step's tokens to the host and appends them."""
+    def _run_pipelined(self, batch: ScheduledBatch) -> list[Sequence]:
+        """A step whose decodes take the step launched ahead when it covers them (else run now), and whose
+        prefill chunks run now; then the next decode step of every request sampled here is launched before this
+        step's tokens are brought to the host and appended."""
         ahead, self._ahead = self._ahead, None
-        rows = ahead.rows_for(seqs) if ahead is not None else None
-        if rows is not None:
-            tokens = ahead.tokens if rows == list(range(len(ahead.rows))) else ahead.tokens[_index(rows, ahead.tokens)]
-            self.runner.commit_ahead(seqs)
-        else:
-            tokens = self.runner.sample(seqs, self.runner.forward_logits(seqs, [1] * len(seqs))).tokens
+        parts: list[tuple[list[Sequence], torch.Tensor]] = []  # requests sampled, their tokens on the device
+        if batch.decode:
+            seqs = batch.decode
+            rows = ahead.rows_for(seqs) if ahead is not None else None
+            if rows is not None:
+                tokens = ahead.tokens if rows == list(range(len(ahead.rows))) else ahead.tokens[_index(rows, ahead.tokens)]
+                self.runner.commit_ahead(seqs)
+            else:
+                tokens = self.runner.sample(seqs, self.runner.forward_logits(seqs, [1] * len(seqs))).tokens
+            parts.append((seqs, tokens))
+        if batch.prefill:
+            seqs = [s for s, _ in batch.prefill]
+            logits = self.runner.forward_logits(seqs, [n for _, n in batch.prefill])
+            done = [i for i, s in enumerate(seqs) if s.num_cached == s.total_len]
+            if done:
+                ready = [seqs[i] for i in done]
+                rows = logits if len(done) == len(seqs) else logits[_index(done, logits)]
+                parts.append((ready, self.runner.sample(ready, rows).tokens))
+        if not parts:
+            return []
+        ready = [s for seqs, _ in parts for s in seqs]
+        tokens = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts])
         host = tokens.to("cpu", non_blocking=tokens.is_cuda)  # queued before the next step's launch
         copied = None
         if tokens.is_cuda:
             copied = torch.cuda.Event()
             copied.record()
-        self._ahead = self._launch_ahead(seqs, tokens)
+        self._ahead = self._launch_ahead(ready, tokens)
         if copied is not None:
             copied.synchronize()
         if self.fault_hook is not None:
-            self.fault_hook(seqs)
-        for s, t in zip(seqs, host.tolist()):
+            self.fault_hook(ready)
+        for s, t in zip(ready, host.tolist()):
             self._append(s, t, None)
-        return seqs
+        return ready
 
     def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> _Ahead | None:
         """Launch the step after this one for the requests of `seqs` that its tokens cannot end by length,
@@ -340,6 +354,8 @@ class LLMEngine:
         if not keep:
             return None
         nxt = [seqs[i] for i in keep]
+        if self.runner.graphed is None or self.runner.graphed.padded_size(len(nxt)) is None:
+            return None
         pool = self.pool
         if sum(pool.pages_needed(s.seq_id, s.total_len + 1) for s in nxt) > pool.num_free_pages():
             return None  # the next step's scheduling decides who gets pages
