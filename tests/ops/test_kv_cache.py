@@ -272,6 +272,42 @@ def test_fused_write_kernel_matches_the_reference_write(fmt):
 
 
 
+@pytest.mark.parametrize("dtype,dc,dr,T", [(torch.bfloat16, 512, 64, 37), (torch.float16, 96, 32, 5),
+                                           (torch.float32, 512, 64, 1)])
+def test_unquantised_write_kernel_equals_cat_and_index_copy(dtype, dc, dr, T):
+    """One-kernel row writes (interpreter) from strided views, into a NaN-poisoned cache: the written rows equal
+    the reference's bit for bit, every other row stays NaN."""
+    from specmla.ops.kv_cache import write_kv_rows_triton
+
+    g = torch.Generator().manual_seed(T)
+    pages, page = 5, 16
+    latent = (torch.randn(T, dc + dr, generator=g) * 3).to(dtype)
+    c_kv, k_pe = latent[:, :dc], latent[:, dc:]
+    slots = torch.randperm(pages * page, generator=g)[:T].to(torch.int32)
+    ref = torch.full((pages, page, dc + dr), float("nan"), dtype=dtype)
+    got = ref.clone()
+    write_kv_cache(ref, c_kv, k_pe, slots.long(), "auto")
+    write_kv_rows_triton(got, c_kv, k_pe, slots)
+    assert torch.equal(got.view(-1, dc + dr)[slots.long()], ref.view(-1, dc + dr)[slots.long()])
+    untouched = torch.ones(pages * page, dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert got.view(-1, dc + dr)[untouched].isnan().all()
+    with pytest.raises(ValueError, match="dtype"):
+        write_kv_rows_triton(got.to(torch.float16 if dtype != torch.float16 else torch.float32), c_kv, k_pe, slots)
+    with pytest.raises(ValueError, match="width"):
+        write_kv_rows_triton(got, c_kv[:, 1:], k_pe, slots)
+
+
+@pytest.mark.gpu
+def test_gpu_unquantised_write_kernel_is_exact():
+    latent = torch.randn(300, 576, device="cuda").to(torch.bfloat16)
+    slots = torch.randperm(64 * 16, device="cuda")[:300]
+    got = torch.full((64, 16, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    write_kv_cache(got, latent[:, :512], latent[:, 512:], slots, "auto")  # the kernel's path on CUDA
+    assert torch.equal(got.view(-1, 576)[slots], latent)
+    assert got.view(-1, 576).isnan().all(-1).sum().item() == 64 * 16 - 300
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 def test_gpu_fused_write_is_byte_exact(fmt):

@@ -1,5 +1,5 @@
-"""Fused cache writes: pack [c_kv | k_pe], quantise and scatter by slot in one kernel, from strided inputs.
-Checked byte for byte against `reference.encode_rows`."""
+"""Fused cache writes: pack [c_kv | k_pe], quantise (fp8 / tbq4) and scatter by slot in one kernel, from strided
+inputs. Checked byte for byte against `reference.encode_rows` and, for unquantised rows, torch's cat + index_copy."""
 
 from __future__ import annotations
 
@@ -139,4 +139,38 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torc
         T, c_kv.stride(0), k_pe.stride(0), flat.stride(0), wide.stride(0), bf.stride(0),
         DC=dc, DR=dr, BLOCK_T=block_t, TBQ4=tbq, ROPE_AT=rope_at if i8 else rope_at // 2, ROPE_I8=i8,
         GROUP=ROPE_GROUP,
+    )
+
+
+@triton.jit
+def _write_rows_kernel(CKV, KPE, SLOT, OUT, T, stride_ct, stride_pt, row,
+                       DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program per BLOCK_T tokens: row slot ← [c_kv | k_pe], same dtype (a copy, no rounding)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    slot = tl.load(SLOT + t, mask=t_ok, other=0).to(tl.int64)
+    c = tl.arange(0, BLOCK_DC)
+    ok = t_ok[:, None] & (c[None, :] < DC)
+    x = tl.load(CKV + t[:, None] * stride_ct + c[None, :], mask=ok)
+    tl.store(OUT + slot[:, None] * row + c[None, :], x, mask=ok)
+    r = tl.arange(0, DR)
+    pe = tl.load(KPE + t[:, None] * stride_pt + r[None, :], mask=t_ok[:, None])
+    tl.store(OUT + slot[:, None] * row + DC + r[None, :], pe, mask=t_ok[:, None])
+
+
+def write_kv_rows_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                         slot_mapping: torch.Tensor, block_t: int = 8) -> None:
+    """Unquantised rows in one kernel (`write_kv_cache`'s cat + index_copy): c_kv, k_pe and the cache in one dtype."""
+    T, dc = c_kv.shape
+    dr = k_pe.shape[-1]
+    if kv_cache.shape[-1] != dc + dr or not (kv_cache.dtype == c_kv.dtype == k_pe.dtype):
+        raise ValueError(f"write_kv_rows_triton copies rows of width {dc + dr} in the cache's dtype")
+    if not kv_cache.is_contiguous() or c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1 or dr & (dr - 1):
+        raise ValueError("need a contiguous cache, unit-stride last dims and a power-of-two Dr")
+    if T == 0:
+        return
+    flat = kv_cache.view(-1, dc + dr)
+    _write_rows_kernel[(triton.cdiv(T, block_t),)](
+        c_kv, k_pe, slot_mapping, flat, T, c_kv.stride(0), k_pe.stride(0), flat.stride(0),
+        DC=dc, DR=dr, BLOCK_DC=triton.next_power_of_2(dc), BLOCK_T=block_t,
     )
