@@ -70,11 +70,11 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
         self.spec = RouteSpec.from_config(cfg)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights fp32 [T, k], expert ids [T, k]); one Triton kernel on CUDA at inference."""
+    def forward(self, x: torch.Tensor, id_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights fp32 [T, k], expert ids [T, k] minus id_offset); one Triton kernel on CUDA at inference."""
         if torch.is_grad_enabled():  # training needs the torch ops' gradients
-            return moe_route_torch(x, self.weight, self.e_score_correction_bias, self.spec)
-        return moe_route(x, self.weight, self.e_score_correction_bias, self.spec)
+            return moe_route_torch(x, self.weight, self.e_score_correction_bias, self.spec, id_offset=id_offset)
+        return moe_route(x, self.weight, self.e_score_correction_bias, self.spec, id_offset=id_offset)
 
 
 class MoE(nn.Module):
@@ -176,9 +176,8 @@ class MoE(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, idx = self.gate(x)
-        if self.local_experts is not None:
-            idx = idx - self.local_experts[0]
+        # expert parallelism: ids relative to this rank's first expert (the others fall outside its stack)
+        weights, idx = self.gate(x, 0 if self.local_experts is None else self.local_experts[0])
         shared = None if self.shared_down is None else (self.shared_gate_up, self.shared_down)
         shared_scales = None if self.shared_down_scale is None else (self.shared_gate_up_scale,
                                                                      self.shared_down_scale)

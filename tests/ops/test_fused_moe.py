@@ -391,6 +391,21 @@ def test_too_many_expert_slots_is_a_clear_error(T):
                   backend="triton")
 
 
+@pytest.mark.parametrize("offset", [7, 20])
+def test_route_ids_relative_to_an_expert_parallel_rank(offset):
+    """id_offset (a rank's first expert under expert parallelism): every id minus the offset, negative for the
+    experts before the rank's, the same weights; Triton (int64 and int32 ids) as the reference."""
+    spec = ROUTES["v3_noaux"]
+    x, w, bias = route_case(17, 40, 33, F32, spec, seed=offset)
+    plain = sorted_route(*moe_route_torch(x, w, bias, spec))
+    want = sorted_route(*moe_route_torch(x, w, bias, spec, id_offset=offset))
+    assert torch.equal(want[1], plain[1] - offset) and torch.equal(want[0], plain[0])
+    assert (want[1] < 0).any() and (want[1] >= 0).any()
+    for ids_dtype in (torch.int64, torch.int32):
+        got = sorted_route(*moe_route_triton(x, w, bias, spec, ids_dtype=ids_dtype, id_offset=offset))
+        assert torch.equal(got[1].long(), want[1]) and torch.allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
 def test_route_without_bias_and_int32_ids():
     spec = RouteSpec(top_k=3, n_group=4, topk_group=2, method="noaux_tc", sigmoid=True, norm_topk_prob=True)
     x, w, _ = route_case(17, 24, 40, F32, spec, seed=3)

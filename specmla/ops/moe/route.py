@@ -47,10 +47,11 @@ class RouteSpec:
 
 
 # ---- routing ---------------------------------------------------------------------------------------
-def moe_route_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: RouteSpec
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: RouteSpec,
+                    *, id_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router weight [E, H], e_score_correction_bias [E] or None → (weights fp32 [T, k],
-    expert ids int64 [T, k]). The math of transformers' DeepSeek V2/V3 gates."""
+    expert ids int64 [T, k], each minus id_offset: expert parallelism numbers a rank's experts from its first).
+    The math of transformers' DeepSeek V2/V3 gates."""
     logits = torch.nn.functional.linear(x.float(), weight.float())
     scores = logits.sigmoid() if spec.sigmoid else logits.softmax(dim=-1)
     choice = scores if bias is None else scores + bias
@@ -75,7 +76,7 @@ def moe_route_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if spec.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * spec.scaling
-    return weights, idx
+    return weights, idx - id_offset if id_offset else idx
 
 
 @triton.jit
@@ -96,7 +97,7 @@ def _key_value(key):
 
 @triton.jit
 def _moe_route_kernel(
-    X, W, BIAS, W_OUT, I_OUT, PART, COUNT, T, H, h_split, stride_x, stride_w, scaling,
+    X, W, BIAS, W_OUT, I_OUT, PART, COUNT, T, H, h_split, stride_x, stride_w, scaling, id_offset,
     SPLIT: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
     N_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_MODE: tl.constexpr,
@@ -216,7 +217,7 @@ def _moe_route_kernel(
     m = t_ok[:, None] & k_ok
     out = offs_t[:, None] * TOP_K + kcols
     tl.store(W_OUT + out, picked_w, mask=m)
-    tl.store(I_OUT + out, picked_i.to(I_OUT.dtype.element_ty), mask=m)
+    tl.store(I_OUT + out, (picked_i - id_offset).to(I_OUT.dtype.element_ty), mask=m)
 
 
 def _pow2(n: int) -> bool:
@@ -229,7 +230,7 @@ MAX_PARTIAL_BYTES = 256 * 1024  # fp32 partial logits the last program of a toke
 
 
 def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: RouteSpec,
-                     *, ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+                     *, ids_dtype: torch.dtype = torch.int64, id_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `moe_route_torch`; one launch of (16-token block) × (slice of H) programs."""
     T, H = x.shape
     E = weight.shape[0]
@@ -256,7 +257,7 @@ def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     part = torch.empty(n_t * split * block_t * block_e if split > 1 else 1, dtype=torch.float32, device=x.device)
     _moe_route_kernel[(n_t, split)](
         x, weight, bias if bias is not None else weight, weights, idx, part, zeroed_scratch("moe_route", _COUNTERS, x.device), T, H, h_split,
-        x.stride(0), weight.stride(0), float(spec.scaling),
+        x.stride(0), weight.stride(0), float(spec.scaling), id_offset,
         SPLIT=split, E=E, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_H=block_h,
         TOP_K=spec.top_k, BLOCK_K=max(2, triton.next_power_of_2(spec.top_k)),
         N_GROUP=spec.n_group, BLOCK_G=max(2, triton.next_power_of_2(spec.n_group)), TOPK_GROUP=spec.topk_group,
@@ -268,9 +269,9 @@ def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return weights, idx
 
 
-def moe_route(x, weight, bias, spec: RouteSpec, *, backend: str = "auto"):
+def moe_route(x, weight, bias, spec: RouteSpec, *, id_offset: int = 0, backend: str = "auto"):
     """x [T, H], router weight [E, H], e_score_correction_bias [E] or None → (weights fp32 [T, k], expert
-    ids int64 [T, k]): Triton on CUDA at inference, the torch reference elsewhere."""
+    ids int64 [T, k] minus id_offset): Triton on CUDA at inference, the torch reference elsewhere."""
     if pick_backend(backend, x, weight) == "triton":
-        return moe_route_triton(x, weight, bias, spec)
-    return moe_route_torch(x, weight, bias, spec)
+        return moe_route_triton(x, weight, bias, spec, id_offset=id_offset)
+    return moe_route_torch(x, weight, bias, spec, id_offset=id_offset)
