@@ -28,7 +28,7 @@ from specmla.ops.linear.reference import BLOCK as FP8_BLOCK
 from specmla.ops.moe import RouteSpec, fused_moe, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
 from specmla.ops.prefill import mla_prefill, prefill_schedule
-from specmla.ops.rope import apply_rope, apply_rope_
+from specmla.ops.rope import apply_rope, apply_rope_qk_
 
 
 class RMSNorm(nn.Module):
@@ -242,8 +242,7 @@ class MLAttention(nn.Module):
                            apply_rope(q_pe, meta.positions, cos_sin, cfg.rope_interleave)], dim=-1)
             k_pe = apply_rope(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
         else:  # inference: in place on the views of q / the latent (one Triton kernel each on CUDA)
-            apply_rope_(q_pe, meta.positions, cos_sin, cfg.rope_interleave)
-            apply_rope_(k_pe, meta.positions, cos_sin, cfg.rope_interleave)
+            apply_rope_qk_(q_pe, k_pe, meta.positions, cos_sin, cfg.rope_interleave)
         if kv_cache is not None:
             write_kv_cache(kv_cache, c_kv, k_pe, meta.slot_mapping, meta.kv_format)
         return q, c_kv, k_pe

@@ -1,4 +1,5 @@
-"""Rotary position embedding applied to q_pe / k_pe (torch reference; a fused kernel comes later).
+"""Rotary position embedding applied to q_pe / k_pe: torch reference, and a Triton kernel that rotates in place
+(q's heads and, in the same launch, the token's k_pe).
 
 Layouts (`interleave=True`, DeepSeek's default): the input holds pairs (x0, x1), (x2, x3), ... each
 rotated by one frequency; the output is written de-interleaved, [rotated evens | rotated odds], as
@@ -41,16 +42,8 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _rope_kernel(X, POS, CS, stride_t, stride_h, stride_cs, H, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                 INTERLEAVE: tl.constexpr):
-    t = tl.program_id(0)
-    pos = tl.load(POS + t)
-    i = tl.arange(0, HALF)
-    cos = tl.load(CS + pos * stride_cs + i)
-    sin = tl.load(CS + pos * stride_cs + HALF + i)
-    hs = tl.arange(0, BLOCK_H)
-    ok = (hs < H)[:, None]
-    base = X + t * stride_t + hs[:, None] * stride_h
+def _rotate_rows(base, ok, cos, sin, i, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Rotate the rows at base (pointers [R, 1]) in place, written de-interleaved."""
     if INTERLEAVE:
         x1 = tl.load(base + 2 * i[None, :], mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(base + 2 * i[None, :] + 1, mask=ok, other=0.0).to(tl.float32)
@@ -59,8 +52,23 @@ def _rope_kernel(X, POS, CS, stride_t, stride_h, stride_cs, H, HALF: tl.constexp
         x2 = tl.load(base + HALF + i[None, :], mask=ok, other=0.0).to(tl.float32)
     y1 = x1 * cos[None, :] - x2 * sin[None, :]
     y2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(base + i[None, :], y1.to(X.dtype.element_ty), mask=ok)  # written de-interleaved
-    tl.store(base + HALF + i[None, :], y2.to(X.dtype.element_ty), mask=ok)
+    tl.store(base + i[None, :], y1.to(base.dtype.element_ty), mask=ok)
+    tl.store(base + HALF + i[None, :], y2.to(base.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(X, POS, CS, stride_t, stride_h, stride_cs, H, K, stride_kt, HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_K: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(POS + t)
+    i = tl.arange(0, HALF)
+    cos = tl.load(CS + pos * stride_cs + i)
+    sin = tl.load(CS + pos * stride_cs + HALF + i)
+    hs = tl.arange(0, BLOCK_H)
+    _rotate_rows(X + t * stride_t + hs[:, None] * stride_h, (hs < H)[:, None], cos, sin, i, HALF, INTERLEAVE)
+    if HAS_K:  # the token's k_pe, one row
+        one = tl.arange(0, 1)
+        _rotate_rows(K + t * stride_kt + one[:, None], (one < 1)[:, None], cos, sin, i, HALF, INTERLEAVE)
 
 
 def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, interleave: bool = True,
@@ -74,7 +82,22 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     if x3.stride(-1) != 1 or dim & (dim - 1):
         raise ValueError("rope needs a unit-stride last dim of power-of-two size")
     if T:
-        _rope_kernel[(T,)](x3, positions, cos_sin, x3.stride(0), x3.stride(1), cos_sin.stride(0), H,
-                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave)
+        _rope_kernel[(T,)](x3, positions, cos_sin, x3.stride(0), x3.stride(1), cos_sin.stride(0), H, x3, 0,
+                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave, HAS_K=False)
     return x
+
+
+def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   interleave: bool = True, backend: str = "auto") -> None:
+    """In-place `apply_rope` on q [T, H, dim] and k [T, dim] (strided views are fine), one launch on CUDA."""
+    if pick_backend(backend, q) == "torch":
+        q.copy_(apply_rope(q, positions, cos_sin, interleave))
+        k.copy_(apply_rope(k, positions, cos_sin, interleave))
+        return
+    T, H, dim = q.shape
+    if k.shape != (T, dim) or q.stride(-1) != 1 or k.stride(-1) != 1 or dim & (dim - 1):
+        raise ValueError("rope needs q [T, H, dim] and k [T, dim], unit-stride last dims of power-of-two size")
+    if T:
+        _rope_kernel[(T,)](q, positions, cos_sin, q.stride(0), q.stride(1), cos_sin.stride(0), H, k, k.stride(0),
+                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave, HAS_K=True)
 

@@ -7,7 +7,7 @@ from helpers.mla_cases import rel_err
 from specmla.config import RopeConfig
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.norm import rms_norm
-from specmla.ops.rope import apply_rope, apply_rope_
+from specmla.ops.rope import apply_rope, apply_rope_, apply_rope_qk_
 
 
 @pytest.mark.parametrize("D", [64, 320, 7])
@@ -51,6 +51,30 @@ def test_rope_kernel_in_place_on_a_strided_view(interleave, heads):
     untouched = torch.ones_like(full, dtype=torch.bool)
     untouched[..., 8:24] = False
     assert torch.equal(full[untouched], before[untouched])  # nothing outside the view changed
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("heads,T", [(1, 1), (5, 9), (16, 4)])
+def test_rope_qk_kernel_rotates_q_heads_and_k_in_one_launch(interleave, heads, T):
+    """q_pe and k_pe as the model has them (strided slices of q and of the kv_a output): both rotated as the
+    reference, nothing else in either row changed."""
+    cs = rope_cos_sin_cache(RopeConfig(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                       mscale=0.707, mscale_all_dim=0.707), 16, 300)
+    g = torch.Generator().manual_seed(heads + T)
+    q_full, kv_full = torch.randn(T, heads, 48, generator=g), torch.randn(T, 56, generator=g)
+    q_pe, k_pe = q_full[..., 32:], kv_full[:, 40:]
+    positions = torch.randint(0, 300, (T,), generator=g)
+    want_q, want_k = apply_rope(q_pe.clone(), positions, cs, interleave), apply_rope(k_pe.clone(), positions, cs,
+                                                                                      interleave)
+    q_before, kv_before = q_full.clone(), kv_full.clone()
+    apply_rope_qk_(q_pe, k_pe, positions, cs, interleave, backend="triton")
+    assert rel_err(q_pe, want_q) < 1e-6 and rel_err(k_pe, want_k) < 1e-6
+    assert torch.equal(q_full[..., :32], q_before[..., :32]) and torch.equal(kv_full[:, :40], kv_before[:, :40])
+    q2, k2 = q_before[..., 32:].clone(), kv_before[:, 40:].clone()
+    apply_rope_qk_(q2, k2, positions, cs, interleave, backend="torch")
+    assert torch.equal(q2, want_q) and torch.equal(k2, want_k)
+    with pytest.raises(ValueError, match="rope needs"):
+        apply_rope_qk_(q_pe, k_pe[:, :8], positions, cs, interleave, backend="triton")
 
 
 @pytest.mark.parametrize("D", [64, 320, 7])
