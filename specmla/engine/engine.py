@@ -112,8 +112,9 @@ class LLMEngine:
 
         `pipeline_decode`: in a step without speculation or logprobs, launch the next (graphed) decode step of
         the requests sampled here that can go on, before this step's tokens come back to the host, feeding it
-        those tokens on the device; the next step's decodes take its result when they are among those requests. The host's bookkeeping and the next graph's launch then overlap the GPU's work
-        instead of leaving it idle between steps. A request that finishes on a token the host has not seen yet
+        those tokens on the device; the next step's decodes take its result when they are among those requests.
+        The host's bookkeeping and the next graph's launch then overlap the GPU's work instead of leaving it idle
+        between steps. A request that finishes on a token the host has not seen yet
         (EOS, a stop string) had one extra token computed, which is dropped; its cache write lands on its own
         pages, beyond its computed tokens."""
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
@@ -315,7 +316,8 @@ class LLMEngine:
             seqs = batch.decode
             rows = ahead.rows_for(seqs) if ahead is not None else None
             if rows is not None:
-                tokens = ahead.tokens if rows == list(range(len(ahead.rows))) else ahead.tokens[_index(rows, ahead.tokens)]
+                whole = rows == list(range(len(ahead.rows)))
+                tokens = ahead.tokens if whole else ahead.tokens[_index(rows, ahead.tokens)]
                 self.runner.commit_ahead(seqs)
             else:
                 tokens = self.runner.sample(seqs, self.runner.forward_logits(seqs, [1] * len(seqs))).tokens

@@ -97,7 +97,8 @@ def _key_value(key):
 
 @triton.jit
 def _moe_route_kernel(
-    X, W, BIAS, W_OUT, I_OUT, PART, COUNT, T, H, h_split, stride_x, stride_w, scaling, id_offset,
+    X, W, BIAS, W_OUT, I_OUT, PART, COUNT, T, H, h_split, stride_x, stride_w, scaling,
+    id_offset,  # subtracted from every id written (expert parallelism: ids from the rank's first expert)
     SPLIT: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
     N_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_MODE: tl.constexpr,
