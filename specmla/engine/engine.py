@@ -246,8 +246,10 @@ class LLMEngine:
         if batch.decode and self.proposer is not None:
             self._speculative_decode(batch.decode)
         elif batch.decode:
-            logits.append(self.runner.forward_logits(batch.decode, [1] * len(batch.decode),
-                                                     naive_context=self.naive_decode))
+            dec = self.runner.forward_logits(batch.decode, [1] * len(batch.decode), naive_context=self.naive_decode)
+            # graphed logits live in the graph's output buffer, which the prefill part's one-token chunks (they
+            # replay the decode graphs) may overwrite before the sampling below
+            logits.append(dec.clone() if batch.prefill else dec)
             ready += batch.decode
         prefill_hidden = None
         if batch.prefill:

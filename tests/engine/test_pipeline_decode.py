@@ -24,10 +24,24 @@ def _prompts(lengths, seed=0, vocab=250):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+class _OneBufferDecoder(GraphedDecoder):
+    """The static-buffer decoder with CUDA graphs' output semantics on CPU: one output buffer per padded size,
+    overwritten by every replay of that size."""
+
+    def _replay(self, b):
+        hidden, logits = super()._replay(b)
+        bufs = self.__dict__.setdefault("_bufs", {})
+        if b not in bufs:
+            bufs[b] = (torch.empty_like(hidden), torch.empty_like(logits))
+        bufs[b][0].copy_(hidden)
+        bufs[b][1].copy_(logits)
+        return bufs[b]
+
+
 def _llm(tiny_model_dir, pipeline: bool, max_num_seqs: int = 8, num_pages: int = 256, **kw):
     llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=num_pages, max_num_seqs=max_num_seqs,
               pipeline_decode=pipeline, **kw)
-    llm.engine.runner.graphed = GraphedDecoder(llm.model, llm.kv_pool, max_num_seqs, 64, use_graphs=False)
+    llm.engine.runner.graphed = _OneBufferDecoder(llm.model, llm.kv_pool, max_num_seqs, 64, use_graphs=False)
     return llm
 
 
@@ -298,9 +312,11 @@ def _random_ops(seed: int) -> list:
 
 
 def test_pipelined_random_schedules_equal_stepwise(tiny_model_dir):
-    """40 random schedules on a 14-page pool with a 40-token context (preemptions, prefix hits, failures injected
-    in odd seeds): the same tokens and finish reasons pipelined and stepwise."""
-    engines = {p: _llm(tiny_model_dir, p, max_num_seqs=6, num_pages=14, max_model_len=40) for p in (False, True)}
+    """40 random schedules on a 14-page pool with a 40-token context and an 8-token budget (chunked prompts,
+    preemptions, prefix hits, failures injected in odd seeds): the same tokens and finish reasons pipelined and
+    stepwise."""
+    engines = {p: _llm(tiny_model_dir, p, max_num_seqs=6, num_pages=14, max_model_len=40, max_num_batched_tokens=8)
+               for p in (False, True)}
     count = _Count(engines[True])
     for seed in range(40):
         ops = _random_ops(seed)
@@ -319,3 +335,25 @@ def test_pipelined_random_schedules_equal_stepwise(tiny_model_dir):
         assert outs[True] == outs[False], seed
     assert count.taken > 300 and engines[True].engine.scheduler.num_preemptions > 0
     assert engines[True].engine.num_failed_steps > 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_one_token_prompt_chunk_beside_decodes_keeps_their_logits(tiny_model_dir, pipeline):
+    """A prompt whose last chunk is one token (a budget of 8: the running decode and 7 prompt tokens, then the
+    decode and the 8th) goes through the decode graph of the decodes' padded size in the same step: with graph
+    outputs reused per size, the decodes still get their own tokens (the same as without graphs)."""
+    prompts = _prompts([5, 8], seed=21)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, max_num_seqs=8,
+               max_num_batched_tokens=8).generate(prompts, params)
+    llm = LLM(tiny_model_dir, device="cpu", page_size=4, num_pages=256, max_num_seqs=8, max_num_batched_tokens=8,
+              pipeline_decode=pipeline)
+    llm.engine.runner.graphed = _OneBufferDecoder(llm.model, llm.kv_pool, 8, 64, use_graphs=False)
+    eng, seqs = llm.engine, []
+    seqs.append(eng.add_request(prompts[0], params))
+    for _ in range(3):
+        eng.step()
+    seqs += [eng.add_request(p, params) for p in prompts[1:]]
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_ids for s in seqs] == [o.token_ids for o in want]

@@ -292,6 +292,13 @@ def test_unquantised_write_kernel_equals_cat_and_index_copy(dtype, dc, dr, T):
     untouched = torch.ones(pages * page, dtype=torch.bool)
     untouched[slots.long()] = False
     assert got.view(-1, dc + dr)[untouched].isnan().all()
+    # a strided slot mapping with a negative slot: that token is skipped
+    wide = torch.stack([slots, torch.zeros_like(slots)], 1)[:, 0]
+    wide[0] = -1
+    again = torch.full_like(ref, float("nan"))
+    write_kv_rows_triton(again, c_kv, k_pe, wide)
+    assert torch.equal(again.view(-1, dc + dr)[slots[1:].long()], ref.view(-1, dc + dr)[slots[1:].long()])
+    assert again.isnan().all(-1).sum().item() == pages * page - (T - 1)
     with pytest.raises(ValueError, match="dtype"):
         write_kv_rows_triton(got.to(torch.float16 if dtype != torch.float16 else torch.float32), c_kv, k_pe, slots)
     with pytest.raises(ValueError, match="width"):

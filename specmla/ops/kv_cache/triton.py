@@ -143,12 +143,13 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torc
 
 
 @triton.jit
-def _write_rows_kernel(CKV, KPE, SLOT, OUT, T, stride_ct, stride_pt, row,
+def _write_rows_kernel(CKV, KPE, SLOT, OUT, T, stride_ct, stride_pt, stride_s, row,
                        DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program per BLOCK_T tokens: row slot ← [c_kv | k_pe], same dtype (a copy, no rounding)."""
+    """One program per BLOCK_T tokens: row slot ← [c_kv | k_pe], same dtype (a copy, no rounding); tokens with a
+    negative slot are not written."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    slot = tl.load(SLOT + t, mask=t_ok, other=0).to(tl.int64)
+    slot = tl.load(SLOT + t * stride_s, mask=t < T, other=-1).to(tl.int64)
+    t_ok = slot >= 0
     c = tl.arange(0, BLOCK_DC)
     ok = t_ok[:, None] & (c[None, :] < DC)
     x = tl.load(CKV + t[:, None] * stride_ct + c[None, :], mask=ok)
@@ -160,7 +161,8 @@ def _write_rows_kernel(CKV, KPE, SLOT, OUT, T, stride_ct, stride_pt, row,
 
 def write_kv_rows_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                          slot_mapping: torch.Tensor, block_t: int = 8) -> None:
-    """Unquantised rows in one kernel (`write_kv_cache`'s cat + index_copy): c_kv, k_pe and the cache in one dtype."""
+    """Unquantised rows in one kernel (`write_kv_cache`'s cat + index_copy): c_kv, k_pe and the cache in one dtype;
+    a negative slot skips its token."""
     T, dc = c_kv.shape
     dr = k_pe.shape[-1]
     if kv_cache.shape[-1] != dc + dr or not (kv_cache.dtype == c_kv.dtype == k_pe.dtype):
@@ -171,6 +173,6 @@ def write_kv_rows_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch
         return
     flat = kv_cache.view(-1, dc + dr)
     _write_rows_kernel[(triton.cdiv(T, block_t),)](
-        c_kv, k_pe, slot_mapping, flat, T, c_kv.stride(0), k_pe.stride(0), flat.stride(0),
+        c_kv, k_pe, slot_mapping, flat, T, c_kv.stride(0), k_pe.stride(0), slot_mapping.stride(0), flat.stride(0),
         DC=dc, DR=dr, BLOCK_DC=triton.next_power_of_2(dc), BLOCK_T=block_t,
     )
