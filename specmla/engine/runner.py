@@ -7,6 +7,8 @@ built on the host once per step and shared by every layer.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from specmla.engine.cuda_graphs import GraphedDecoder
@@ -18,6 +20,15 @@ from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
 from specmla.ops.sampling import SampleOutput, SamplingTensors, sample
+
+
+def _to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """The int lists as int64 tensors on `device`: one copy, from pinned memory on a GPU, queued without waiting for
+    the device's earlier work (a pageable copy would wait for it)."""
+    flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split([len(xs) for xs in lists]))
 
 
 class ModelRunner:
@@ -42,26 +53,29 @@ class ModelRunner:
         ids, positions, slots, kv_lens = rows if rows is not None else self._rows(seqs, q_lens, starts)
         is_decode = all(q == q_lens[0] for q in q_lens) and all(st > 0 for st in starts) and q_lens[0] <= 8
         has_prefix = any(st > 0 for st in starts)
-        context_slots = None
-        cu_kv = None
+        ctx, cu_kv = [], []
         if has_prefix and (not is_decode or naive_context):
             ctx = [slot for s, n in zip(seqs, kv_lens) for slot in pool.slots(s.seq_id, 0, n)]
-            context_slots = torch.tensor(ctx, dtype=torch.long, device=dev)
-            cu_kv = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev)
+            cu_kv = list(itertools.accumulate(kv_lens, initial=0))
+        pages = [pool.pages_of(s.seq_id) for s in seqs]
+        width = max((len(p) for p in pages), default=1) or 1
+        table = [page for p in pages for page in p + [0] * (width - len(p))]  # padded with page 0 (masked)
+        (ids_t, pos_t, slots_t, lens_t, cu_q_t, table_t, ctx_t, cu_kv_t) = _to_device(
+            dev, ids, positions, slots, kv_lens, list(itertools.accumulate(q_lens, initial=0)), table, ctx, cu_kv)
         meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            cu_seqlens_q=torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32).to(dev),
-            seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev),
+            positions=pos_t,
+            cu_seqlens_q=cu_q_t.to(torch.int32),
+            seq_lens=lens_t.to(torch.int32),
             max_seqlen_q=max(q_lens),
             max_seqlen_kv=max(kv_lens),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_table=pool.block_table([s.seq_id for s in seqs]),
+            slot_mapping=slots_t,
+            block_table=table_t.to(torch.int32).view(len(seqs), width),
             decode_query_len=q_lens[0] if is_decode else 0,
-            context_slots=context_slots,
-            cu_seqlens_kv=cu_kv,
+            context_slots=ctx_t if ctx else None,
+            cu_seqlens_kv=cu_kv_t.to(torch.int32) if ctx else None,
             kv_format=pool.kv_format,
         )
-        return torch.tensor(ids, dtype=torch.long, device=dev), meta
+        return ids_t, meta
 
     def _rows(self, seqs: list[Sequence], q_lens: list[int], starts: list[int]
               ) -> tuple[list[int], list[int], list[int], list[int]]:

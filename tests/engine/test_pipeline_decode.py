@@ -283,6 +283,13 @@ def test_gpu_launch_ahead_does_not_wait_for_the_gpu():
     llm.generate(_prompts([5, 9, 3, 7], seed=2), params)
     assert len(times) > 20
     assert statistics.median(times[8:]) < 4e-3, times  # the first launches capture graphs (they synchronise)
+    # an arrival's prefill metadata (built beside the decodes launched ahead) does not wait either
+    seq = eng.add_request(_prompts([40], seed=3)[0], SamplingParams(max_tokens=2))
+    torch.cuda._sleep(20_000_000)
+    t0 = time.perf_counter()
+    eng.runner.build_metadata([seq], [40])
+    assert time.perf_counter() - t0 < 4e-3
+    torch.cuda.synchronize()
 
 
 def _random_ops(seed: int) -> list:
