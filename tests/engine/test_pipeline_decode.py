@@ -285,11 +285,14 @@ def test_gpu_launch_ahead_does_not_wait_for_the_gpu():
     assert statistics.median(times[8:]) < 4e-3, times  # the first launches capture graphs (they synchronise)
     # an arrival's prefill metadata (built beside the decodes launched ahead) does not wait either
     seq = eng.add_request(_prompts([40], seed=3)[0], SamplingParams(max_tokens=2))
+    eng.pool.allocate(seq.seq_id, 40)
+    eng.runner.build_metadata([seq], [40])  # warm (pinned memory pool)
     torch.cuda._sleep(20_000_000)
     t0 = time.perf_counter()
     eng.runner.build_metadata([seq], [40])
     assert time.perf_counter() - t0 < 4e-3
     torch.cuda.synchronize()
+    eng.abort(seq)
 
 
 def _random_ops(seed: int) -> list:
