@@ -45,11 +45,11 @@ def symmetric_views() -> dict:
     return _PEER_VIEWS
 
 
-def _every_rank(ok: bool) -> bool:
-    """Whether `ok` holds on every rank (a collective call)."""
-    flag = torch.tensor([ok], dtype=torch.int32, device="cuda")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+def _group_min(value: int) -> int:
+    """The smallest of every rank's `value` (a collective call)."""
+    t = torch.tensor([value], dtype=torch.int64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def _map_symmetric(rank: int, world: int, nbytes: int) -> list[torch.Tensor] | None:
@@ -67,7 +67,7 @@ def _map_symmetric(rank: int, world: int, nbytes: int) -> list[torch.Tensor] | N
     except Exception as e:  # no symmetric memory here, an older torch: the layers use NCCL for every all-reduce
         log.warning("no symmetric memory on rank %d (%s: %s): all-reduces go through NCCL", rank, type(e).__name__, e)
         buf = None
-    if not _every_rank(buf is not None):
+    if not _group_min(buf is not None):  # every rank allocated
         return None
     try:
         handle = symm_mem.rendezvous(buf, name)
@@ -76,7 +76,7 @@ def _map_symmetric(rank: int, world: int, nbytes: int) -> list[torch.Tensor] | N
         log.warning("symmetric memory not mapped on rank %d (%s: %s): all-reduces go through NCCL", rank,
                     type(e).__name__, e)
         peers = None
-    if not _every_rank(peers is not None):
+    if not _group_min(peers is not None):  # every rank mapped its peers
         return None
     torch.cuda.synchronize()
     dist.barrier()  # every rank's buffer is zeroed before any rank writes into another's
@@ -106,10 +106,9 @@ def init_group(rank: int, world: int, init_file: str | None, device: str, symmet
     _CONTROL = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     one_host = init_file is not None or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == world
     if backend == "nccl" and one_host:  # the ranks agree on the size (0 where one rank asks for none)
-        size = torch.tensor([symmetric_bytes], dtype=torch.int64, device="cuda")
-        dist.all_reduce(size, op=dist.ReduceOp.MIN)
-        if int(size.item()) > 0:
-            _PEERS = _map_symmetric(rank, world, int(size.item()))
+        size = _group_min(symmetric_bytes)
+        if size > 0:
+            _PEERS = _map_symmetric(rank, world, size)
 
 
 def destroy_group() -> None:

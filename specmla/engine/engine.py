@@ -17,7 +17,7 @@ import torch
 
 from specmla.engine.detokenizer import IncrementalDetokenizer
 from specmla.engine.kv_pool import KVPool
-from specmla.engine.runner import ModelRunner
+from specmla.engine.runner import ModelRunner, to_device_ints
 from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, ScheduledBatch, Scheduler
 from specmla.engine.sequence import Sequence, Status
 from specmla.engine.spec import SpecStats, greedy_accept, verify
@@ -563,8 +563,7 @@ class LLMEngine:
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
     """rows as an index tensor on like's device, copied without waiting for the device's queued work."""
-    t = torch.tensor(rows, dtype=torch.long)
-    return t.pin_memory().to(like.device, non_blocking=True) if like.is_cuda else t
+    return to_device_ints(like.device, rows)[0]
 
 
 def default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, device: torch.device,

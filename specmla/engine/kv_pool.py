@@ -190,14 +190,17 @@ class KVPool:
         pages, ps = self._pages[seq_id], self.page_size
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
 
-    def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
-        """int32 [B, width] page table (rows padded with page 0, which the length masks out)."""
+    def block_table_rows(self, seq_ids: list[int], width: int | None = None) -> tuple[list[int], int]:
+        """The page table [B, width] flattened on the host (rows padded with page 0, which the length masks out),
+        and its width (default: the longest row's, at least 1)."""
         rows = [self._pages.get(s, []) for s in seq_ids]
         width = width or max((len(r) for r in rows), default=1) or 1
-        table = torch.zeros(len(rows), width, dtype=torch.int32)
-        for i, r in enumerate(rows):
-            table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-        return table.to(self.device)
+        return [page for r in rows for page in r + [0] * (width - len(r))], width
+
+    def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
+        """int32 [B, width] page table on the pool's device (`block_table_rows`)."""
+        flat, width = self.block_table_rows(seq_ids, width)
+        return torch.tensor(flat, dtype=torch.int32).view(len(seq_ids), width).to(self.device)
 
     def bytes_per_page(self) -> int:
         c = self.caches[0]

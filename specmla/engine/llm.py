@@ -77,8 +77,8 @@ class LLM:
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's). weights: "auto"
         runs an FP8 checkpoint's block-scaled weights as stored, "dequantize" turns them into dtype at load.
         custom_all_reduce: under tensor parallelism on GPUs of one host, small all-reduces use the one-shot kernel
-        (`ops.all_reduce`); False sends every all-reduce through NCCL. pipeline_decode: launch a greedy decode
-        step before the previous one's tokens reach the host (`LLMEngine`); False runs every step after the last."""
+        (`ops.all_reduce`); False sends every all-reduce through NCCL. pipeline_decode: launch the next decode step
+        before this one's tokens reach the host (`LLMEngine`); False runs every step after the last."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
         if speculative not in (None, "ngram", "mtp", "hybrid"):

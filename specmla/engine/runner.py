@@ -22,7 +22,7 @@ from specmla.model.metadata import AttentionMetadata
 from specmla.ops.sampling import SampleOutput, SamplingTensors, sample
 
 
-def _to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+def to_device_ints(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
     """The int lists as int64 tensors on `device`: one copy, from pinned memory on a GPU, queued without waiting for
     the device's earlier work (a pageable copy would wait for it)."""
     flat = torch.tensor([x for xs in lists for x in xs], dtype=torch.long)
@@ -57,10 +57,8 @@ class ModelRunner:
         if has_prefix and (not is_decode or naive_context):
             ctx = [slot for s, n in zip(seqs, kv_lens) for slot in pool.slots(s.seq_id, 0, n)]
             cu_kv = list(itertools.accumulate(kv_lens, initial=0))
-        pages = [pool.pages_of(s.seq_id) for s in seqs]
-        width = max((len(p) for p in pages), default=1) or 1
-        table = [page for p in pages for page in p + [0] * (width - len(p))]  # padded with page 0 (masked)
-        (ids_t, pos_t, slots_t, lens_t, cu_q_t, table_t, ctx_t, cu_kv_t) = _to_device(
+        table, width = pool.block_table_rows([s.seq_id for s in seqs])
+        (ids_t, pos_t, slots_t, lens_t, cu_q_t, table_t, ctx_t, cu_kv_t) = to_device_ints(
             dev, ids, positions, slots, kv_lens, list(itertools.accumulate(q_lens, initial=0)), table, ctx, cu_kv)
         meta = AttentionMetadata(
             positions=pos_t,
@@ -122,14 +120,7 @@ class ModelRunner:
         each fed its token in next_ids (on the device, not appended on the host yet: its position is
         total_len) and sampled as the step after the current one; returns its tokens, on the device. Host state
         is untouched until `commit_ahead`."""
-        pool = self.pool
-        _, logits = self.graphed.run(
-            input_ids=next_ids,
-            positions=[s.total_len for s in seqs],
-            slots=[pool.slots(s.seq_id, s.total_len, s.total_len + 1)[0] for s in seqs],
-            seq_lens=[s.total_len + 1 for s in seqs],
-            tables=[pool.pages_of(s.seq_id) for s in seqs],
-        )
+        logits = self._replay_decode(seqs, next_ids, [s.total_len for s in seqs])
         return self.sample(seqs, logits, step_offset=1).tokens
 
     def commit_ahead(self, seqs: list[Sequence]) -> None:
@@ -147,12 +138,17 @@ class ModelRunner:
         )
 
     def _graphed_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        return self._replay_decode(seqs, [s.all_ids[s.num_cached] for s in seqs], [s.num_cached for s in seqs])
+
+    def _replay_decode(self, seqs: list[Sequence], input_ids: list[int] | torch.Tensor, positions: list[int]
+                       ) -> torch.Tensor:
+        """Logits of one graphed decode step: each request's token input_ids[i] at positions[i]."""
         pool = self.pool
         _, logits = self.graphed.run(
-            input_ids=[s.all_ids[s.num_cached] for s in seqs],
-            positions=[s.num_cached for s in seqs],
-            slots=[pool.slots(s.seq_id, s.num_cached, s.num_cached + 1)[0] for s in seqs],
-            seq_lens=[s.num_cached + 1 for s in seqs],
+            input_ids=input_ids,
+            positions=positions,
+            slots=[pool.slots(s.seq_id, p, p + 1)[0] for s, p in zip(seqs, positions)],
+            seq_lens=[p + 1 for p in positions],
             tables=[pool.pages_of(s.seq_id) for s in seqs],
         )
         return logits

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from specmla import distributed
 from specmla.ops.all_reduce import PeerBuffers, one_shot_all_reduce
 
+
 def _peer_buffers() -> PeerBuffers | None:
     """This rank's view of the group's symmetric buffers (made once per group: epochs start at zero)."""
     raw = distributed.symmetric_buffers()

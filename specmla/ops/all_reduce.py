@@ -14,8 +14,8 @@ the same order, in eager code and in CUDA-graph replays alike), so flags never n
 suffice: a peer can only reach call e + 2, which writes slot e % 2 again, after this rank published epoch
 e + 1, i.e. after this rank's call e finished reading. Each (slot, rank, program) owns the same bytes whatever
 the call's dtype (BLOCK · 4 bytes), so that argument holds per program across calls of any dtypes and sizes.
-Summing in rank order gives every rank the same bits,
-which tensor parallelism needs: each rank samples from its own copy of the logits.
+Summing in rank order gives every rank the same bits, which tensor parallelism needs: each rank samples from its
+own copy of the logits.
 
 `PeerBuffers` holds one rank's view of the buffers (on GPUs, `specmla.distributed` maps one allocation of
 `symmetric_bytes(world)` per rank in torch's symmetric memory and `PeerBuffers.split` cuts it into flags and
@@ -44,9 +44,8 @@ class PeerBuffers:
 
     data[r]: rank r's data buffer as mapped in this process, raw bytes: [2 slots, world, MAX_PROGRAMS] regions
     of BLOCK · 4 bytes, each holding one program's chunk in the call's dtype; flags[r]: rank r's epochs
-    [world, MAX_PROGRAMS]
-    int64 (entry [s, p]: the last epoch rank s published for program p); counters: this rank's own epochs
-    [MAX_PROGRAMS] int64, local."""
+    [world, MAX_PROGRAMS] int64 (entry [s, p]: the last epoch rank s published for program p); counters: this
+    rank's own epochs [MAX_PROGRAMS] int64, local."""
 
     rank: int
     data: list[torch.Tensor]
