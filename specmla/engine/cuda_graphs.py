@@ -31,7 +31,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class BatchGraphs:
     """What every static-buffer step shares: padded batch sizes, one CUDA graph per padded size
     (captured lazily, replayed; run eagerly on CPU), and the step's integer inputs in two flat
-    device buffers (int64 and int32) uploaded from pinned host twins: two copies per step."""
+    device buffers (int64 and int32) uploaded from pinned host twins: two copies per step. The twins
+    come in two sets used in turn, so filling step n + 1's waits only for step n - 1's copies (a
+    pipelined engine launches step n + 1 while step n's upload may still sit behind queued work)."""
 
     def __init__(self, pool: KVPool, max_num_seqs: int, use_graphs: bool, n_long: int, n_int: int):
         """n_long / n_int: the buffers' lengths per request of the largest padded size."""
@@ -41,11 +43,12 @@ class BatchGraphs:
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.use_graphs = use_graphs
         n, dev, pin = self.sizes[-1], pool.device, pool.device.type == "cuda"
-        self._long_host = torch.zeros(n * n_long, dtype=torch.long, pin_memory=pin)
-        self._int_host = torch.zeros(n * n_int, dtype=torch.int32, pin_memory=pin)
-        self._long = torch.zeros_like(self._long_host, device=dev)
-        self._int = torch.zeros_like(self._int_host, device=dev)
-        self._copied: torch.cuda.Event | None = None  # recorded after the last upload
+        self._hosts = [(torch.zeros(n * n_long, dtype=torch.long, pin_memory=pin),
+                        torch.zeros(n * n_int, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # recorded after each set's last upload
+        self._turn = 0  # the set the next step fills
+        self._long = torch.zeros(n * n_long, dtype=torch.long, device=dev)
+        self._int = torch.zeros(n * n_int, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, object] = {}
         self.mempool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -57,19 +60,23 @@ class BatchGraphs:
         raise NotImplementedError
 
     def _staging(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pinned host twins, once the previous step's copies have finished reading them."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._long_host, self._int_host
+        """This step's pinned host twins, once the copies that last read them have finished."""
+        done = self._copied[self._turn]
+        if done is not None:
+            done.synchronize()
+        return self._hosts[self._turn]
 
     def _upload(self, n_long: int | None = None, n_int: int | None = None) -> None:
-        """Copy the first n_long / n_int entries (default all) of the host twins to the device."""
+        """Copy the first n_long / n_int entries (default all) of this step's host twins to the device; the next
+        step fills the other set."""
         nb = self._long.is_cuda  # from pinned memory, asynchronously
-        self._long[:n_long].copy_(self._long_host[:n_long], non_blocking=nb)
-        self._int[:n_int].copy_(self._int_host[:n_int], non_blocking=nb)
+        long_host, int_host = self._hosts[self._turn]
+        self._long[:n_long].copy_(long_host[:n_long], non_blocking=nb)
+        self._int[:n_int].copy_(int_host[:n_int], non_blocking=nb)
         if nb:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
+        self._turn ^= 1
 
     def _fill_queries(self, ids, pos, slot, input_ids: list[int], positions: list[int], slots: list[int],
                       S: int) -> None:

@@ -249,6 +249,7 @@ class LLM:
             self._abandon_workers()
             return
         self._release_graphs()
+        destroy_group()  # before the joins: the workers leave the group through a barrier with this rank
         for p in self._workers:
             if p != "torchrun":
                 p.join(timeout=30)
@@ -256,7 +257,6 @@ class LLM:
                     p.kill()
         self._workers = []
         self._channel.close()
-        destroy_group()
         self._remove_files()
 
     def _release_graphs(self) -> None:
