@@ -117,15 +117,16 @@ def test_tp2_follows_requests_added_and_aborted_between_steps(tiny_model_dir):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", [{}, dict(speculative="mtp", num_speculative_tokens=2)], ids=["plain", "mtp"])
-def test_gpu_tp2_with_graphs_on_every_rank_equals_tp1_in_fp32(kw):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+@pytest.mark.parametrize("tp,kw", [(2, {}), (2, dict(speculative="mtp", num_speculative_tokens=2)), (4, {})],
+                         ids=["tp2-plain", "tp2-mtp", "tp4-plain"])
+def test_gpu_tp_with_graphs_on_every_rank_equals_tp1_in_fp32(tp, kw):
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
     path = default_model_path()
     common = dict(device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, **kw)
     one = run(path, 1, n=6, **common)
-    two = run(path, 2, n=6, **common)
-    assert two == one
+    many = run(path, tp, n=6, **common)
+    assert many == one
 
 
 def test_tp2_unseeded_sampling_equals_tp1_with_the_seeds_rank_0_drew(tiny_model_dir):
