@@ -253,3 +253,11 @@ def test_fill_initialises_caches(dtype):
     zeros = _pool(num_pages=2, page_size=2, latent_dim=3, fill=0.0)
     assert all((c == 0).all() for c in zeros.caches)
     assert pool.bytes_per_page() == 5 * 12 * torch.tensor([], dtype=dtype).element_size() * 3
+
+
+@pytest.mark.parametrize("kv_format,row", [("auto", 1152), ("fp8", 608), ("fp8_ds_mla", 656), ("tbq4", 400)])
+def test_bytes_per_page_counts_the_format_row(kv_format, row):
+    """A page's bytes over every layer at the format's row size (DeepSeek's 512 + 64 latent), not latent_dim values."""
+    pool = KVPool(3, 4, 16, 576, torch.bfloat16, "cpu", kv_format=kv_format)
+    assert pool.bytes_per_page() == 3 * 16 * row
+    assert pool.bytes_per_page() == sum(c[0].numel() * c.element_size() for c in pool.caches)
