@@ -277,11 +277,11 @@ def module_bench(B, L, dev, dtype, ablate: str | None = None):
     meta = AttentionMetadata.for_contiguous([L] * B, device=dev)
     cs = ds_cos_sin(cfg, L, dev)
     ref = ReferenceMLA(attn)
-    saved = (ds.rms_norm, ds.apply_rope_, ds.mla_prefill)
+    saved = (ds.rms_norm, ds.apply_rope_qk_, ds.mla_prefill)
     if ablate == "norm":
         ds.rms_norm = lambda *a, **k: norm_ops.rms_norm(*a, **k, backend="torch")
     if ablate == "rope":
-        ds.apply_rope_ = lambda *a, **k: rope_ops.apply_rope_(*a, **k, backend="torch")
+        ds.apply_rope_qk_ = lambda *a, **k: rope_ops.apply_rope_qk_(*a, **k, backend="torch")
     if ablate == "attention":
         ds.mla_prefill = lambda *a, **k: prefill_ops.mla_prefill(*a, **k, backend="torch")
     try:
@@ -289,7 +289,7 @@ def module_bench(B, L, dev, dtype, ablate: str | None = None):
             ours = timeit(lambda: attn(norm(x).view(B * L, -1), meta, cs, None))
             base = timeit(lambda: ref(norm(x), positions))
     finally:
-        ds.rms_norm, ds.apply_rope_, ds.mla_prefill = saved
+        ds.rms_norm, ds.apply_rope_qk_, ds.mla_prefill = saved
     return {"B": B, "L": L, "ablate": ablate, "ours_tok_s": B * L / ours, "reference_tok_s": B * L / base,
             "gain": base / ours - 1}
 
