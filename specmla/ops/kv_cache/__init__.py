@@ -23,7 +23,7 @@ from specmla.ops.kv_cache import tbq4
 from specmla.ops.kv_cache.layout import (FP8_BLOCK, FP8_FORMATS, FP8_MAX, QUANTIZED, ROPE_GROUP, rope_offset,
                                          rope_scales_offset, row_spec)
 from specmla.ops.kv_cache.reference import decode_rope, decode_rows, encode_rows, rope_int8
-from specmla.ops.kv_cache.triton import write_kv_cache_triton, write_kv_rows_triton
+from specmla.ops.kv_cache.triton import rows_kernel_takes, write_kv_cache_triton, write_kv_rows_triton
 
 __all__ = ["FP8_BLOCK", "FP8_FORMATS", "FP8_MAX", "QUANTIZED", "ROPE_GROUP", "decode_rope", "decode_rows",
            "encode_rows", "gather_kv_cache", "rope_int8", "rope_offset", "rope_scales_offset", "row_spec", "tbq4",
@@ -40,8 +40,7 @@ def write_kv_cache(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tenso
         raise ValueError(f"cache row width {kv_cache.shape[-1]} != {width} for format {kv_format} (Dc={dc}, Dr={dr})")
     if kv_format in QUANTIZED and c_kv.is_cuda:  # the fused kernel on the GPU
         return write_kv_cache_triton(kv_cache, c_kv, k_pe, slot_mapping, kv_format)
-    if (c_kv.is_cuda and kv_cache.dtype == c_kv.dtype == k_pe.dtype and kv_cache.is_contiguous()
-            and c_kv.stride(-1) == 1 and k_pe.stride(-1) == 1 and not dr & (dr - 1)):
+    if c_kv.is_cuda and rows_kernel_takes(kv_cache, c_kv, k_pe):
         return write_kv_rows_triton(kv_cache, c_kv, k_pe, slot_mapping)  # one kernel instead of cat + scatter
     flat = kv_cache.view(-1, width)
     if kv_format in QUANTIZED:

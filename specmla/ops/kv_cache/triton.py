@@ -159,16 +159,23 @@ def _write_rows_kernel(CKV, KPE, SLOT, OUT, T, stride_ct, stride_pt, stride_s, r
     tl.store(OUT + slot[:, None] * row + DC + r[None, :], pe, mask=t_ok[:, None])
 
 
+def rows_kernel_takes(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> bool:
+    """Whether `write_kv_rows_triton` takes these tensors: rows of width Dc + Dr in one dtype, a contiguous cache,
+    unit-stride last dims and a power-of-two Dr."""
+    dr = k_pe.shape[-1]
+    return (kv_cache.shape[-1] == c_kv.shape[-1] + dr and kv_cache.dtype == c_kv.dtype == k_pe.dtype
+            and kv_cache.is_contiguous() and c_kv.stride(-1) == 1 and k_pe.stride(-1) == 1 and not dr & (dr - 1))
+
+
 def write_kv_rows_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                          slot_mapping: torch.Tensor, block_t: int = 8) -> None:
     """Unquantised rows in one kernel (`write_kv_cache`'s cat + index_copy): c_kv, k_pe and the cache in one dtype;
     a negative slot skips its token."""
     T, dc = c_kv.shape
     dr = k_pe.shape[-1]
-    if kv_cache.shape[-1] != dc + dr or not (kv_cache.dtype == c_kv.dtype == k_pe.dtype):
-        raise ValueError(f"write_kv_rows_triton copies rows of width {dc + dr} in the cache's dtype")
-    if not kv_cache.is_contiguous() or c_kv.stride(-1) != 1 or k_pe.stride(-1) != 1 or dr & (dr - 1):
-        raise ValueError("need a contiguous cache, unit-stride last dims and a power-of-two Dr")
+    if not rows_kernel_takes(kv_cache, c_kv, k_pe):
+        raise ValueError(f"write_kv_rows_triton copies rows of width {dc + dr} in the cache's dtype: it needs a "
+                         "contiguous cache, unit-stride last dims and a power-of-two Dr")
     if T == 0:
         return
     flat = kv_cache.view(-1, dc + dr)
