@@ -15,7 +15,8 @@ from specmla.ops.sampling import SamplingTensors, apply_top_k_top_p, sample
 from specmla.ops.spec_accept import accept_and_place, greedy_verify
 
 __all__ = [
-    "RouteSpec", "SamplingTensors", "accept_and_place", "apply_rope", "apply_rope_", "apply_rope_qk_", "apply_top_k_top_p",
+    "RouteSpec", "SamplingTensors", "accept_and_place", "apply_rope", "apply_rope_", "apply_rope_qk_",
+    "apply_top_k_top_p",
     "decode_rows", "fp8_block_linear", "fused_moe", "fused_moe_torch", "gather_kv_cache", "greedy_verify",
     "mla_decode", "mla_prefill",
     "moe_route", "moe_route_torch", "ngram_propose", "rms_norm", "rms_norm_pair", "row_spec", "sample",

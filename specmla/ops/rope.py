@@ -100,4 +100,3 @@ def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, co
     if T:
         _rope_kernel[(T,)](q, positions, cos_sin, q.stride(0), q.stride(1), cos_sin.stride(0), H, k, k.stride(0),
                            HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave, HAS_K=True)
-
