@@ -13,7 +13,9 @@ random bf16 latents, and their bytes count the rows at their real size (Σ seq_l
 B·S·H·(576+512)·2). rel_err is against the torch reference on the dequantised cache; with bf16 in
 the run, quantised rows get speedup_vs_bf16 (bf16 time / format time). The naive torch timing is
 bf16 only. --cases HxBxTxS[,...] runs a subset of CASES; --variants N tries only the first N tile
-variants (to fit limited device time).
+variants (to fit limited device time). --routes also times every kernel that takes each call and writes the fastest
+per case as a measured-routes table (OUT/decode_routes.json; `ops.decode.dispatch` reads such tables from
+specmla/ops/decode/routes/<device>.json).
 
     PYTHONPATH=. python3 benchmarks/bench_mla_decode.py --out DIR [--quick] [--kv bf16,fp8,tbq4]
         [--cases 16x32x32768x1,16x4x81920x4] [--variants N]
@@ -30,7 +32,7 @@ import torch
 from limits import copy_bandwidth, gemm_rate
 
 from specmla.ops import mla_decode
-from specmla.ops.decode import dispatch, mla_decode_torch, route
+from specmla.ops.decode import dispatch, kernel_module, mla_decode_torch, route
 from specmla.ops.decode import triton as triton_kernel
 from specmla.ops.decode.dispatch import decode_bytes, decode_flops
 from specmla.ops.kv_cache import QUANTIZED, row_spec, write_kv_cache
@@ -42,6 +44,11 @@ CASES = [  # (H, B, T, S)
     (16, 4, 81920, 4), (16, 32, 32768, 4),
 ]
 FORMATS = ("bf16",) + QUANTIZED
+ROUTE_CANDIDATES = {  # the kernels `--routes` times per format (each where it takes the call)
+    "bf16": ("bf16", "bf16_seesaw", "triton"), "fp16": ("bf16", "bf16_seesaw", "triton"),
+    "fp8": ("fp8", "dequant_seesaw", "triton"), "fp8_ds_mla": ("fp8", "dequant", "dequant_seesaw", "triton"),
+    "tbq4": ("tbq4", "dequant", "dequant_seesaw", "triton"),
+}
 PAGE = 64
 SCALE = 0.1352
 SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
@@ -113,7 +120,7 @@ def time_fn(fn, copies: int, iters: int = 30, warmup: int = 5, graph: bool = Fal
 
 
 def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], kv: str = "bf16",
-             max_variants: int | None = None):
+             max_variants: int | None = None, routes: bool = False):
     kv_bytes = B * T * row_bytes(kv)
     copies = max(1, min(8, -(-4 * l2_bytes // kv_bytes)))
     caches, table, seq, qs = make_problem(H, B, T, S, copies, kv)
@@ -177,6 +184,17 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
         if t is not None and t < best[0]:
             best = (t, v)
     row["ours_s"], row["ours_variant"] = best
+    if routes:  # every kernel that takes the call, with its own defaults: the measured-routes table's evidence
+        row["kernels_s"] = {}
+        for name in ROUTE_CANDIDATES[kv]:
+            opts = kernel_module(name).Options()
+            try:
+                route(qs[0], caches[0], table, kv_format=kv, head_dim_v=512, opts=opts)
+            except ValueError:  # this kernel does not take the call
+                continue
+            row["kernels_s"][name] = time_fn(lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default,
+                                                                  head_dim_v=512, kv_format=kv, opts=opts),
+                                             copies, graph=True)
     if row["kernel"] != "triton":  # a Hopper kernel runs the call: time the Triton kernel's default tiles too
         row["triton_only_s"] = time_fn(lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default,
                                                             head_dim_v=512, kv_format=kv, backend="triton"),
@@ -196,6 +214,25 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
     return row
 
 
+def routes_table(rows: list[dict], device: str) -> dict:
+    """The measured routes of `rows` (run with routes): per (format, S, H), [B, T, fastest kernel] of each case, with
+    the evidence (every kernel's µs) beside it."""
+    import datetime
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    table, evidence = {}, {}
+    for r in rows:
+        if not r.get("kernels_s"):
+            continue
+        key = dispatch.route_key(r["kv"], r["S"], r["H"])
+        best = min(r["kernels_s"], key=r["kernels_s"].get)
+        table.setdefault(key, []).append([r["B"], r["T"], best])
+        evidence.setdefault(key, []).append([r["B"], r["T"], {k: round(t * 1e6, 1) for k, t in r["kernels_s"].items()}])
+    return {"device": device, "date": datetime.date.today().isoformat(), "commit": commit,
+            "command": "benchmarks/bench_mla_decode.py --routes", "routes": table, "us": evidence}
+
+
 def parse_case(text: str) -> tuple[int, int, int, int]:
     H, B, T, S = (int(x) for x in text.lower().split("x"))
     if T % PAGE:
@@ -212,6 +249,9 @@ def parse_args(argv=None):
                     help="cache format(s): bf16, fp8, fp8_ds_mla, tbq4; repeatable or comma-separated (default bf16)")
     ap.add_argument("--cases", action="append", default=None,
                     help="HxBxTxS[,HxBxTxS...] to run instead of the default CASES (repeatable)")
+    ap.add_argument("--routes", action="store_true",
+                    help="also time every kernel that takes each call and write the fastest per (format, S, H, B, T) "
+                         "to OUT/decode_routes.json, the format of specmla/ops/decode/routes/<device>.json")
     ap.add_argument("--variants", type=int, default=None,
                     help="try only the first N tile variants (default all; for S > 1 the fold variants come last)")
     args = ap.parse_args(argv)
@@ -247,7 +287,7 @@ def main():
         base = None
         for kv in args.kv:
             row = run_case(H, B, T, S, copy_bw, l2, naive=not args.quick, variants=variants, kv=kv,
-                           max_variants=args.variants)
+                           max_variants=args.variants, routes=args.routes)
             if kv == "bf16":
                 base = row["ours_s"]
             elif base is not None:
@@ -263,12 +303,16 @@ def main():
                   f"({100 * row['bytes'] / row['default_s'] / copy_bw:.1f}% copy)  "
                   f"planned {row['planned_s'] * 1e3:.4f} ms  "
                   f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}  kernel {row['kernel']}"
-                  + (f"  triton-only {row['triton_only_s'] * 1e3:.4f} ms" if row.get("triton_only_s") else ""),
+                  + (f"  triton-only {row['triton_only_s'] * 1e3:.4f} ms" if row.get("triton_only_s") else "")
+                  + "".join(f"  {k} {t * 1e6:.1f} us" for k, t in row.get("kernels_s", {}).items()),
                   flush=True)
     result = {"device": props.name, "copy_GBps": copy_bw / 1e9, "gemm_TFLOPs": gemm / 1e12, "torch": torch.__version__,
               "rows": rows}
     with open(os.path.join(args.out, "bench_mla_decode.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
+    if args.routes:
+        with open(os.path.join(args.out, "decode_routes.json"), "w") as f:
+            json.dump(routes_table(rows, props.name), f, indent=1)
     try:
         import matplotlib
 

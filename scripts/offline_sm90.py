@@ -84,8 +84,9 @@ def gluon_decode_usage(cases) -> list[dict]:
     report its resources (the CPU tests run this in a fresh process: Triton's interpreter mode, which the test suite
     turns on, cannot compile). dtype "fp8_ds_mla" / "tbq4": the kernel that dequantises those rows
     (`hopper.dequant`) with bf16 queries; "e4m3_fp8" / "e4m3_fp8_ds_mla": the e4m3 kernel of fp8 rows (`hopper.fp8`),
-    "e4m3_tbq4": that of tbq4 rows (`hopper.tbq4`), where the optional options item holds fields of the module's
-    `Options`, e.g. {"num_raw": 4}."""
+    "e4m3_tbq4": that of tbq4 rows (`hopper.tbq4`); "seesaw_fp8" / "seesaw_fp8_ds_mla" / "seesaw_tbq4": the 64-row
+    kernel that dequantises those rows into bf16 tiles (`hopper.dequant_seesaw`). The optional options item holds
+    fields of the module's `Options`, e.g. {"num_raw": 4}."""
     import importlib
 
     import torch
@@ -97,9 +98,9 @@ def gluon_decode_usage(cases) -> list[dict]:
     rows = []
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         settings = rest[1] if len(rest) > 1 else {}  # Options fields of an e4m3 kernel
-        e4m3 = dtype_name.startswith("e4m3_")
-        kv_format = dtype_name[len("e4m3_"):] if e4m3 else dtype_name
-        quant = e4m3 or kv_format in ("fp8_ds_mla", "tbq4")  # a quantised cache, bf16 queries
+        e4m3, seesaw = dtype_name.startswith("e4m3_"), dtype_name.startswith("seesaw_")
+        kv_format = dtype_name.split("_", 1)[1] if e4m3 or seesaw else dtype_name
+        quant = e4m3 or seesaw or kv_format in ("fp8_ds_mla", "tbq4")  # a quantised cache, bf16 queries
         dtype = torch.bfloat16 if quant else getattr(torch, dtype_name)
         B = 2
         q = torch.randn(B, S, H, dc + dr, dtype=dtype)
@@ -113,7 +114,11 @@ def gluon_decode_usage(cases) -> list[dict]:
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         with offline_sm90() as kernels:
-            if e4m3:
+            if seesaw:
+                module = importlib.import_module("specmla.ops.decode.hopper.dequant_seesaw")
+                module.launch(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
+                              num_splits=1 if direct else 2, kv_format=kv_format, opts=module.Options(**settings))
+            elif e4m3:
                 module = importlib.import_module("specmla.ops.decode.hopper." + ("tbq4" if kv_format == "tbq4"
                                                                                  else "fp8"))
                 opts = module.Options(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})

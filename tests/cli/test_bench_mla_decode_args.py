@@ -53,3 +53,23 @@ def test_cache_round_trip(kv, tol):
         assert rel_err(back[..., 512:], latent[..., 512:].float()) <= 0.01
     else:
         assert torch.equal(back[..., 512:], latent[..., 512:].float())  # rope part stays bf16
+
+
+def test_routes_table_takes_the_fastest_kernel_per_case():
+    """`--routes` rows → the table dispatch reads: per (format, S, H), [B, T, fastest] of each timed case, the µs
+    beside; rows without kernel timings are left out. The dispatcher then routes a nearby call to that kernel."""
+    from specmla.ops.decode import dispatch
+
+    assert bm.parse_args(["--routes"]).routes and not bm.parse_args([]).routes
+    rows = [dict(kv="tbq4", S=4, H=16, B=32, T=32768, kernels_s={"tbq4": 7.9e-4, "dequant_seesaw": 2.6e-4}),
+            dict(kv="tbq4", S=4, H=16, B=1, T=8192, kernels_s={"triton": 1.1e-5, "dequant_seesaw": 1.4e-5}),
+            dict(kv="bf16", S=1, H=16, B=1, T=8192, ours_s=1.2e-5)]
+    out = bm.routes_table(rows, "NVIDIA H100 80GB HBM3")
+    assert out["routes"] == {"tbq4,4,16": [[32, 32768, "dequant_seesaw"], [1, 8192, "triton"]]}
+    assert out["us"]["tbq4,4,16"][0] == [32, 32768, {"tbq4": 790.0, "dequant_seesaw": 260.0}]
+    assert out["device"] == "NVIDIA H100 80GB HBM3" and out["date"] and "--routes" in out["command"]
+    assert dispatch.measured_kernel(out["routes"], "tbq4", 16, 4, 16, 65536) == "dequant_seesaw"
+    assert dispatch.measured_kernel(out["routes"], "tbq4", 2, 4, 16, 4096) == "triton"
+    assert dispatch.measured_kernel(out["routes"], "fp8", 2, 4, 16, 4096) is None
+    for fmt in bm.FORMATS:
+        assert set(bm.ROUTE_CANDIDATES[fmt]) <= set(dispatch.KERNELS)

@@ -13,6 +13,34 @@ hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_de
                                  and G.HAVE_GLUON), reason="needs a Hopper GPU and Gluon")
 
 
+def quant_case(fmt, seed, B, S, H, T, page):
+    """Random latents written into a `fmt` cache of `page`-key pages (permuted), all requests T keys long."""
+    from specmla.ops.kv_cache import row_spec, write_kv_cache
+
+    g = torch.Generator().manual_seed(seed)
+    pages = B * (-(-T // page))
+    c_kv = torch.randn(B * T, 512, generator=g)
+    k_pe = torch.randn(B * T, 64, generator=g)
+    width, dtype = row_spec(fmt, 512, 64, torch.float32)
+    cache = torch.zeros(pages, page, width, dtype=dtype)
+    table = torch.randperm(pages, generator=g).view(B, -1).to(torch.int32)
+    slots = torch.cat([(table[b].long()[:, None] * page + torch.arange(page)).flatten()[:T] for b in range(B)])
+    write_kv_cache(cache, c_kv, k_pe, slots, fmt)
+    q = torch.randn(B, S, H, 576, generator=g)
+    return q, cache, table
+
+
+def poison_tails(cache, table, seq):
+    """Every cache row past a request's length (in its own pages and in pages nobody owns) becomes
+    0xFF bytes: NaN codes, NaN scales and NaN rope, which a kernel must never let into the output."""
+    page = cache.shape[1]
+    owned = torch.zeros(cache.shape[0] * page, dtype=torch.bool)
+    for b, n in enumerate(seq.tolist()):
+        slots = (table[b].long()[:, None] * page + torch.arange(page)).flatten()[:n]
+        owned[slots] = True
+    cache.view(-1, cache.shape[-1])[~owned] = 255
+
+
 def quant_problem(lens, S, H=16, seed=0, kv_format="fp8_ds_mla"):
     """(q, cache, block table, lengths) on the GPU: B = len(lens) requests of bf16 queries [B, S, H, 576] over a
     `kv_format` cache of 64-key pages; rows past a request's end hold 0xFF bytes (NaN fp8 codes and scales, NaN

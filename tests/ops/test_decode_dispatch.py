@@ -17,6 +17,8 @@ def hopper_supports(kv_format: str):
             return kv_format in ("fp8", "fp8_ds_mla") and block_m <= 16
         if kernel == "tbq4":
             return kv_format == "tbq4" and block_m <= 16
+        if kernel == "dequant_seesaw":
+            return kv_format in ("fp8", "fp8_ds_mla", "tbq4") and block_m <= 64
         assert kernel == "dequant"
         return kv_format in ("fp8_ds_mla", "tbq4") and block_m <= 32
     return supports
@@ -35,13 +37,15 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (32, 1, 16, 32768, "fp8", "fp8"),
     (32, 1, 16, 32768, "fp8_ds_mla", "fp8"),
     (32, 1, 16, 32768, "tbq4", "tbq4"),
-    (32, 4, 16, 32768, "tbq4", "tbq4"),  # S > 1: one query token per program on the 16-row kernel
-    (32, 2, 16, 32768, "fp8", "fp8"),
+    (32, 4, 16, 32768, "tbq4", "dequant_seesaw"),  # S > 1: the tokens folded into 64 rows, the codes read once
+    (32, 2, 16, 32768, "fp8", "dequant_seesaw"),
+    (32, 3, 16, 32768, "fp8_ds_mla", "dequant_seesaw"),  # 48 rows
     (8, 1, 32, 16384, "fp8_ds_mla", "dequant"),  # 32 rows
     (8, 1, 32, 16384, "tbq4", "dequant"),
-    (8, 1, 32, 16384, "fp8", "triton"),  # the fp8 kernel takes 16 rows only, and dequant no 608-byte rows
+    (8, 1, 32, 16384, "fp8", "dequant_seesaw"),  # the fp8 kernel takes 16 rows only, and dequant no 608-byte rows
+    (4, 1, 64, 16384, "tbq4", "dequant_seesaw"),  # 64 rows
     (128, 1, 16, 64, "fp8", "triton"),  # one-block splits: the Triton kernel
-    (1, 4, 16, 256, "tbq4", "triton"),  # short splits even one token per program: folded rows on Triton
+    (1, 4, 16, 256, "tbq4", "triton"),  # short splits: folded rows on Triton
     (4, 1, 16, 4096, "fp32", "triton"),
 ])
 def test_route_table(B, S, H, T, kv_format, kernel):
@@ -50,6 +54,8 @@ def test_route_table(B, S, H, T, kv_format, kernel):
     assert route.plan["BLOCK_M"] <= 64 and route.plan["num_splits"] >= 1
     if kernel in ("fp8", "tbq4"):
         assert route.plan["BLOCK_M"] == 16 and route.plan["BLOCK_N"] == 64
+    if kernel == "dequant_seesaw":  # every token of the call in one program per head block
+        assert route.plan["FOLD"] * route.plan["BLOCK_H"] >= min(S * H, 64) and route.plan["BLOCK_N"] == 64
     if kernel != "triton":  # Hopper kernels run one wave of programs
         assert route.plan["num_splits"] == plan(B, S, H, T, SMS, route.plan["BLOCK_N"],
                                                 16 if kernel in ("fp8", "tbq4") else 64, waves=1)["num_splits"]
@@ -64,12 +70,14 @@ def test_no_hopper_or_triton_backend_takes_the_triton_kernel(kv_format):
 
 
 def test_hopper_backend_forces_a_hopper_kernel_or_raises():
-    # short splits: auto leaves them to Triton, "hopper" takes the Hopper kernel (one token per program)
+    # short splits: auto leaves them to Triton, "hopper" takes the Hopper kernel (the tokens folded)
     assert pick(1, 4, 16, 256, "tbq4").kernel == "triton"
     route = pick(1, 4, 16, 256, "tbq4", backend="hopper")
+    assert route.kernel == "dequant_seesaw" and route.plan["BLOCK_M"] == 64
+    route = pick(1, 4, 16, 256, "tbq4", kernel="tbq4")  # named: one token per program on the 16-row kernel
     assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
     with pytest.raises(ValueError, match="no Hopper decode kernel"):
-        pick(8, 1, 32, 16384, "fp8", backend="hopper")
+        pick(8, 1, 16, 16384, "fp32", backend="hopper")  # no Hopper kernel reads fp32 rows
     with pytest.raises(ValueError, match="no Hopper decode kernel"):
         pick(8, 1, 16, 16384, "bf16", hopper=False, backend="hopper")
 
@@ -91,8 +99,51 @@ def test_a_named_kernel_runs_or_raises():
 def test_every_kernel_is_reachable():
     seen = {pick(B, S, H, T, fmt).kernel for B, S, H, T, fmt in [
         (1, 1, 16, 8192, "bf16"), (32, 1, 16, 32768, "bf16"), (8, 1, 32, 16384, "tbq4"),
-        (32, 1, 16, 32768, "fp8"), (32, 1, 16, 32768, "tbq4"), (4, 1, 16, 4096, "fp32")]}
+        (32, 1, 16, 32768, "fp8"), (32, 1, 16, 32768, "tbq4"), (4, 1, 16, 4096, "fp32"), (32, 4, 16, 32768, "fp8")]}
     assert seen == set(KERNELS)
+
+
+ROUTES = {"tbq4,4,16": [[32, 32768, "tbq4"], [1, 262144, "dequant_seesaw"], [1, 8192, "triton"]],
+          "fp8,1,64": [[4, 16384, "triton"]]}
+
+
+@pytest.mark.parametrize("B,S,H,T,kv_format,kernel", [
+    (32, 4, 16, 32768, "tbq4", "tbq4"),  # a measured point
+    (16, 4, 16, 65536, "tbq4", "tbq4"),  # nearest: (32, 32k)
+    (1, 4, 16, 131072, "tbq4", "dequant_seesaw"),  # nearest: (1, 256k)
+    (2, 4, 16, 4096, "tbq4", "triton"),  # nearest: (1, 8k)
+    (32, 2, 16, 32768, "tbq4", "dequant_seesaw"),  # S = 2 not measured: the rules
+    (4, 1, 64, 16384, "fp8", "triton"),
+    (4, 1, 64, 16384, "fp8_ds_mla", "dequant_seesaw"),  # another format: the rules
+])
+def test_measured_routes_take_the_nearest_point(B, S, H, T, kv_format, kernel):
+    assert pick(B, S, H, T, kv_format, routes=ROUTES).kernel == kernel
+
+
+def test_measured_routes_yield_to_what_the_call_allows():
+    # a kernel that does not take the tensors, a GPU without the Hopper kernels, a named kernel or backend: the rules
+    def no_tbq4(kernel, block_m):
+        return kernel != "tbq4" and hopper_supports("tbq4")(kernel, block_m)
+
+    route = select_kernel(32, 4, 16, 576, "tbq4", hopper=True, sm_count=SMS, max_seq=32768, elem=2,
+                          supports=no_tbq4, routes=ROUTES)
+    assert route.kernel == "dequant_seesaw"
+    assert pick(32, 4, 16, 32768, "tbq4", hopper=False, routes=ROUTES).kernel == "triton"
+    assert pick(32, 4, 16, 32768, "tbq4", kernel="dequant_seesaw", routes=ROUTES).kernel == "dequant_seesaw"
+    assert pick(32, 4, 16, 32768, "tbq4", backend="triton", routes=ROUTES).kernel == "triton"
+    route = pick(32, 4, 16, 32768, "tbq4", routes=ROUTES)  # the measured kernel keeps its plan: one token per program
+    assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
+
+
+def test_measured_routes_on_disk_name_known_kernels():
+    """Every shipped routes file names known kernels at positive B and T, keyed by format, S and H."""
+    files = list(dispatch.ROUTES_DIR.glob("*.json"))
+    for path in files:
+        table = dispatch.load_routes(path.stem)
+        for key, rows in table.items():
+            fmt, S, H = key.split(",")
+            assert int(S) >= 1 and int(H) >= 1 and fmt in ("bf16", "fp16", "fp8", "fp8_ds_mla", "tbq4"), key
+            assert all(r[0] >= 1 and r[1] >= 1 and r[2] in KERNELS for r in rows), key
 
 
 def test_plan_and_tiles():

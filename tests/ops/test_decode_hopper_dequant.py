@@ -1,44 +1,19 @@
 """The Hopper kernel that dequantises fp8_ds_mla / tbq4 blocks into bf16 tiles (`ops.decode.hopper.dequant`): against
 the fp32 reference on the dequantised rows with NaN-poisoned tails and permuted tables (the Triton kernel on the same
-call agrees too), and on a cache full of zero and subnormal fp8 codes. GPU (Hopper) only; on the CPU an sm_90
+call agrees too), and (with the fp8 and dequant_seesaw kernels) on a cache full of zero and subnormal fp8 codes. GPU (Hopper) only; on the CPU an sm_90
 compile."""
 
 import pytest
 import torch
 from helpers.mla_cases import rel_err
 from helpers.offline_compile import offline_sm90_rows
-from helpers.decode_kernels import hopper, run_kernel
+from helpers.decode_kernels import hopper, poison_tails, quant_case, run_kernel
 
 from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper import dequant as F
+from specmla.ops.decode.hopper import dequant_seesaw as D
 from specmla.ops.decode.hopper import fp8 as R
 from specmla.ops.kv_cache import row_spec, write_kv_cache
-
-
-def _case(fmt, seed, B, S, H, T, page):
-    """Random latents written into a `fmt` cache of `page`-key pages (permuted), all requests T keys long."""
-    g = torch.Generator().manual_seed(seed)
-    pages = B * (-(-T // page))
-    c_kv = torch.randn(B * T, 512, generator=g)
-    k_pe = torch.randn(B * T, 64, generator=g)
-    width, dtype = row_spec(fmt, 512, 64, torch.float32)
-    cache = torch.zeros(pages, page, width, dtype=dtype)
-    table = torch.randperm(pages, generator=g).view(B, -1).to(torch.int32)
-    slots = torch.cat([(table[b].long()[:, None] * page + torch.arange(page)).flatten()[:T] for b in range(B)])
-    write_kv_cache(cache, c_kv, k_pe, slots, fmt)
-    q = torch.randn(B, S, H, 576, generator=g)
-    return q, cache, table
-
-
-def _poison_tails(cache, table, seq):
-    """Every cache row past a request's length (in its own pages and in pages nobody owns) becomes
-    0xFF bytes: NaN codes, NaN scales and NaN rope, which a kernel must never let into the output."""
-    page = cache.shape[1]
-    owned = torch.zeros(cache.shape[0] * page, dtype=torch.bool)
-    for b, n in enumerate(seq.tolist()):
-        slots = (table[b].long()[:, None] * page + torch.arange(page)).flatten()[:n]
-        owned[slots] = True
-    cache.view(-1, cache.shape[-1])[~owned] = 255
 
 
 @pytest.mark.gpu
@@ -54,9 +29,9 @@ def _poison_tails(cache, table, seq):
 def test_dequant_kernel_matches_the_reference(fmt, H, S, page, lens, splits, causal):
     """Codes unpacked exactly into a shared-memory tile, fp8 scales / tbq4 norms folded into the scores and P, keys
     as M; tbq4 in the rotated domain. The Triton kernel on the same call agrees too."""
-    q, cache, table = _case(fmt, seed=H * 7 + S + page, B=len(lens), S=S, H=H, T=max(lens), page=page)
+    q, cache, table = quant_case(fmt, seed=H * 7 + S + page, B=len(lens), S=S, H=H, T=max(lens), page=page)
     seq = torch.tensor(lens, dtype=torch.int32)
-    _poison_tails(cache, table, seq)
+    poison_tails(cache, table, seq)
     want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
                                 causal=causal, return_lse=True)
     args = (q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721)
@@ -78,29 +53,30 @@ def test_dequant_kernel_matches_the_reference(fmt, H, S, page, lens, splits, cau
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("module", [F, R], ids=["dequant", "fp8"])
-def test_fp8_kernels_with_zero_and_subnormal_codes(module):
-    """The dequant kernel unpacks codes with integer operations, exactly for normal codes; zeros and subnormal codes
-    (|code| < 2⁻⁶) come out within 2⁻⁷ of their value in code units. The fp8 kernel multiplies the codes themselves.
-    A cache whose chunks span six decades holds many of them; the output still matches the reference on the
-    dequantised rows."""
+@pytest.mark.parametrize("module,fmt,S,rows", [(F, "fp8_ds_mla", 1, 16), (R, "fp8_ds_mla", 1, 16), (D, "fp8", 4, 64)],
+                         ids=["dequant", "fp8", "dequant_seesaw"])
+def test_fp8_kernels_with_zero_and_subnormal_codes(module, fmt, S, rows):
+    """The unpacking kernels (dequant, dequant_seesaw) turn codes into bf16 with integer operations, exactly for normal
+    codes; zeros and subnormal codes (|code| < 2⁻⁶) come out within 2⁻⁷ of their value in code units. The fp8 kernel
+    multiplies the codes themselves. A cache whose chunks span six decades holds many of them; the output still
+    matches the reference on the dequantised rows."""
     g = torch.Generator().manual_seed(11)
-    B, S, H, T, page = 3, 1, 16, 700, 64
+    B, H, T, page = 3, 16, 700, 64
     c_kv = torch.randn(B * T, 512, generator=g) * 10.0 ** (-6 * torch.rand(B * T, 512, generator=g))
     c_kv[:, ::7] = 0.0
     k_pe = torch.randn(B * T, 64, generator=g)
     pages = B * (-(-T // page))
-    cache = torch.zeros(pages, page, row_spec("fp8_ds_mla", 512, 64, torch.float32)[0], dtype=torch.uint8)
+    cache = torch.zeros(pages, page, row_spec(fmt, 512, 64, torch.float32)[0], dtype=torch.uint8)
     table = torch.randperm(pages, generator=g).view(B, -1).to(torch.int32)
     slots = torch.cat([(table[b].long()[:, None] * page + torch.arange(page)).flatten()[:T] for b in range(B)])
-    write_kv_cache(cache, c_kv, k_pe, slots, "fp8_ds_mla")
+    write_kv_cache(cache, c_kv, k_pe, slots, fmt)
     codes = cache.view(-1, cache.shape[-1])[slots, :512]
     assert ((codes & 0x78) == 0).float().mean() > 0.2  # zero or subnormal codes: exponent bits 0
     q = torch.randn(B, S, H, 576, generator=g)
     seq = torch.full((B,), T, dtype=torch.int32)
-    want = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format="fp8_ds_mla")
-    got = run_kernel(module, q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721,
-                     kv_format="fp8_ds_mla")
+    want = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt)
+    got = run_kernel(module, q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721, kv_format=fmt,
+                     max_rows=rows)
     assert rel_err(got.float().cpu(), want) < 1e-2
 
 

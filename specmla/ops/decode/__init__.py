@@ -42,6 +42,13 @@ def _sm_count(device: torch.device) -> int:
     return 8
 
 
+def _routes(device: torch.device) -> dict:
+    """The device's measured routes (`dispatch.load_routes`; none off CUDA)."""
+    if device.type != "cuda":
+        return {}
+    return dispatch.load_routes(torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_"))
+
+
 def route(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, *, kv_format: str = "bf16",
           head_dim_v: int | None = None, backend: str = "auto", opts=None) -> dispatch.Route:
     """The kernel and plan `mla_decode` takes for these tensors (see `dispatch.select_kernel`)."""
@@ -63,7 +70,7 @@ def route(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, *,
     return dispatch.select_kernel(
         B, S, H, D, kv_format, hopper=hopper, sm_count=_sm_count(q.device), max_seq=max_seq,
         elem=max(q.element_size(), kv_cache.element_size()), supports=supports, backend=backend, kernel=kernel,
-        block_n=block_n, max_rows=topts.max_rows if topts else dispatch.MAX_ROWS)
+        block_n=block_n, max_rows=topts.max_rows if topts else dispatch.MAX_ROWS, routes=_routes(q.device))
 
 
 def mla_decode(

@@ -8,21 +8,33 @@ Kernels (module names under `specmla.ops.decode`):
 - "bf16" / "bf16_seesaw": Hopper wgmma kernels for 16-bit caches (`hopper/bf16.py`, `hopper/bf16_seesaw.py`).
 - "fp8" / "tbq4": Hopper 16-row e4m3 kernels for quantised caches (`hopper/fp8.py`, `hopper/tbq4.py`).
 - "dequant": Hopper kernel that dequantises fp8_ds_mla / tbq4 blocks to bf16 tiles, up to 32 rows.
+- "dequant_seesaw": Hopper kernel that dequantises fp8 / fp8_ds_mla / tbq4 blocks once into bf16 tiles for up to
+  64 rows (S > 1 tokens folded), consumed by the seesaw schedule.
 
 The split count comes from shapes only (B, S, H, SM count, the block table's capacity), never from the
 device-side lengths: no host synchronisation, a fixed workspace, and graph-capturable launches.
+
+Measured routes: `routes/<device>.json` (written by `benchmarks/bench_mla_decode.py --write-routes`) holds, per
+(format, S, H), the kernel that ran fastest at each measured (B, T); an automatic call takes the kernel of the
+nearest measured point (in log B and log T) where its format, S and H were measured, and the rules below
+elsewhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Callable, Mapping
 
 from triton import cdiv, next_power_of_2
 
 from specmla.ops.kv_cache.layout import QUANTIZED
 
-KERNELS = ("triton", "bf16", "bf16_seesaw", "dequant", "fp8", "tbq4")
+KERNELS = ("triton", "bf16", "bf16_seesaw", "dequant", "dequant_seesaw", "fp8", "tbq4")
+ROUTES_DIR = Path(__file__).with_name("routes")
 E4M3_KERNEL = {"fp8": "fp8", "fp8_ds_mla": "fp8", "tbq4": "tbq4"}  # the 16-row Hopper kernel of each format
 E4M3_ROWS = 16
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
@@ -94,23 +106,55 @@ def plan(B: int, S: int, H: int, max_seq_len: int, sm_count: int, block_n: int =
                 BLOCK_N=block_n, keys_per_split=cdiv(cdiv(max_seq_len, block_n), splits) * block_n)
 
 
+def route_key(kv_format: str, S: int, H: int) -> str:
+    """The measured-routes table's key of a call's format, query tokens and heads."""
+    return f"{kv_format},{S},{H}"
+
+
+def measured_kernel(routes: Mapping[str, list] | None, kv_format: str, B: int, S: int, H: int,
+                    max_seq: int) -> str | None:
+    """The kernel of the measured point nearest (B, max_seq) in log B + log T among the table's rows
+    [B, T, kernel] for this format, S and H; None where they were not measured."""
+    rows = (routes or {}).get(route_key(kv_format, S, H))
+    if not rows:
+        return None
+    return min(rows, key=lambda r: abs(math.log2(B / r[0])) + abs(math.log2(max_seq / r[1])))[2]
+
+
+@functools.lru_cache(maxsize=None)
+def load_routes(device_key: str) -> dict:
+    """The measured routes of a device (`routes/<device_key>.json`: its "routes" entry), {} without a file."""
+    path = ROUTES_DIR / f"{device_key}.json"
+    return json.loads(path.read_text())["routes"] if path.exists() else {}
+
+
 def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: bool, sm_count: int, max_seq: int,
                   elem: int, supports: Callable[[str, int], bool], backend: str = "auto",
-                  kernel: str | None = None, block_n: int | None = None, max_rows: int = MAX_ROWS) -> Route:
+                  kernel: str | None = None, block_n: int | None = None, max_rows: int = MAX_ROWS,
+                  routes: Mapping[str, list] | None = None) -> Route:
     """The kernel and plan for a call of q [B, S, H, D] on a `kv_format` cache addressing up to `max_seq`
     keys. `hopper`: a Hopper GPU outside the interpreter with Gluon; `elem`: the larger element size of q
     and the cache; `supports(kernel, block_m)`: whether that Hopper kernel takes these tensors with
     `block_m` rows. backend "auto" takes the table below, "triton" the portable kernel, "hopper" a Hopper
     kernel wherever one takes the call (ValueError if none); `kernel` names one kernel to run.
 
-    The table (auto): 16-bit caches → bf16_seesaw when its tile is 64 rows or the programs are at least
-    SEESAW_MIN_PROGRAMS, else bf16. Quantised caches → the format's 16-row e4m3 kernel when the rows fit
-    16 (S > 1 at H ≤ 16 runs one query token per program there), else dequant (fp8_ds_mla, tbq4 up to 32
-    rows), else triton; a quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else triton."""
+    `routes`: measured routes (`load_routes`); in "auto" their kernel takes the call where they cover it and
+    the kernel supports it. The rules (auto): 16-bit caches → bf16_seesaw when its tile is 64 rows or the
+    programs are at least SEESAW_MIN_PROGRAMS, else bf16. Quantised caches → S > 1 tokens folded into up to
+    64 rows on dequant_seesaw (the codes read once for all of them); otherwise the format's 16-row e4m3 kernel
+    when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else dequant_seesaw (up to 64 rows),
+    else triton; a quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else triton."""
     if backend not in ("auto", "triton", "hopper"):
         raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r} ({' | '.join(KERNELS)})")
+    measured = measured_kernel(routes, kv_format, B, S, H, max_seq) if backend == "auto" and kernel is None else None
+    if measured is not None and (hopper or measured == "triton"):
+        try:
+            return select_kernel(B, S, H, D, kv_format, hopper=hopper, sm_count=sm_count, max_seq=max_seq, elem=elem,
+                                 supports=supports, kernel=measured, block_n=block_n, max_rows=max_rows)
+        except ValueError:  # the measured kernel does not take these tensors: the rules decide
+            pass
     if kernel == "triton":
         backend = "triton"
     elif kernel is not None:
@@ -119,7 +163,9 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     on_hopper = hopper and backend != "triton"
     forced = backend == "hopper"
     e4m3 = E4M3_KERNEL.get(kv_format)
-    if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and kernel in (None, e4m3)
+    folded = (on_hopper and quant and S > 1 and kernel in (None, "dequant_seesaw")
+              and supports("dequant_seesaw", row_tile(S, H, max_rows)))
+    if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and not folded and kernel in (None, e4m3)
             and supports(e4m3, E4M3_ROWS)):
         # one query token per program on the 16-row kernel: each token reads the keys again, and still
         # beats folding the tokens into more rows
@@ -133,7 +179,11 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     tiles = dict(tiles, block_n=block_n or tiles["block_n"])
     choice = None
     if on_hopper:
-        candidates = ((e4m3,) + (("dequant",) if kv_format != "fp8" else ())) if quant else ("bf16",)
+        if quant:
+            candidates = ("dequant_seesaw",) if folded else ((e4m3,) + (("dequant",) if kv_format != "fp8" else ())
+                                                             + ("dequant_seesaw",))
+        else:
+            candidates = ("bf16",)
         if kernel is not None:
             candidates = (kernel,) if kernel in candidates or kernel == "bf16_seesaw" and not quant else ()
         for name in candidates:
@@ -144,8 +194,8 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
         if forced:
             raise ValueError(f"no Hopper decode kernel{' ' + repr(kernel) if kernel else ''} takes this call: "
                              "a 16-bit cache with Dc a multiple of 64 up to 512 and Dr a multiple of 16 up to 64, "
-                             "or an fp8 / fp8_ds_mla / tbq4 cache with Dc=512, Dr=64 and at most 32 rows "
-                             "(fp8: 16 rows), on a Hopper GPU")
+                             "or an fp8 / fp8_ds_mla / tbq4 cache with Dc=512, Dr=64 and at most 64 rows, "
+                             "on a Hopper GPU")
         return Route("triton", triton_plan, tiles)
     hopper_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N if quant else hopper_block_n, max_rows, waves=1)
     if quant and not forced and hopper_plan["keys_per_split"] < MIN_HOPPER_KEYS:

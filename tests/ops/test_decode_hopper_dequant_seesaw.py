@@ -1,0 +1,55 @@
+"""The Hopper kernel that dequantises fp8 / fp8_ds_mla / tbq4 blocks once into bf16 tiles for 64 query rows
+(`ops.decode.hopper.dequant_seesaw`): against the fp32 reference on the dequantised rows with NaN-poisoned tails
+and permuted tables, S > 1 tokens folded into one program, odd block counts, one-token pages and empty splits (its
+zero and subnormal codes: `test_decode_hopper_dequant`). GPU (Hopper) only; on the CPU an sm_90 compile."""
+
+import pytest
+import torch
+from helpers.decode_kernels import hopper, poison_tails, quant_case, run_kernel
+from helpers.mla_cases import rel_err
+from helpers.offline_compile import offline_sm90_rows
+
+from specmla.ops.decode import mla_decode
+from specmla.ops.decode.hopper import dequant_seesaw as D
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "tbq4"])
+@pytest.mark.parametrize("H,S,page,lens,splits,causal", [
+    (16, 4, 64, [333, 1, 64, 65, 200], None, True),  # four tokens × 16 heads: 64 rows; a request shorter than S
+    (16, 3, 16, [700, 129, 5], 3, True),  # three tokens: 48 rows padded to 64
+    (64, 1, 64, [1000, 3], 1, False),  # 64 heads, one split written directly
+    (32, 2, 32, [1, 2, 63, 127, 128, 129, 4096], 7, True),  # lengths around blocks and rounds (64, 128), many splits
+    (21, 3, 1, [70, 9], 2, True),  # one-token pages, odd head count: 63 rows
+    (16, 4, 64, [130], 16, True),  # more splits than blocks: empty splits
+])
+def test_dequant_seesaw_matches_the_reference(fmt, H, S, page, lens, splits, causal):
+    """Codes · scales (tbq4: centroids · norms, in the rotated domain) rounded to bf16 once per block; the seesaw's
+    two warpgroups on the tiles. The lse must match too (the combine of splits depends on it)."""
+    q, cache, table = quant_case(fmt, seed=H * 7 + S + page, B=len(lens), S=S, H=H, T=max(lens), page=page)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    poison_tails(cache, table, seq)
+    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
+                                causal=causal, return_lse=True)
+    args = (q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721)
+    got, got_lse = run_kernel(D, *args, kv_format=fmt, causal=causal, num_splits=splits, max_rows=64, return_lse=True)
+    got, got_lse = got.float().cpu(), got_lse.cpu()
+    seen = torch.isfinite(want_lse)
+    assert not got.isnan().any()
+    assert rel_err(got, want) < 1e-2
+    assert torch.equal(torch.isfinite(got_lse), seen)
+    assert (got[~seen].abs() == 0).all()  # rows that see no key (causal, before the request's first) are zeros
+    # code·scale rounded to bf16 (2⁻⁹ relative) moves scores of magnitude ~10 by up to ~1e-2 (see the dequant test)
+    assert (got_lse[seen] - want_lse[seen]).abs().max() < 2e-2
+
+
+def test_dequant_seesaw_compiles_for_sm90():
+    """CPU: the kernel compiles for sm_90 on the three row formats, direct and split, its two consumer warpgroups and
+    4-warp producer within the register file (no local memory) and an H100's shared memory."""
+    cases = [[16, 4, 512, 64, "seesaw_fp8", False], [16, 4, 512, 64, "seesaw_fp8_ds_mla", True],
+             [64, 1, 512, 64, "seesaw_tbq4", False]]
+    for row in offline_sm90_rows(cases):
+        (k,) = row["kernels"]
+        assert k["name"] == "_mla_decode_dequant_seesaw_kernel" and k["warps"] == 12, row
+        assert 0 < k["regs"] <= 255 and k["local"] == 0 and k["stack"] <= 640 and k["shared"] <= 227 * 1024, row
