@@ -45,7 +45,9 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (8, 1, 32, 16384, "fp8", "dequant_seesaw"),  # the fp8 kernel takes 16 rows only, and dequant no 608-byte rows
     (4, 1, 64, 16384, "tbq4", "dequant_seesaw"),  # 64 rows
     (128, 1, 16, 64, "fp8", "triton"),  # one-block splits: the Triton kernel
-    (1, 4, 16, 256, "tbq4", "triton"),  # short splits: folded rows on Triton
+    (1, 4, 16, 4096, "tbq4", "tbq4"),  # folded splits too short, one token per program's long enough: 16 rows
+    (4, 2, 16, 2048, "fp8", "fp8"),
+    (1, 4, 16, 256, "tbq4", "triton"),  # short splits either way: folded rows on Triton
     (4, 1, 16, 4096, "fp32", "triton"),
 ])
 def test_route_table(B, S, H, T, kv_format, kernel):
@@ -133,6 +135,8 @@ def test_measured_routes_yield_to_what_the_call_allows():
     assert pick(32, 4, 16, 32768, "tbq4", backend="triton", routes=ROUTES).kernel == "triton"
     route = pick(32, 4, 16, 32768, "tbq4", routes=ROUTES)  # the measured kernel keeps its plan: one token per program
     assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
+    # a measured Hopper kernel far from the call, whose splits would be one block: the rules (Triton)
+    assert pick(1, 4, 16, 256, "tbq4", routes={"tbq4,4,16": [[32, 32768, "dequant_seesaw"]]}).kernel == "triton"
 
 
 def test_measured_routes_on_disk_name_known_kernels():

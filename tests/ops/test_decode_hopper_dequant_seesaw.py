@@ -21,7 +21,8 @@ from specmla.ops.decode.hopper import dequant_seesaw as D
     (16, 3, 16, [700, 129, 5], 3, True),  # three tokens: 48 rows padded to 64
     (64, 1, 64, [1000, 3], 1, False),  # 64 heads, one split written directly
     (32, 2, 32, [1, 2, 63, 127, 128, 129, 4096], 7, True),  # lengths around blocks and rounds (64, 128), many splits
-    (21, 3, 1, [70, 9], 2, True),  # one-token pages, odd head count: 63 rows
+    (7, 8, 1, [70, 9], 2, True),  # one-token pages, odd head count: eight tokens × 8-head blocks, 56 of 64 rows
+    (21, 3, 16, [70, 9], 2, True),  # 21 heads in 32-row tiles, one token per program
     (16, 4, 64, [130], 16, True),  # more splits than blocks: empty splits
 ])
 def test_dequant_seesaw_matches_the_reference(fmt, H, S, page, lens, splits, causal):
@@ -40,7 +41,8 @@ def test_dequant_seesaw_matches_the_reference(fmt, H, S, page, lens, splits, cau
     assert rel_err(got, want) < 1e-2
     assert torch.equal(torch.isfinite(got_lse), seen)
     assert (got[~seen].abs() == 0).all()  # rows that see no key (causal, before the request's first) are zeros
-    # code·scale rounded to bf16 (2⁻⁹ relative) moves scores of magnitude ~10 by up to ~1e-2 (see the dequant test)
+    # keys rounded to bf16 (fp8: code·scale, 2⁻⁹ relative; tbq4: centroid·norm with the norm rounded to bf16 first)
+    # move scores of magnitude ~10 by up to ~1e-2 (see the dequant test)
     assert (got_lse[seen] - want_lse[seen]).abs().max() < 2e-2
 
 

@@ -125,7 +125,7 @@ def measured_kernel(routes: Mapping[str, list] | None, kv_format: str, B: int, S
 def load_routes(device_key: str) -> dict:
     """The measured routes of a device (`routes/<device_key>.json`: its "routes" entry), {} without a file."""
     path = ROUTES_DIR / f"{device_key}.json"
-    return json.loads(path.read_text())["routes"] if path.exists() else {}
+    return json.loads(path.read_text()).get("routes", {}) if path.exists() else {}
 
 
 def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: bool, sm_count: int, max_seq: int,
@@ -138,37 +138,50 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     `block_m` rows. backend "auto" takes the table below, "triton" the portable kernel, "hopper" a Hopper
     kernel wherever one takes the call (ValueError if none); `kernel` names one kernel to run.
 
-    `routes`: measured routes (`load_routes`); in "auto" their kernel takes the call where they cover it and
-    the kernel supports it. The rules (auto): 16-bit caches → bf16_seesaw when its tile is 64 rows or the
-    programs are at least SEESAW_MIN_PROGRAMS, else bf16. Quantised caches → S > 1 tokens folded into up to
-    64 rows on dequant_seesaw (the codes read once for all of them); otherwise the format's 16-row e4m3 kernel
-    when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else dequant_seesaw (up to 64 rows),
-    else triton; a quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else triton."""
+    `routes`: measured routes (`load_routes`); in "auto" their kernel takes the call where they cover it, the
+    kernel supports it and (a quantised Hopper kernel) its splits hold MIN_HOPPER_KEYS keys. The rules (auto):
+    16-bit caches → bf16_seesaw when its tile is 64 rows or the programs are at least SEESAW_MIN_PROGRAMS, else
+    bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read once for
+    all of them) when those splits hold MIN_HOPPER_KEYS keys, else one token per program on the format's 16-row
+    e4m3 kernel; S = 1: the e4m3 kernel when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows),
+    else dequant_seesaw (up to 64 rows); a quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else
+    triton."""
     if backend not in ("auto", "triton", "hopper"):
         raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r} ({' | '.join(KERNELS)})")
-    measured = measured_kernel(routes, kv_format, B, S, H, max_seq) if backend == "auto" and kernel is None else None
-    if measured is not None and (hopper or measured == "triton"):
-        try:
-            return select_kernel(B, S, H, D, kv_format, hopper=hopper, sm_count=sm_count, max_seq=max_seq, elem=elem,
-                                 supports=supports, kernel=measured, block_n=block_n, max_rows=max_rows)
-        except ValueError:  # the measured kernel does not take these tensors: the rules decide
-            pass
+    if backend == "auto" and kernel is None:
+        measured = measured_kernel(routes, kv_format, B, S, H, max_seq)
+        if measured is not None and (hopper or measured == "triton"):
+            # the rules' conditions but the choice of kernel hold: a measured Hopper kernel that does not take
+            # the tensors, or whose splits would be too short, leaves the call to the rules
+            route = _select(B, S, H, D, kv_format, hopper and measured != "triton", sm_count, max_seq, elem, supports,
+                            measured, block_n, max_rows, forced=False)
+            if route.kernel == measured:
+                return route
     if kernel == "triton":
         backend = "triton"
     elif kernel is not None:
         backend = "hopper"
+    return _select(B, S, H, D, kv_format, hopper and backend != "triton", sm_count, max_seq, elem, supports, kernel,
+                   block_n, max_rows, forced=backend == "hopper")
+
+
+def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_count: int, max_seq: int, elem: int,
+            supports: Callable[[str, int], bool], kernel: str | None, block_n: int | None, max_rows: int, *,
+            forced: bool) -> Route:
+    """`select_kernel`'s rules for `kernel` (None: any); forced: a Hopper kernel or an error, short splits
+    included (else the Triton kernel where no Hopper kernel qualifies)."""
     quant = kv_format in QUANTIZED
-    on_hopper = hopper and backend != "triton"
-    forced = backend == "hopper"
     e4m3 = E4M3_KERNEL.get(kv_format)
     folded = (on_hopper and quant and S > 1 and kernel in (None, "dequant_seesaw")
-              and supports("dequant_seesaw", row_tile(S, H, max_rows)))
+              and supports("dequant_seesaw", row_tile(S, H, max_rows))
+              and (forced or plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)["keys_per_split"]
+                   >= MIN_HOPPER_KEYS))
     if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and not folded and kernel in (None, e4m3)
             and supports(e4m3, E4M3_ROWS)):
-        # one query token per program on the 16-row kernel: each token reads the keys again, and still
-        # beats folding the tokens into more rows
+        # one query token per program on the 16-row kernel (each token reads the keys again), where the folded
+        # rows' splits would be too short
         unfolded = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, E4M3_ROWS, waves=1)
         if forced or unfolded["keys_per_split"] >= MIN_HOPPER_KEYS:
             max_rows = E4M3_ROWS

@@ -6,8 +6,9 @@ once per block whatever the rows, so S > 1 tokens folded into 64 rows cost what 
 - Producer (4 warps): the codes go into registers in units of 32 keys × 128 codes, four units (half a block) in
   flight while the four before them are dequantised; the rope goes by cp.async, which takes no registers. Each
   chunk's codes become exact bf16 values with integer operations (fp8: `dequant._E4M3_TO_BF16`'s bit moves; tbq4:
-  the byte-permute centroid lookup), then one bf16x2 multiply by the key's chunk scale (fp8) or norm (tbq4) rounded
-  to bf16: the tile holds code · scale rounded to bf16, as FlashMLA's fp8 kernel does. The rope part goes into the
+  the byte-permute centroid lookup), then the key's chunk scale (fp8: in fp32, the product rounded to bf16 once, as
+  FlashMLA's fp8 kernel holds code · scale) or norm (tbq4: a bf16x2 multiply by the norm rounded to bf16, as the
+  Triton kernel's lookup does). The rope part goes into the
   stage's rope tile by cp.async (bf16 on fp8_ds_mla and tbq4 rows), or lands as int8 in the tile's second half with
   its fp16 scales beside and is converted in place (fp8 rows).
 - Latent columns are permuted in the tile (`quant_common._latent_column`) so that each thread's unpacked pairs are
@@ -66,10 +67,11 @@ KV_FREE = _c(8)  # +w: both warpgroups are done reading stage w (two arrivals)
 Q_READY = _c(10)  # Q is in shared memory (stored by warpgroup 0)
 NUM_BARRIERS = _c(11)
 
-# Four e4m3 codes (one word) → two bf16x2 words of code · scale: `dequant._E4M3_TO_BF16`'s exact bit moves, then
-# one multiply by $3, the scale as bf16 in both halves (the product rounded to bf16)
+# Four e4m3 codes (one word) → two bf16x2 words of code · scale rounded once: `dequant._E4M3_TO_BF16`'s exact bit
+# moves give each pair as bf16x2, each value is widened to fp32 (a shift or a mask), multiplied by $3 (the fp32
+# scale) and the pair rounded to bf16x2 by one cvt
 _E4M3_TO_BF16_SCALED = _c("""{
-.reg .b32 m, s, a, b;
+.reg .b32 m, s, a, b, x, y;
 and.b32 m, $2, 0x7f7f7f7f;
 and.b32 s, $2, 0x80808080;
 prmt.b32 a, m, 0, 0x1404;
@@ -77,13 +79,21 @@ shr.b32 a, a, 4;
 prmt.b32 b, s, 0, 0x1404;
 add.u32 a, a, b;
 add.u32 a, a, 0x3C003C00;
-mul.rn.bf16x2 $0, a, $3;
+shl.b32 x, a, 16;
+and.b32 y, a, 0xFFFF0000;
+mul.f32 x, x, $3;
+mul.f32 y, y, $3;
+cvt.rn.bf16x2.f32 $0, y, x;
 prmt.b32 a, m, 0, 0x3424;
 shr.b32 a, a, 4;
 prmt.b32 b, s, 0, 0x3424;
 add.u32 a, a, b;
 add.u32 a, a, 0x3C003C00;
-mul.rn.bf16x2 $1, a, $3;
+shl.b32 x, a, 16;
+and.b32 y, a, 0xFFFF0000;
+mul.f32 x, x, $3;
+mul.f32 y, y, $3;
+cvt.rn.bf16x2.f32 $1, y, x;
 }""")
 _TBQ4_PAIRS = _c(tbq4.centroid_lookup_ptx(scaled=False))  # eight codes → four bf16x2 centroid pairs
 _MUL_BF16X2 = _c("mul.rn.bf16x2 $0, $1, $2;")
@@ -129,12 +139,13 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _dequant_unit(tile32, codes, scale, c: gl.constexpr, ROW: gl.constexpr, WORDS: gl.constexpr):
-        """Chunk c's codes · scale of 32 keys, rounded to bf16, into their rows of the stage's tile (tile32: those
+        """Chunk c's codes · scale of 32 keys (fp8: the product rounded to bf16 once; tbq4: centroid · norm in bf16
+        arithmetic, the norm rounded to bf16 first), into their rows of the stage's tile (tile32: those
         rows, as words of bf16 pairs) at the columns `quant_common._latent_column` gives: fp8 pair 0 of word v at
         word 64c + v, pair 1 at 64c + 32 + v; tbq4 pair k of word v at 64c + 16k + v."""
-        s2 = gl.inline_asm_elementwise(_BF16X2_OF_F32, "=r,r", [scale], dtype=gl.int32, is_pure=True, pack=1)
-        s2 = gl.expand_dims(s2, 1) + gl.zeros_like(codes)
-        if ROW == ROW_TBQ4:
+        if ROW == ROW_TBQ4:  # centroid (bf16) · norm (fp16 → bf16), as the Triton kernel rounds it
+            s2 = gl.inline_asm_elementwise(_BF16X2_OF_F32, "=r,r", [scale], dtype=gl.int32, is_pure=True, pack=1)
+            s2 = gl.expand_dims(s2, 1) + gl.zeros_like(codes)
             p0, p1, p2, p3 = gl.inline_asm_elementwise(_TBQ4_PAIRS, "=r,=r,=r,=r,r", [codes],
                                                        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
                                                        pack=1)
@@ -147,7 +158,8 @@ if G.HAVE_GLUON:
             tile32.slice(64 * c + 48, 16, dim=1).store(
                 gl.inline_asm_elementwise(_MUL_BF16X2, "=r,r,r", [p3, s2], dtype=gl.int32, is_pure=True, pack=1))
         else:
-            lo, hi = gl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED, "=r,=r,r,r", [codes, s2],
+            s32, codes = gl.broadcast(gl.expand_dims(scale, 1), codes)
+            lo, hi = gl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED, "=r,=r,r,r", [codes, s32],
                                                dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
             tile32.slice(64 * c, 32, dim=1).store(lo)
             tile32.slice(64 * c + 32, 32, dim=1).store(hi)
