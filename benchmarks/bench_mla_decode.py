@@ -189,12 +189,19 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
         for name in ROUTE_CANDIDATES[kv]:
             opts = kernel_module(name).Options()
             try:
-                route(qs[0], caches[0], table, kv_format=kv, head_dim_v=512, opts=opts)
+                chosen_plan = route(qs[0], caches[0], table, kv_format=kv, head_dim_v=512, opts=opts).plan
             except ValueError:  # this kernel does not take the call
                 continue
             row["kernels_s"][name] = time_fn(lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default,
                                                                   head_dim_v=512, kv_format=kv, opts=opts),
                                              copies, graph=True)
+            splits = chosen_plan["num_splits"]
+            if name != "triton" and kv != "bf16" and chosen_plan["keys_per_split"] < dispatch.MIN_HOPPER_KEYS:
+                # short splits (the rules leave these calls to Triton): the same kernel on half as many, longer ones
+                half = max(1, splits // 2)
+                row["kernels_s"][f"{name}@{half}"] = time_fn(
+                    lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default, head_dim_v=512,
+                                         kv_format=kv, opts=opts, num_splits=half), copies, graph=True)
     if row["kernel"] != "triton":  # a Hopper kernel runs the call: time the Triton kernel's default tiles too
         row["triton_only_s"] = time_fn(lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default,
                                                             head_dim_v=512, kv_format=kv, backend="triton"),
@@ -215,8 +222,8 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
 
 
 def routes_table(rows: list[dict], device: str) -> dict:
-    """The measured routes of `rows` (run with routes): per (format, S, H), [B, T, fastest kernel] of each case, with
-    the evidence (every kernel's µs) beside it."""
+    """The measured routes of `rows` (run with routes): per (format, S, H), [B, T, fastest kernel at its planned
+    splits] of each case, with the evidence (every kernel's µs, "name@n" at n splits) beside it."""
     import datetime
     import subprocess
 
@@ -226,7 +233,8 @@ def routes_table(rows: list[dict], device: str) -> dict:
         if not r.get("kernels_s"):
             continue
         key = dispatch.route_key(r["kv"], r["S"], r["H"])
-        best = min(r["kernels_s"], key=r["kernels_s"].get)
+        plain = {k: t for k, t in r["kernels_s"].items() if "@" not in k}  # the table names kernels at their plan
+        best = min(plain, key=plain.get)
         table.setdefault(key, []).append([r["B"], r["T"], best])
         evidence.setdefault(key, []).append([r["B"], r["T"], {k: round(t * 1e6, 1) for k, t in r["kernels_s"].items()}])
     return {"device": device, "date": datetime.date.today().isoformat(), "commit": commit,
