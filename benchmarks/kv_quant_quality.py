@@ -13,7 +13,8 @@ On the embedded model's real activations, CPU or GPU:
 The "-kernel" formats are the same fp8 / tbq4 caches read with the Hopper e4m3 kernels' arithmetic
 (`ops.decode.hopper.e4m3_reference`, a torch emulation of their rounding of q and P): "fp8-kernel" as the fp8
 kernel runs (P·V in fp16; the rope's int8 values times their scales rounded to bf16), "fp8_ds_mla-kernel" the same
-on FlashMLA's 656-byte rows (bf16 rope), "tbq4-kernel" as the tbq4 kernel runs.
+on FlashMLA's 656-byte rows (bf16 rope), "tbq4-kernel" as the tbq4 kernel runs. The "-tile" formats read them as
+`dequant_seesaw` does (`ops.decode.hopper.tile_reference`: keys dequantised once into bf16 tiles, P in bf16).
 For perplexity and greedy decoding the model's cache reads are routed there by `kernel_reads` (the engine
 is unchanged).
 
@@ -42,14 +43,19 @@ from specmla.model.metadata import AttentionMetadata
 from specmla.ops.kv_cache import row_spec, write_kv_cache
 from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper.e4m3_reference import mla_decode_e4m3
+from specmla.ops.decode.hopper.tile_reference import mla_decode_bf16_tiles
 from specmla.ops.rope import apply_rope
 
-FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8_ds_mla", "fp8_ds_mla-kernel", "tbq4", "tbq4-kernel")
-# format → (its cache format, mla_decode_e4m3's settings): the e4m3 kernels' arithmetic on the same cache
+FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-tile", "fp8_ds_mla", "fp8_ds_mla-kernel", "tbq4", "tbq4-kernel",
+           "tbq4-tile")
+# format → (its cache format, the emulation of a kernel's arithmetic on the same cache, its settings)
 KERNEL_FORMATS = {
-    "fp8-kernel": ("fp8", dict(q_split=True, p_format="fp16")),  # q in two e4m3 terms, P·V in fp16 (hopper/fp8.py)
-    "fp8_ds_mla-kernel": ("fp8_ds_mla", dict(q_split=True, p_format="fp16")),  # the same on 656-byte rows
-    "tbq4-kernel": ("tbq4", {}),  # q and P in one e4m3 term each (hopper/tbq4.py)
+    # q in two e4m3 terms, P·V in fp16 (hopper/fp8.py)
+    "fp8-kernel": ("fp8", mla_decode_e4m3, dict(q_split=True, p_format="fp16")),
+    "fp8_ds_mla-kernel": ("fp8_ds_mla", mla_decode_e4m3, dict(q_split=True, p_format="fp16")),  # on 656-byte rows
+    "tbq4-kernel": ("tbq4", mla_decode_e4m3, {}),  # q and P in one e4m3 term each (hopper/tbq4.py)
+    "fp8-tile": ("fp8", mla_decode_bf16_tiles, {}),  # keys dequantised once into bf16 tiles (hopper/dequant_seesaw.py)
+    "tbq4-tile": ("tbq4", mla_decode_bf16_tiles, {}),
 }
 
 
@@ -60,23 +66,23 @@ def cache_format(fmt: str) -> str:
 
 
 def attend(fmt: str, q, cache, table, seq_lens, scale, dc):
-    """One cache read of `fmt`: the torch reference, or the e4m3 kernels' emulation for the -kernel formats."""
+    """One cache read of `fmt`: the torch reference, or a kernel's emulation for the -kernel and -tile formats."""
     if fmt in KERNEL_FORMATS:
-        return mla_decode_e4m3(q, cache, table, seq_lens, scale, causal=True, head_dim_v=dc,
-                               kv_format=KERNEL_FORMATS[fmt][0], **KERNEL_FORMATS[fmt][1])
+        base, emulation, settings = KERNEL_FORMATS[fmt]
+        return emulation(q, cache, table, seq_lens, scale, causal=True, head_dim_v=dc, kv_format=base, **settings)
     return mla_decode(q, cache, table, seq_lens, scale, causal=True, head_dim_v=dc, kv_format=cache_format(fmt))
 
 
 @contextlib.contextmanager
 def kernel_reads(fmt: str):
     """Within: the model's decode / verify reads of the cache (`deepseek.mla_decode`, the absorbed path) go
-    through `mla_decode_e4m3` with `fmt`'s settings when fmt is a -kernel format. Yields a one-element call
+    through `fmt`'s emulation (`KERNEL_FORMATS`) when fmt is a -kernel or -tile format. Yields a one-element call
     counter, so that callers can check the reads did go there."""
     calls = [0]
     if fmt not in KERNEL_FORMATS:
         yield calls
         return
-    base, settings = KERNEL_FORMATS[fmt]
+    base, emulation, settings = KERNEL_FORMATS[fmt]
     original = deepseek.mla_decode
 
     def read(q, kv_cache, block_table, seq_lens, softmax_scale, *, causal=True, kv_format="bf16", head_dim_v=None,
@@ -85,8 +91,8 @@ def kernel_reads(fmt: str):
             return original(q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
                             head_dim_v=head_dim_v, **rest)
         calls[0] += 1
-        return mla_decode_e4m3(q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
-                               head_dim_v=head_dim_v, **settings)
+        return emulation(q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
+                         head_dim_v=head_dim_v, **settings)
 
     deepseek.mla_decode = read
     try:
@@ -214,13 +220,13 @@ def main() -> None:
                 print(f"  {fmt} window {w + 1}/{args.windows}: running ppl {math.exp(tot / n):.4f} "
                       f"[{time.time() - t_start:.0f} s]", flush=True)
         if fmt in KERNEL_FORMATS:
-            assert calls[0] > 0, f"{fmt}: no cache read went through mla_decode_e4m3"
+            assert calls[0] > 0, f"{fmt}: no cache read went through its emulation"
             reads[fmt] = calls[0]
         ppl[fmt] = math.exp(tot / n)
         print(f"held-out perplexity, {fmt} cache: {ppl[fmt]:.4f} ({n} tokens)", flush=True)
     report["heldout_ppl"] = ppl
     report["ppl_delta_pct"] = {f: 100 * (ppl[f] / ppl["bf16"] - 1) for f in formats}
-    report["ppl_kernel_reads"] = reads  # mla_decode_e4m3 calls per -kernel format (all layers, all steps)
+    report["ppl_kernel_reads"] = reads  # emulated reads per -kernel / -tile format (all layers, all steps)
     prompts = [json.loads(ln)["prompt"] for ln in Path(args.prompts).read_text().splitlines()[:32]]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     outs, reads = {}, {}
@@ -229,7 +235,7 @@ def main() -> None:
             g = LLM(path, device="cpu", dtype="float32", kv_cache_dtype=cache_format(fmt).replace("auto", "bf16"))
             outs[fmt] = [o.token_ids for o in g.generate(prompts, params)]
         if fmt in KERNEL_FORMATS:
-            assert calls[0] > 0, f"{fmt}: no cache read went through mla_decode_e4m3"
+            assert calls[0] > 0, f"{fmt}: no cache read went through its emulation"
             reads[fmt] = calls[0]
         print(f"greedy, {fmt} cache: done [{time.time() - t_start:.0f} s]", flush=True)
     report["greedy_identical_prompts_vs_bf16"] = {f: sum(a == b for a, b in zip(outs[f], outs["bf16"])) / len(prompts)

@@ -1,0 +1,74 @@
+"""Torch emulation of `dequant_seesaw`'s rounding, for quality checks: the quantised keys dequantised into bf16
+tiles (fp8: code · scale rounded once; tbq4: in the rotated domain, the bf16 centroid times the norm rounded to
+bf16, the product rounded), the rope part in bf16, q in bf16, scores and sums in fp32, P rounded to bf16 for P·V.
+
+P is rounded against each row's final max rather than the running max of the kernel's online softmax: both
+round P to bf16's 2⁻⁹ relative, which is what the quality checks see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmla.ops.decode.reference import check_args
+from specmla.ops.kv_cache import tbq4
+from specmla.ops.kv_cache.layout import FP8_BLOCK, FP8_FORMATS
+from specmla.ops.kv_cache.reference import decode_rope
+from specmla.ops.kv_cache.rotation import rotate_rows_torch
+
+FORMATS = ("fp8", "fp8_ds_mla", "tbq4")
+
+
+def tile_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int) -> torch.Tensor:
+    """Quantised rows [T, W] → the bf16 tile rows [T, Dc + Dr] the kernel's producer writes (tbq4: the latent part
+    in the rotated domain)."""
+    T = rows.shape[0]
+    if kv_format in FP8_FORMATS:
+        codes = rows[:, :dc].contiguous().view(torch.float8_e4m3fn).float().view(T, dc // FP8_BLOCK, FP8_BLOCK)
+        scale = rows[:, dc : dc + 4 * (dc // FP8_BLOCK)].contiguous().view(torch.float32).view(T, -1, 1)
+        latent = (codes * scale).view(T, dc).bfloat16()
+    else:
+        nb, block = dc // tbq4.BLOCK, tbq4.BLOCK
+        norms = rows[:, dc // 2 : dc // 2 + 2 * nb].contiguous().view(torch.float16).bfloat16().float().view(T, nb, 1)
+        packed = rows[:, : dc // 2].long().view(T, nb, block // 2)
+        idx = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(T, nb, block)
+        centroids = tbq4.centroids(rows.device).bfloat16().float()
+        latent = (centroids[idx] * norms).view(T, dc).bfloat16()
+    return torch.cat([latent, decode_rope(kv_format, rows, dc, dr).bfloat16()], dim=-1)
+
+
+def mla_decode_bf16_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                          softmax_scale: float, *, causal: bool = True, kv_format: str = "fp8",
+                          head_dim_v: int | None = None) -> torch.Tensor:
+    """`mla_decode_torch`'s contract with `dequant_seesaw`'s rounding: out [B, S, H, Dc] in q's dtype."""
+    if kv_format not in FORMATS:
+        raise ValueError(f"mla_decode_bf16_tiles emulates the quantised formats {FORMATS}; got {kv_format!r}")
+    head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+    check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
+    B, S, H, D = q.shape
+    dc, dr = head_dim_v, D - head_dim_v
+    page_size = kv_cache.shape[1]
+    L = block_table.shape[1] * page_size
+    pages = kv_cache[block_table.long().clamp(0, kv_cache.shape[0] - 1)].reshape(B * L, kv_cache.shape[-1])
+    kv = tile_rows(kv_format, pages, dc, dr).float().view(B, L, D)
+    pos = torch.arange(L, device=q.device)
+    seq = seq_lens.long().to(q.device)
+    valid = pos[None, :] < seq[:, None]
+    kv = torch.where(valid[..., None], kv, torch.zeros((), device=q.device))  # rows past the end read zeros
+    qb = q.float()
+    if kv_format == "tbq4":  # attention in the rotated domain: q's latent part rotated once
+        qb = rotate_rows_torch(qb.reshape(-1, D), dc).view(B, S, H, D)
+    qb = qb.bfloat16().float()
+    scores = torch.einsum("bshd,bld->bshl", qb, kv) * softmax_scale
+    mask = valid[:, None, None, :]
+    if causal:
+        limit = seq[:, None] - S + torch.arange(S, device=q.device)[None, :] + 1
+        mask = mask & (pos[None, None, :] < limit[:, :, None])[:, :, None, :]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - torch.where(torch.isinf(m), 0.0, m))
+    l_sum = p.sum(dim=-1, keepdim=True)
+    o = torch.einsum("bshl,blc->bshc", p.bfloat16().float(), kv[..., :dc]) / torch.where(l_sum > 0, l_sum, 1.0)
+    if kv_format == "tbq4":  # the output back to the original domain
+        o = rotate_rows_torch(o.reshape(-1, dc), dc).view(B, S, H, dc)
+    return o.to(q.dtype)

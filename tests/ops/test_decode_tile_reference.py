@@ -1,0 +1,49 @@
+"""The torch emulation of dequant_seesaw's rounding (`ops.decode.hopper.tile_reference`), on the CPU: its tile rows
+are the dequantised rows rounded to bf16 once (tbq4: in the rotated domain), and its attention stays within bf16
+rounding of the exact reference, with NaN-poisoned tails."""
+
+import pytest
+import torch
+from helpers.decode_kernels import poison_tails, quant_case
+from helpers.mla_cases import rel_err
+
+from specmla.ops.decode import mla_decode
+from specmla.ops.decode.hopper.tile_reference import mla_decode_bf16_tiles, tile_rows
+from specmla.ops.kv_cache.reference import decode_rows
+from specmla.ops.kv_cache.rotation import rotate_rows_torch
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "tbq4"])
+def test_tile_rows_are_the_dequantised_rows_in_bf16(fmt):
+    _, cache, _ = quant_case(fmt, seed=3, B=2, S=1, H=4, T=100, page=16)
+    rows = cache.view(-1, cache.shape[-1])[:200]
+    tiles = tile_rows(fmt, rows, 512, 64)
+    exact = decode_rows(fmt, rows, 512, 64)
+    assert tiles.dtype == torch.bfloat16 and tiles.shape == (200, 576)
+    if fmt == "tbq4":  # the latent part in the rotated domain: rotating it back gives the rows within bf16's rounding
+        back = rotate_rows_torch(tiles.float(), 512)
+        assert rel_err(back, exact) < 1e-2 and rel_err(back, exact) > 0
+        assert torch.equal(tiles[:, 512:], exact[:, 512:].bfloat16())
+    else:  # code · scale rounded once
+        assert torch.equal(tiles, exact.bfloat16())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "tbq4"])
+@pytest.mark.parametrize("S,H,lens,causal", [(4, 16, [333, 1, 65], True), (1, 7, [70, 9], False), (3, 5, [2, 40], True)])
+def test_emulation_is_the_reference_within_bf16_rounding(fmt, S, H, lens, causal):
+    q, cache, table = quant_case(fmt, seed=S * 11 + H, B=len(lens), S=S, H=H, T=max(lens), page=16)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    poison_tails(cache, table, seq)
+    want = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt, causal=causal)
+    got = mla_decode_bf16_tiles(q, cache, table, seq, 0.0721, kv_format=fmt, causal=causal)
+    assert got.shape == want.shape and not got.isnan().any()
+    err = rel_err(got, want)
+    assert 0 < err < 1e-2, err
+    empty = want.flatten(2).norm(dim=-1) == 0  # tokens before the request's first key
+    assert (got.flatten(2)[empty] == 0).all()
+
+
+def test_emulation_refuses_unquantised_caches():
+    q, cache, table = quant_case("fp8", seed=1, B=1, S=1, H=2, T=16, page=16)
+    with pytest.raises(ValueError, match="quantised formats"):
+        mla_decode_bf16_tiles(q, cache, table, torch.tensor([16], dtype=torch.int32), 0.1, kv_format="bf16")
