@@ -113,14 +113,6 @@ if G.HAVE_GLUON:
     # ---------------------------------------------------------------- producer -----------------------------
 
     @gluon.jit
-    def _words_layout(ROW: gl.constexpr):
-        """Registers of one unit, a 128-code chunk of 32 keys: fp8 [32 keys, 32 words] in 16-byte vectors, tbq4
-        [32, 16] in 8-byte ones; 8 threads cover a key's chunk."""
-        VEC: gl.constexpr = 2 if ROW == ROW_TBQ4 else 4
-        return gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                order=[1, 0])
-
-    @gluon.jit
     def _fetch_unit(KV32, rows, ok, c: gl.constexpr, ROW: gl.constexpr, WORDS: gl.constexpr):
         """Chunk c of 32 keys (rows: their byte offsets; rows not ok read zeros): the codes as [keys, words] of 32-bit
         words, and each key's scale (fp8) or norm (tbq4) as fp32."""
@@ -232,7 +224,11 @@ if G.HAVE_GLUON:
         rows are looked up a block ahead."""
         (Q, KV8, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_rounds,
          q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, rope_scales, m_smem, scale_smem, l_smem, bars) = shared
-        WORDS: gl.constexpr = _words_layout(ROW)
+        # registers of one unit, a 128-code chunk of 32 keys: fp8 [32 keys, 32 words] in 16-byte vectors, tbq4 [32, 16]
+        # in 8-byte ones; 8 threads cover a key's chunk
+        VEC: gl.constexpr = 2 if ROW == ROW_TBQ4 else 4
+        WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                               order=[1, 0])
         HALF: gl.constexpr = BLOCK_N // 2
         ROPE_ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32, 1],
                                                    warps_per_cta=[4, 1], order=[1, 0])
