@@ -284,8 +284,10 @@ if G.HAVE_GLUON:
     @gluon.jit
     def _load_q(Q, q_c_smem, q_r_smem, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H: gl.constexpr,
                 FOLD: gl.constexpr, FMT: gl.constexpr):
-        """Q rows (FOLD tokens × BLOCK_H heads) into shared memory, latent columns in the tile's order; padded rows
-        are zeros."""
+        """Q rows (FOLD tokens × BLOCK_H heads) into shared memory, latent columns in the tile's order
+        (`quant_common._latent_column`); padded rows are zeros. Each 128-column chunk is read in 16-byte vectors and
+        permuted in registers: fp8 latent column 4w + 2k + e goes to tile column 64k + 2w + e, tbq4's 8w + 2k + e to
+        32k + 2w + e."""
         LAYOUT: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                                 order=[1, 0])
         rows_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
@@ -293,11 +295,13 @@ if G.HAVE_GLUON:
         h_q = gl.program_id(1) * BLOCK_H + rows_q % BLOCK_H
         ok_q = gl.expand_dims((rows_q < FOLD * BLOCK_H) & (h_q < H), 1)
         q_at = gl.expand_dims(b * stride_qb + s_q * stride_qs + h_q * stride_qh, 1)
-        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, LAYOUT))
-        for c in gl.static_range(DC // 128):  # a chunk at a time: the whole tile would take 128 registers a thread
-            cols_qc = QC._latent_column(c * 128 + cols, FMT)
-            q_c_smem.slice(c * 128, 128, dim=1).store(gl.load(Q + q_at + gl.expand_dims(cols_qc, 0), mask=ok_q,
-                                                              other=0.0))
+        cols = gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, LAYOUT)), 0)
+        W: gl.constexpr = 16 if FMT == QC.FMT_TBQ4 else 32  # words (pairs of pairs) per chunk
+        K: gl.constexpr = 128 // (2 * W)  # pairs per word
+        for c in gl.static_range(DC // 128):
+            x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0)  # latent order
+            x = gl.reshape(gl.permute(gl.reshape(x, [BLOCK_M, W, K, 2]), [0, 2, 1, 3]), [BLOCK_M, 128])
+            q_c_smem.slice(c * 128, 128, dim=1).store(x)
         cols_qr = gl.arange(0, DR, layout=gl.SliceLayout(0, LAYOUT))
         q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0))
 
