@@ -55,3 +55,33 @@ def test_dequant_seesaw_compiles_for_sm90():
         (k,) = row["kernels"]
         assert k["name"] == "_mla_decode_dequant_seesaw_kernel" and k["warps"] == 12, row
         assert 0 < k["regs"] <= 255 and k["local"] == 0 and k["stack"] <= 640 and k["shared"] <= 227 * 1024, row
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("fmt", ["fp8", "tbq4"])
+def test_dequant_seesaw_in_a_cuda_graph(fmt):
+    """Captured once (S = 4 tokens folded, a preallocated workspace), replayed with new lengths and queries: every
+    replay matches the reference (nothing depends on host-side lengths)."""
+    from specmla.ops.decode import mla_decode_torch
+
+    B, S, H, T = 4, 4, 16, 700
+    q, cache, table = quant_case(fmt, seed=5, B=B, S=S, H=H, T=T, page=64)
+    q, cache, table = q.bfloat16().cuda(), cache.cuda(), table.cuda()
+    seq = torch.full((B,), T, dtype=torch.int32, device="cuda")
+    opts = D.Options()
+    ns = 3
+    ws = (torch.empty(B, S, H, ns, 512, device="cuda"), torch.empty(B, S, H, ns, device="cuda"))
+    out = torch.empty(B, S, H, 512, dtype=torch.bfloat16, device="cuda")
+    mla_decode(q, cache, table, seq, 0.0721, out=out, workspace=ws, kv_format=fmt, opts=opts)  # compile first
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_decode(q, cache, table, seq, 0.0721, out=out, workspace=ws, kv_format=fmt, opts=opts)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for _ in range(3):
+        seq.copy_(torch.randint(S, T + 1, (B,), dtype=torch.int32, device="cuda", generator=g))
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g))
+        graph.replay()
+        want = mla_decode_torch(q.double(), cache, table, seq, 0.0721, head_dim_v=512, kv_format=fmt)
+        assert rel_err(out.double(), want) < 1e-2
