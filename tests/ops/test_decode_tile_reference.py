@@ -34,11 +34,15 @@ def test_emulation_is_the_reference_within_bf16_rounding(fmt, S, H, lens, causal
     q, cache, table = quant_case(fmt, seed=S * 11 + H, B=len(lens), S=S, H=H, T=max(lens), page=16)
     seq = torch.tensor(lens, dtype=torch.int32)
     poison_tails(cache, table, seq)
-    want = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt, causal=causal)
-    got = mla_decode_bf16_tiles(q, cache, table, seq, 0.0721, kv_format=fmt, causal=causal)
+    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
+                                causal=causal, return_lse=True)
+    got, got_lse = mla_decode_bf16_tiles(q, cache, table, seq, 0.0721, kv_format=fmt, causal=causal, return_lse=True)
     assert got.shape == want.shape and not got.isnan().any()
     err = rel_err(got, want)
     assert 0 < err < 1e-2, err
+    seen = torch.isfinite(want_lse)  # the lse: -inf exactly where no key is seen, else within the keys' rounding
+    assert got_lse.shape == want_lse.shape and torch.equal(torch.isfinite(got_lse), seen)
+    assert 0 < (got_lse[seen] - want_lse[seen]).abs().max() < 2e-2
     empty = want.flatten(2).norm(dim=-1) == 0  # tokens before the request's first key
     assert (got.flatten(2)[empty] == 0).all()
 

@@ -48,7 +48,8 @@ FORMATS = {"fp8": 0, "fp8_ds_mla": 1, "tbq4": 2}  # the kernel's ROW
 
 _SOURCE_KEY = G.source_key(__file__) ^ QC._SOURCE_KEY ^ DQ._SOURCE_KEY
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
-BLOCK_N = _c(QC.BLOCK_N)  # keys per stage; P [64 rows, 64 keys] fits the stage's rope tile [64 keys, 64]
+BLOCK_N = _c(32)  # keys per stage; P [64 rows, 32 keys] fits the stage's rope tile [32 keys, 64]
+NUM_STAGES = _c(4)  # two rounds of two blocks: the producer fills one round while the consumers read the other
 ROWS = 64  # query rows of a program's tile (wgmma's M)
 BLOCK_M = _c(ROWS)
 DC, DR = _c(QC.DC), _c(QC.DR)
@@ -62,10 +63,10 @@ TBQ4_ROPE_AT = _c(tbq4.rope_offset(DC))  # bf16 rope of a 400-byte row
 M_READY = _c(0)  # +w: warpgroup w published its block's max and rescale factor (one arrival)
 P_READY = _c(2)  # +w: warpgroup w's P is in its stage's rope tile (one arrival)
 L_READY = _c(4)  # +w: warpgroup w's row sums are in shared memory, after the last round (one arrival)
-KV_READY = _c(6)  # +w: the producer has filled stage w (one arrival)
-KV_FREE = _c(8)  # +w: both warpgroups are done reading stage w (two arrivals)
-Q_READY = _c(10)  # Q is in shared memory (stored by warpgroup 0)
-NUM_BARRIERS = _c(11)
+KV_READY = _c(6)  # +s: the producer has filled stage s (one arrival)
+KV_FREE = _c(10)  # +s: both warpgroups are done reading stage s (two arrivals)
+Q_READY = _c(14)  # Q is in shared memory (stored by warpgroup 0)
+NUM_BARRIERS = _c(15)
 
 # Four e4m3 codes (one word) → two bf16x2 words of code · scale rounded once: `dequant._E4M3_TO_BF16`'s exact bit
 # moves give each pair as bf16x2, each value is widened to fp32 (a shift or a mask), multiplied by $3 (the fp32
@@ -168,7 +169,7 @@ if G.HAVE_GLUON:
             ok8 = gl.expand_dims(gl.convert_layout(ok, gl.SliceLayout(1, L8)), 1)
             G._cp_async(_rope_landing(rope_tile), KV8 + gl.expand_dims(r8 + FP8_ROPE_AT, 1) + gl.expand_dims(cols, 0),
                         mask=ok8)
-            LS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[16, 2],
+            LS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4],
                                                 warps_per_cta=[4, 1], order=[1, 0])
             cs = gl.arange(0, 16, layout=gl.SliceLayout(0, LS))
             rs = gl.convert_layout(rows, gl.SliceLayout(1, LS))
@@ -194,6 +195,13 @@ if G.HAVE_GLUON:
         return G._reinterpret(rope_tile, gl.int8, [2 * BLOCK_N, DR], R8).slice(BLOCK_N, BLOCK_N, dim=0)
 
     @gluon.jit
+    def _p_tile(rope_tile):
+        """A stage's rope tile [32 keys, 64] once S has read it: a warpgroup's P [64 rows, 32 keys] in bf16, handed to
+        the other warpgroup as its P·V's A operand."""
+        P_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+        return G._reinterpret(rope_tile, gl.bfloat16, [BLOCK_M, BLOCK_N], P_SMEM)
+
+    @gluon.jit
     def _convert_rope(rope_tile, rope_scales):
         """(fp8 rows) The landed int8 rope values × their fp16 scales (one per 8) → the tile's bf16 values, 32 keys at
         a time: the first 32 keys' bf16 rows lie before the landing area, the last 32 keys' overwrite it, so they
@@ -214,14 +222,49 @@ if G.HAVE_GLUON:
             rope_tile.slice(h * HALF, HALF, dim=0).store(y)
 
     @gluon.jit
+    def _produce_block(j, shared, c0, s0, c1, s1, c2, s2, c3, s3, PAGE_SIZE: gl.constexpr, ROW: gl.constexpr,
+                       WORDS: gl.constexpr):
+        """Block j into stage j % NUM_STAGES: wait until both warpgroups have read the stage's previous block, start
+        the rope's copy, dequantise the block's four units from registers (c, s), each unit's registers at once
+        taking the same unit of block j + 2, finish the rope and mark the stage ready. Returns block j + 2's units."""
+        (Q, KV8, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_rounds,
+         q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, rope_scales, m_smem, scale_smem, l_smem, bars) = shared
+        ROPE_ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32, 1],
+                                                   warps_per_cta=[4, 1], order=[1, 0])
+        st = j % NUM_STAGES
+        n0 = start + j * BLOCK_N
+        nx, nx_ok = G._block_page_rows(BT, b, stride_btb, n0 + 2 * BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
+                                       BLOCK_N, WORDS)
+        rope_rows, rope_ok = G._block_page_rows(BT, b, stride_btb, n0, end, stride_kvp, stride_kvt, PAGE_SIZE,
+                                                BLOCK_N, ROPE_ROWS)
+        mbarrier.wait(bars.index(KV_FREE + st), ((j // NUM_STAGES) + 1) & 1, pred=j >= NUM_STAGES)
+        rope_tile = k_r_smem.index(st)
+        _start_rope(KV8, KV16, rope_tile, rope_scales.index(st), rope_rows, rope_ok, ROW)
+        tile = k_c32_smem.index(st)
+        _dequant_unit(tile, c0, s0, 0, ROW, WORDS)
+        c0, s0 = _fetch_unit(KV32, nx, nx_ok, 0, ROW, WORDS)
+        _dequant_unit(tile, c1, s1, 1, ROW, WORDS)
+        c1, s1 = _fetch_unit(KV32, nx, nx_ok, 1, ROW, WORDS)
+        _dequant_unit(tile, c2, s2, 2, ROW, WORDS)
+        c2, s2 = _fetch_unit(KV32, nx, nx_ok, 2, ROW, WORDS)
+        _dequant_unit(tile, c3, s3, 3, ROW, WORDS)
+        c3, s3 = _fetch_unit(KV32, nx, nx_ok, 3, ROW, WORDS)
+        cp.wait_group(0)  # the rope has landed
+        if ROW == ROW_FP8:
+            _cta_barrier()
+            _convert_rope(rope_tile, rope_scales.index(st))
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(bars.index(KV_READY + st))
+        return c0, s0, c1, s1, c2, s2, c3, s3
+
+    @gluon.jit
     def _producer(shared, PAGE_SIZE: gl.constexpr, ROW: gl.constexpr):
-        """Block j (stage j % 2; the warpgroups' rounds take two blocks, so a split's odd last block is followed by
-        one past its end, all masked) in eight units, chunk c of the first or the last 32 keys. Four units are in
-        registers at a time (half a block in flight): each unit is dequantised from its registers, which at once
-        take the unit four later (block j's last 32 keys, then block j + 1's first 32), so the copies of one block
-        overlap the dequantising of the one before. Per block: wait until both warpgroups have read the stage
-        (round j // 2 - 1), start the rope's copy, dequantise, finish the rope and mark the stage ready. Page-table
-        rows are looked up a block ahead."""
+        """Blocks 2r and 2r + 1 of round r into stages 2 (r % 2) and 2 (r % 2) + 1 (a split's odd last block is
+        followed by one past its end, all masked). Two blocks' codes are in registers at a time: block j's, being
+        dequantised, and block j + 1's, in flight; each of block j's units, once stored, takes block j + 2's. With
+        four stages the producer fills round r + 1 while the consumers read round r. Page-table rows are looked up
+        two blocks ahead."""
         (Q, KV8, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_rounds,
          q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, rope_scales, m_smem, scale_smem, l_smem, bars) = shared
         # registers of one unit, a 128-code chunk of 32 keys: fp8 [32 keys, 32 words] in 16-byte vectors, tbq4 [32, 16]
@@ -229,55 +272,23 @@ if G.HAVE_GLUON:
         VEC: gl.constexpr = 2 if ROW == ROW_TBQ4 else 4
         WORDS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, VEC], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                                order=[1, 0])
-        HALF: gl.constexpr = BLOCK_N // 2
-        ROPE_ROWS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32, 1],
-                                                   warps_per_cta=[4, 1], order=[1, 0])
-        lo, lo_ok = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, HALF, WORDS)
-        hi, hi_ok = G._block_page_rows(BT, b, stride_btb, start + HALF, end, stride_kvp, stride_kvt, PAGE_SIZE, HALF,
+        ea, ea_ok = G._block_page_rows(BT, b, stride_btb, start, end, stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N,
                                        WORDS)
-        c0, s0 = _fetch_unit(KV32, lo, lo_ok, 0, ROW, WORDS)
-        c1, s1 = _fetch_unit(KV32, lo, lo_ok, 1, ROW, WORDS)
-        c2, s2 = _fetch_unit(KV32, lo, lo_ok, 2, ROW, WORDS)
-        c3, s3 = _fetch_unit(KV32, lo, lo_ok, 3, ROW, WORDS)
-        for j in range(2 * n_rounds):
-            st = j % 2
-            n0 = start + j * BLOCK_N
-            nx_lo, nx_lo_ok = G._block_page_rows(BT, b, stride_btb, n0 + BLOCK_N, end, stride_kvp, stride_kvt,
-                                                 PAGE_SIZE, HALF, WORDS)
-            mbarrier.wait(bars.index(KV_FREE + st), ((j // 2) + 1) & 1, pred=j >= 2)
-            rope_rows, rope_ok = G._block_page_rows(BT, b, stride_btb, n0, end, stride_kvp, stride_kvt, PAGE_SIZE,
-                                                    BLOCK_N, ROPE_ROWS)
-            rope_tile = k_r_smem.index(st)
-            _start_rope(KV8, KV16, rope_tile, rope_scales.index(st), rope_rows, rope_ok, ROW)
-            top = k_c32_smem.index(st).slice(0, HALF, dim=0)
-            bottom = k_c32_smem.index(st).slice(HALF, HALF, dim=0)
-            # the first 32 keys out of the registers, the last 32 in
-            _dequant_unit(top, c0, s0, 0, ROW, WORDS)
-            c0, s0 = _fetch_unit(KV32, hi, hi_ok, 0, ROW, WORDS)
-            _dequant_unit(top, c1, s1, 1, ROW, WORDS)
-            c1, s1 = _fetch_unit(KV32, hi, hi_ok, 1, ROW, WORDS)
-            _dequant_unit(top, c2, s2, 2, ROW, WORDS)
-            c2, s2 = _fetch_unit(KV32, hi, hi_ok, 2, ROW, WORDS)
-            _dequant_unit(top, c3, s3, 3, ROW, WORDS)
-            c3, s3 = _fetch_unit(KV32, hi, hi_ok, 3, ROW, WORDS)
-            # the last 32 keys out, the next block's first 32 in
-            _dequant_unit(bottom, c0, s0, 0, ROW, WORDS)
-            c0, s0 = _fetch_unit(KV32, nx_lo, nx_lo_ok, 0, ROW, WORDS)
-            _dequant_unit(bottom, c1, s1, 1, ROW, WORDS)
-            c1, s1 = _fetch_unit(KV32, nx_lo, nx_lo_ok, 1, ROW, WORDS)
-            _dequant_unit(bottom, c2, s2, 2, ROW, WORDS)
-            c2, s2 = _fetch_unit(KV32, nx_lo, nx_lo_ok, 2, ROW, WORDS)
-            _dequant_unit(bottom, c3, s3, 3, ROW, WORDS)
-            c3, s3 = _fetch_unit(KV32, nx_lo, nx_lo_ok, 3, ROW, WORDS)
-            hi, hi_ok = G._block_page_rows(BT, b, stride_btb, n0 + BLOCK_N + HALF, end, stride_kvp, stride_kvt,
-                                           PAGE_SIZE, HALF, WORDS)
-            cp.wait_group(0)  # the rope has landed
-            if ROW == ROW_FP8:
-                _cta_barrier()
-                _convert_rope(rope_tile, rope_scales.index(st))
-            fence_async_shared()
-            _cta_barrier()
-            mbarrier.arrive(bars.index(KV_READY + st))
+        od, od_ok = G._block_page_rows(BT, b, stride_btb, start + BLOCK_N, end, stride_kvp, stride_kvt, PAGE_SIZE,
+                                       BLOCK_N, WORDS)
+        a0, as0 = _fetch_unit(KV32, ea, ea_ok, 0, ROW, WORDS)
+        a1, as1 = _fetch_unit(KV32, ea, ea_ok, 1, ROW, WORDS)
+        a2, as2 = _fetch_unit(KV32, ea, ea_ok, 2, ROW, WORDS)
+        a3, as3 = _fetch_unit(KV32, ea, ea_ok, 3, ROW, WORDS)
+        b0, bs0 = _fetch_unit(KV32, od, od_ok, 0, ROW, WORDS)
+        b1, bs1 = _fetch_unit(KV32, od, od_ok, 1, ROW, WORDS)
+        b2, bs2 = _fetch_unit(KV32, od, od_ok, 2, ROW, WORDS)
+        b3, bs3 = _fetch_unit(KV32, od, od_ok, 3, ROW, WORDS)
+        for r in range(n_rounds):
+            a0, as0, a1, as1, a2, as2, a3, as3 = _produce_block(2 * r, shared, a0, as0, a1, as1, a2, as2, a3, as3,
+                                                                PAGE_SIZE, ROW, WORDS)
+            b0, bs0, b1, bs1, b2, bs2, b3, bs3 = _produce_block(2 * r + 1, shared, b0, bs0, b1, bs1, b2, bs2, b3, bs3,
+                                                                PAGE_SIZE, ROW, WORDS)
 
     # ---------------------------------------------------------------- consumers ----------------------------
 
@@ -325,8 +336,6 @@ if G.HAVE_GLUON:
         P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
         ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
         ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-        own_c = k_c_smem.index(ROLE)
-        own_r = k_r_smem.index(ROLE)
         if ROLE == 0:
             _load_q(Q, q_c_smem, q_r_smem, b, g, H, stride_qb, stride_qs, stride_qh, BLOCK_H, FOLD, FMT)
             fence_async_shared()
@@ -348,8 +357,12 @@ if G.HAVE_GLUON:
 
         for r in range(n_rounds):
             phase = r & 1
+            own = 2 * (r % 2) + ROLE  # the stages of round r: 2 (r % 2) + warpgroup
+            other = 2 * (r % 2) + OTHER
+            own_c = k_c_smem.index(own)
+            own_r = k_r_smem.index(own)
             # ---- S = Q·K_jᵀ for this warpgroup's block j = 2r + ROLE, once the producer has filled its stage ----
-            mbarrier.wait(bars.index(KV_READY + ROLE), phase)
+            mbarrier.wait(bars.index(KV_READY + own), (r // 2) & 1)
             s = warpgroup_mma(q_c_smem, own_c.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s = warpgroup_mma(q_r_smem, own_r.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -387,9 +400,9 @@ if G.HAVE_GLUON:
             if ROLE == 0:
                 mbarrier.wait(bars.index(M_READY + 1), phase)
                 scale_next = scale_smem.slice(BLOCK_M, BLOCK_M).load(ROW_S)
-                own_r.store((p * gl.expand_dims(scale_next, 1)).to(dtype))
+                _p_tile(own_r).store((p * gl.expand_dims(scale_next, 1)).to(dtype))
             else:
-                own_r.store(p.to(dtype))
+                _p_tile(own_r).store(p.to(dtype))
             fence_async_shared()
             mbarrier.arrive(bars.index(P_READY + ROLE))
 
@@ -399,16 +412,17 @@ if G.HAVE_GLUON:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 acc = acc * gl.expand_dims(gl.convert_layout(scale_next, ROW_O), 1)
                 l_i = l_i * scale_next
-            acc = warpgroup_mma(k_r_smem.index(OTHER), k_c_smem.index(OTHER).slice(ROLE * HALF, HALF, dim=1), acc,
+            acc = warpgroup_mma(_p_tile(k_r_smem.index(other)), k_c_smem.index(other).slice(ROLE * HALF, HALF, dim=1),
+                                acc,
                                 is_async=True)
 
             # ---- hand the stages back: own once this warpgroup's reads of it are done, the other's after its P·V ----
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             _cta_barrier()
-            mbarrier.arrive(bars.index(KV_FREE + ROLE))
+            mbarrier.arrive(bars.index(KV_FREE + own))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _cta_barrier()
-            mbarrier.arrive(bars.index(KV_FREE + OTHER))
+            mbarrier.arrive(bars.index(KV_FREE + other))
 
         # ---- finish: both warpgroups' row sums, normalise, store this warpgroup's half ----
         l_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(l_i)
@@ -447,11 +461,11 @@ if G.HAVE_GLUON:
         q_c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, DC], Q_C_SMEM)
         q_r_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, DR], Q_R_SMEM)
         # the dequantised tiles: written as 32-bit words (bf16 pairs) by the producer, read as bf16 by the matmuls
-        k_c32_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N, DC // 2], K_C32_SMEM)
-        k_c_smem = G._reinterpret(k_c32_smem, gl.bfloat16, [2, BLOCK_N, DC], K_C_SMEM)
-        k_r_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, DR], K_R_SMEM)
+        k_c32_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, DC // 2], K_C32_SMEM)
+        k_c_smem = G._reinterpret(k_c32_smem, gl.bfloat16, [NUM_STAGES, BLOCK_N, DC], K_C_SMEM)
+        k_r_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, DR], K_R_SMEM)
         B8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-        rope_scales = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, 16], B8)  # (fp8 rows) the rope's fp16 scales
+        rope_scales = gl.allocate_shared_memory(gl.int8, [NUM_STAGES, BLOCK_N, 16], B8)  # (fp8 rows) the rope's fp16 scales
         VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], VEC)
         scale_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], VEC)  # per warpgroup
@@ -488,7 +502,7 @@ def launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_l
     32-bit words (codes, scales, norms)."""
     grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                              plan, dc=QC.DC, causal=causal, direct=num_splits == 1,
-                                             num_splits=num_splits, block_n=QC.BLOCK_N, block_m=ROWS,
+                                             num_splits=num_splits, block_n=BLOCK_N, block_m=ROWS,
                                              kv_views=(kv_cache.view(torch.int8), kv_cache.view(torch.bfloat16),
                                                        kv_cache.view(torch.int32)))
     for k in ("DC", "DR", "BLOCK_M", "BLOCK_N"):

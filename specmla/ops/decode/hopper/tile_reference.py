@@ -39,8 +39,9 @@ def tile_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int) -> torch.Ten
 
 def mla_decode_bf16_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                           softmax_scale: float, *, causal: bool = True, kv_format: str = "fp8",
-                          head_dim_v: int | None = None) -> torch.Tensor:
-    """`mla_decode_torch`'s contract with `dequant_seesaw`'s rounding: out [B, S, H, Dc] in q's dtype."""
+                          head_dim_v: int | None = None, return_lse: bool = False):
+    """`mla_decode_torch`'s contract with `dequant_seesaw`'s rounding: out [B, S, H, Dc] in q's dtype, and with
+    return_lse the natural-log sum of exp of the scores [B, S, H] in fp32 (-inf for rows that see no key)."""
     if kv_format not in FORMATS:
         raise ValueError(f"mla_decode_bf16_tiles emulates the quantised formats {FORMATS}; got {kv_format!r}")
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
@@ -71,4 +72,7 @@ def mla_decode_bf16_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     o = torch.einsum("bshl,blc->bshc", p.bfloat16().float(), kv[..., :dc]) / torch.where(l_sum > 0, l_sum, 1.0)
     if kv_format == "tbq4":  # the output back to the original domain
         o = rotate_rows_torch(o.reshape(-1, dc), dc).view(B, S, H, dc)
+    if return_lse:
+        lse = torch.where(l_sum > 0, m + torch.log(torch.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+        return o.to(q.dtype), lse.squeeze(-1)
     return o.to(q.dtype)
