@@ -38,8 +38,9 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (32, 1, 16, 32768, "fp8_ds_mla", "fp8"),
     (32, 1, 16, 32768, "tbq4", "tbq4"),
     (32, 4, 16, 32768, "tbq4", "dequant_seesaw"),  # S > 1: the tokens folded into 64 rows, the codes read once
-    (32, 2, 16, 32768, "fp8", "dequant_seesaw"),
+    (32, 2, 16, 32768, "fp8", "fp8"),  # two tokens: one per program (the second read mostly from L2) is faster
     (32, 3, 16, 32768, "fp8_ds_mla", "dequant_seesaw"),  # 48 rows
+    (8, 4, 16, 32768, "fp8", "fp8"),  # 32 query tokens in all: too few to fold
     (8, 1, 32, 16384, "fp8_ds_mla", "dequant"),  # 32 rows
     (8, 1, 32, 16384, "tbq4", "dequant"),
     (8, 1, 32, 16384, "fp8", "dequant_seesaw"),  # the fp8 kernel takes 16 rows only, and dequant no 608-byte rows
@@ -72,9 +73,12 @@ def test_no_hopper_or_triton_backend_takes_the_triton_kernel(kv_format):
 
 
 def test_hopper_backend_forces_a_hopper_kernel_or_raises():
-    # short splits: auto leaves them to Triton, "hopper" takes the Hopper kernel (the tokens folded)
+    # short splits: auto leaves them to Triton, "hopper" takes a Hopper kernel (one token per program: four
+    # tokens are too few to fold)
     assert pick(1, 4, 16, 256, "tbq4").kernel == "triton"
     route = pick(1, 4, 16, 256, "tbq4", backend="hopper")
+    assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
+    route = pick(1, 4, 16, 256, "tbq4", kernel="dequant_seesaw")  # named: the tokens folded
     assert route.kernel == "dequant_seesaw" and route.plan["BLOCK_M"] == 64
     route = pick(1, 4, 16, 256, "tbq4", kernel="tbq4")  # named: one token per program on the 16-row kernel
     assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
@@ -114,7 +118,7 @@ ROUTES = {"tbq4,4,16": [[32, 32768, "tbq4"], [1, 262144, "dequant_seesaw"], [1, 
     (16, 4, 16, 65536, "tbq4", "tbq4"),  # nearest: (32, 32k)
     (1, 4, 16, 131072, "tbq4", "dequant_seesaw"),  # nearest: (1, 256k)
     (2, 4, 16, 4096, "tbq4", "triton"),  # nearest: (1, 8k)
-    (32, 2, 16, 32768, "tbq4", "dequant_seesaw"),  # S = 2 not measured: the rules
+    (32, 2, 16, 32768, "tbq4", "tbq4"),  # S = 2 not measured: the rules
     (4, 1, 64, 16384, "fp8", "triton"),
     (4, 1, 64, 16384, "fp8_ds_mla", "dequant_seesaw"),  # another format: the rules
 ])

@@ -39,6 +39,9 @@ E4M3_KERNEL = {"fp8": "fp8", "fp8_ds_mla": "fp8", "tbq4": "tbq4"}  # the 16-row 
 E4M3_ROWS = 16
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
 HOPPER_BLOCK_N = 64  # keys per block of the Hopper kernels for quantised caches
+FOLD_MIN_S, FOLD_MIN_TOKENS = 3, 64  # auto rule: quantised calls fold onto dequant_seesaw from S = 3 and B · S = 64
+# query tokens on (H100, H=16: folded 0.78-0.85× the per-token kernel's time at B=32 S=3/4; 1.6× at S=2, 1.05-1.1×
+# at B=1 T ≤ 131k)
 MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: quantised Hopper kernels take splits of two blocks or more
 SEESAW_MIN_PROGRAMS = 32  # padded bf16 row tiles take the seesaw kernel from this many programs
 SMEM_BUDGET = 224 * 1024  # the Triton kernel's K pipeline plus its query tile must fit this
@@ -142,8 +145,8 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     kernel supports it and (a quantised Hopper kernel) its splits hold MIN_HOPPER_KEYS keys. The rules (auto):
     16-bit caches → bf16_seesaw when its tile is 64 rows or the programs are at least SEESAW_MIN_PROGRAMS, else
     bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read once for
-    all of them) when those splits hold MIN_HOPPER_KEYS keys, else one token per program on the format's 16-row
-    e4m3 kernel; S = 1: the e4m3 kernel when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows),
+    all of them) from FOLD_MIN_S tokens a request and FOLD_MIN_TOKENS in all when those splits hold MIN_HOPPER_KEYS keys, else one
+    token per program on the format's 16-row e4m3 kernel; S = 1: the e4m3 kernel when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows),
     else dequant_seesaw (up to 64 rows); a quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else
     triton."""
     if backend not in ("auto", "triton", "hopper"):
@@ -175,7 +178,7 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     quant = kv_format in QUANTIZED
     e4m3 = E4M3_KERNEL.get(kv_format)
     folded = (on_hopper and quant and S > 1 and kernel in (None, "dequant_seesaw")
-              and supports("dequant_seesaw", row_tile(S, H, max_rows))
+              and (kernel is not None or S >= FOLD_MIN_S and B * S >= FOLD_MIN_TOKENS) and supports("dequant_seesaw", row_tile(S, H, max_rows))
               and (forced or plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)["keys_per_split"]
                    >= MIN_HOPPER_KEYS))
     if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and not folded and kernel in (None, e4m3)
