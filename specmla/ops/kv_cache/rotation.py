@@ -18,6 +18,19 @@ from specmla.ops.online_softmax import split_merge_weights
 
 BLOCK = tbq4.BLOCK
 ROWS = 16  # rows per program: the smallest tile the tensor cores take
+_SIGNS: dict = {}
+
+
+def hadamard_signs(device) -> torch.Tensor:
+    """The 128×128 Sylvester Hadamard matrix with ±1 entries (fp32, cached per device): √128 · `tbq4.hadamard`."""
+    key = str(device)
+    if key not in _SIGNS:
+        i = torch.arange(BLOCK)
+        parity = torch.zeros(BLOCK, BLOCK, dtype=torch.int64)
+        for bit in range(7):  # (-1)^popcount(i & j)
+            parity ^= ((i[:, None] & i[None, :]) >> bit) & 1
+        _SIGNS[key] = (1 - 2 * parity).float().to(device).contiguous()
+    return _SIGNS[key]
 
 
 def _check(x: torch.Tensor, width: int, out: torch.Tensor | None) -> None:
@@ -39,19 +52,7 @@ def rotate_rows_torch(x: torch.Tensor, width: int, out: torch.Tensor | None = No
 
 
 @triton.jit
-def _hadamard_signs():
-    """The 128×128 Sylvester Hadamard matrix's ±1 entries, (-1)^popcount(i & j), made in registers (a load of the
-    64 KB table would be most of a small rotation's time)."""
-    k = tl.arange(0, 128)
-    v = k[:, None] & k[None, :]
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)
-    return 1.0 - 2.0 * (v & 1).to(tl.float32)
-
-
-@triton.jit
-def _rotate_rows_kernel(X, OUT, R, stride_x, stride_o, WIDTH: tl.constexpr, D: tl.constexpr,
+def _rotate_rows_kernel(X, OUT, SIGNS, R, stride_x, stride_o, WIDTH: tl.constexpr, D: tl.constexpr,
                         TAIL_PAD: tl.constexpr, ROWS: tl.constexpr, PRECISION: tl.constexpr):
     """Program (rows block, column block): column blocks below WIDTH / 128 rotate a [ROWS, 128] tile, the last one
     copies the columns past WIDTH."""
@@ -61,7 +62,9 @@ def _rotate_rows_kernel(X, OUT, R, stride_x, stride_o, WIDTH: tl.constexpr, D: t
     if blk * 128 < WIDTH:
         cols = blk * 128 + tl.arange(0, 128)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        y = tl.dot(x, _hadamard_signs(), input_precision=PRECISION) * 0.08838834764831845  # 1/√128
+        k = tl.arange(0, 128)
+        signs = tl.load(SIGNS + k[:, None] * 128 + k[None, :])
+        y = tl.dot(x, signs, input_precision=PRECISION) * 0.08838834764831845  # 1/√128
         tl.store(OUT + rows[:, None] * stride_o + cols[None, :], y.to(OUT.dtype.element_ty), mask=ok[:, None])
     else:  # (names of their own: Triton 3.6 wants a name's type equal in both branches)
         tail = WIDTH + tl.arange(0, TAIL_PAD)
@@ -86,7 +89,7 @@ def rotate_rows(x: torch.Tensor, width: int, out: torch.Tensor | None = None) ->
         # bf16 / fp16 values and ±1 are exact in tf32; fp32 values need the exact (ieee) dot
         precision = "ieee" if x.dtype == torch.float32 else "tf32"
         _rotate_rows_kernel[(triton.cdiv(R, ROWS), width // BLOCK + (tail > 0))](
-            x2, o2, R, x2.stride(0), o2.stride(0), WIDTH=width, D=d,
+            x2, o2, hadamard_signs(x.device), R, x2.stride(0), o2.stride(0), WIDTH=width, D=d,
             TAIL_PAD=triton.next_power_of_2(max(tail, 1)), ROWS=ROWS, PRECISION=precision, num_warps=4)
     if o2.data_ptr() != res.data_ptr():
         res.copy_(o2.view(res.shape))
@@ -95,7 +98,7 @@ def rotate_rows(x: torch.Tensor, width: int, out: torch.Tensor | None = None) ->
 
 @triton.jit
 def _combine_rotate_kernel(
-    MID_O, MID_LSE, OUT, LSE,
+    MID_O, MID_LSE, OUT, LSE, SIGNS,
     stride_mob, stride_mos, stride_moh, stride_mosp,
     stride_mlb, stride_mls, stride_mlh,
     stride_ob, stride_os, stride_oh,
@@ -123,7 +126,8 @@ def _combine_rotate_kernel(
     for i in range(NUM_SPLITS):
         w = tl.exp2(tl.load(lse_rows + i, mask=h_ok, other=float("-inf")) - m_safe) * inv_total
         acc += tl.load(o_rows + i * stride_mosp, mask=h_ok[:, None], other=0.0) * w[:, None]
-    signs = _hadamard_signs()
+    k = tl.arange(0, 128)
+    signs = tl.load(SIGNS + k[:, None] * 128 + k[None, :])
     hi = acc.to(tl.bfloat16).to(tl.float32)
     y = tl.dot(hi, signs, input_precision=PRECISION) + tl.dot(acc - hi, signs, input_precision=PRECISION)
     y = y * 0.08838834764831845  # 1/√128
@@ -141,7 +145,7 @@ def combine_rotate(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
         raise ValueError("combine_rotate needs Dc a multiple of 128 and unit-stride last dims")
     precision = "ieee" if out.dtype == torch.float32 else "tf32"
     _combine_rotate_kernel[(B * S, triton.cdiv(H, ROWS), dc // BLOCK)](
-        mid_o, mid_lse, out, lse,
+        mid_o, mid_lse, out, lse, hadamard_signs(out.device),
         *mid_o.stride()[:4], *mid_lse.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
         S, H, ns, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)), ROWS=ROWS, PRECISION=precision, num_warps=4)
 
