@@ -14,7 +14,7 @@ Kernels (module names under `specmla.ops.decode`):
 The split count comes from shapes only (B, S, H, SM count, the block table's capacity), never from the
 device-side lengths: no host synchronisation, a fixed workspace, and graph-capturable launches.
 
-Measured routes: `routes/<device>.json` (written by `benchmarks/bench_mla_decode.py --write-routes`) holds, per
+Measured routes: `routes/<device>.json` (written by `benchmarks/bench_mla_decode.py --routes`) holds, per
 (format, S, H), the kernel that ran fastest at each measured (B, T); an automatic call takes the kernel of the
 nearest measured point (in log B and log T) where its format, S and H were measured, and the rules below
 elsewhere.
