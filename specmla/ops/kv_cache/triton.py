@@ -44,15 +44,46 @@ def _e4m3_rne(x):
 
 
 @triton.jit
+def _hadamard_signs():
+    """The 128×128 Sylvester Hadamard matrix's ±1 entries, (-1)^popcount(i & j), made in registers."""
+    k = tl.arange(0, 128)
+    v = k[:, None] & k[None, :]
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return 1.0 - 2.0 * (v & 1).to(tl.float32)
+
+
+@triton.jit
+def _tf32_part(x):
+    """x with its 13 low mantissa bits cleared: exact in tf32."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rotate_block(x):
+    """x [T, 128] fp32 times the ±1 Hadamard signs on the tensor cores, exactly up to fp32 accumulation: x split
+    into three tf32-exact parts (11 + 11 + 2 significant bits), whose products by ±1 are exact."""
+    signs = _hadamard_signs()
+    hi = _tf32_part(x)
+    rest = x - hi
+    mid = _tf32_part(rest)
+    y = tl.dot(hi, signs, input_precision="tf32")
+    y = tl.dot(mid, signs, y, input_precision="tf32")
+    return tl.dot(rest - mid, signs, y, input_precision="tf32")
+
+
+@triton.jit
 def _write_quantized_kernel(
-    CKV, KPE, SLOT, OUT_U8, OUT_W, OUT_BF, HAD, CENT,
+    CKV, KPE, SLOT, OUT_U8, OUT_W, OUT_BF, CENT,
     T, stride_ct, stride_pt, row_u8, row_w, row_bf,
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_T: tl.constexpr, TBQ4: tl.constexpr, ROPE_AT: tl.constexpr,
     ROPE_I8: tl.constexpr = False, GROUP: tl.constexpr = 8,
 ):
     """One program per BLOCK_T tokens. fp8: per-128 amax scale, e4m3 codes, fp32 scales (OUT_W is
     the fp32 view of the rows). tbq4: per 128-block y = x·H (Hadamard as a matrix product, split into
-    even/odd output columns so that two codes pack into one byte), unit coordinates coded by the
+    the even and odd output columns so that two codes pack into one byte; `_rotate_block` on the tensor cores,
+    as an fp32 product on the CUDA cores spills its operand), unit coordinates coded by the
     nearest centroid, fp16 corrected norm (OUT_W is the fp16 view). Rope goes out as bf16 at ROPE_AT (in
     bf16 units), or (ROPE_I8, fp8) as int8 bytes at ROPE_AT after its fp16 scales (OUT_BF is then the
     fp16 view), one per GROUP values, as `rope_int8` codes them."""
@@ -66,10 +97,9 @@ def _write_quantized_kernel(
         x = x.to(tl.float32)
         if TBQ4:
             half = tl.arange(0, 64)
-            h_even = tl.load(HAD + offs[:, None] * 128 + 2 * half[None, :])  # [128, 64]
-            h_odd = tl.load(HAD + offs[:, None] * 128 + 2 * half[None, :] + 1)
-            y0 = tl.dot(x, h_even, input_precision="ieee")  # coordinates 0, 2, 4, ... of the rotated block
-            y1 = tl.dot(x, h_odd, input_precision="ieee")
+            # coordinates 0, 2, 4, ... and 1, 3, 5, ... of the rotated block
+            y = _rotate_block(x) * 0.08838834764831845  # 1/√128
+            y0, y1 = tl.split(tl.reshape(y, [BLOCK_T, 64, 2]))
             norm = tl.sqrt(tl.sum(y0 * y0, 1) + tl.sum(y1 * y1, 1))
             inv = 1.0 / tl.maximum(norm, 1e-30)
             u0, u1 = y0 * inv[:, None], y1 * inv[:, None]
@@ -131,11 +161,10 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torc
     flat = kv_cache.view(-1, width)
     wide = flat.view(torch.float16 if tbq else torch.float32)
     bf = flat.view(torch.float16 if i8 else torch.bfloat16)  # the rope (int8: its scales)
-    had = tbq4.hadamard(c_kv.device) if tbq else flat
     cent = tbq4.centroids(c_kv.device) if tbq else flat
     rope_at = rope_offset(kv_format, dc, dr)
     _write_quantized_kernel[(triton.cdiv(T, block_t),)](
-        c_kv, k_pe, slot_mapping, flat, wide, bf, had, cent,
+        c_kv, k_pe, slot_mapping, flat, wide, bf, cent,
         T, c_kv.stride(0), k_pe.stride(0), flat.stride(0), wide.stride(0), bf.stride(0),
         DC=dc, DR=dr, BLOCK_T=block_t, TBQ4=tbq, ROPE_AT=rope_at if i8 else rope_at // 2, ROPE_I8=i8,
         GROUP=ROPE_GROUP,
