@@ -41,6 +41,8 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (32, 2, 16, 32768, "fp8", "fp8"),  # two tokens: one per program (the second read mostly from L2) is faster
     (32, 3, 16, 32768, "fp8_ds_mla", "dequant_seesaw"),  # 48 rows
     (8, 4, 16, 32768, "fp8", "fp8"),  # 32 query tokens in all: too few to fold
+    (32, 5, 16, 32768, "fp8", "fp8"),  # five tokens of 16 heads: one token per 64-row tile would fold nothing
+    (32, 3, 32, 32768, "tbq4", "dequant"),  # three tokens of 32 heads: likewise, 32 rows on dequant
     (8, 1, 32, 16384, "fp8_ds_mla", "dequant"),  # 32 rows
     (8, 1, 32, 16384, "tbq4", "dequant"),
     (8, 1, 32, 16384, "fp8", "dequant_seesaw"),  # the fp8 kernel takes 16 rows only, and dequant no 608-byte rows
@@ -110,7 +112,7 @@ def test_every_kernel_is_reachable():
 
 
 ROUTES = {"tbq4,4,16": [[32, 32768, "tbq4"], [1, 262144, "dequant_seesaw"], [1, 8192, "triton"]],
-          "fp8,1,64": [[4, 16384, "triton"]]}
+          "fp8,1,64": [[4, 16384, "triton"]], "tbq4,1,16": [[1, 8192, "dequant"], [32, 32768, "tbq4"]]}
 
 
 @pytest.mark.parametrize("B,S,H,T,kv_format,kernel", [
@@ -121,9 +123,17 @@ ROUTES = {"tbq4,4,16": [[32, 32768, "tbq4"], [1, 262144, "dequant_seesaw"], [1, 
     (32, 2, 16, 32768, "tbq4", "tbq4"),  # S = 2 not measured: the rules
     (4, 1, 64, 16384, "fp8", "triton"),
     (4, 1, 64, 16384, "fp8_ds_mla", "dequant_seesaw"),  # another format: the rules
+    (1, 1, 16, 8192, "tbq4", "dequant"),  # measured on one-block splits (the rules would take Triton): taken
+    (1, 1, 16, 4096, "tbq4", "dequant"),  # nearest: the same point, splits as short
 ])
 def test_measured_routes_take_the_nearest_point(B, S, H, T, kv_format, kernel):
     assert pick(B, S, H, T, kv_format, routes=ROUTES).kernel == kernel
+
+
+def test_no_measured_point_without_requests_or_keys():
+    assert dispatch.measured_kernel(ROUTES, "tbq4", 1, 1, 16, 8192) == "dequant"
+    assert dispatch.measured_kernel(ROUTES, "tbq4", 0, 1, 16, 8192) is None  # no request
+    assert dispatch.measured_kernel(ROUTES, "tbq4", 1, 1, 16, 0) is None  # an empty block table
 
 
 def test_measured_routes_yield_to_what_the_call_allows():

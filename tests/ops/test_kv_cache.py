@@ -12,7 +12,7 @@ from specmla import LLM, SamplingParams
 from specmla.ops.kv_cache import tbq4
 from specmla.ops.kv_cache import (decode_rows, encode_rows, rope_int8, rope_offset, rope_scales_offset, row_spec,
                                   write_kv_cache)
-from specmla.ops.kv_cache.triton import _bf16_rne, _e4m3_rne
+from specmla.ops.kv_cache.triton import _bf16_rne, _e4m3_rne, _tf32_part
 from specmla.ops.decode import mla_decode
 
 
@@ -246,14 +246,15 @@ def test_gpu_quantised_decode_bf16(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
-def test_fused_write_kernel_matches_the_reference_write(fmt):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_write_kernel_matches_the_reference_write(fmt, dtype):
     """Triton pack + quantise + scatter (interpreter) vs the torch reference, from strided inputs
-    (c_kv and k_pe as views of one kv_a output, as the model produces them)."""
+    (c_kv and k_pe as views of one kv_a output, as the model produces them); fp32 latents and the model's bf16."""
     from specmla.ops.kv_cache import write_kv_cache_triton
 
     g = torch.Generator().manual_seed(5)
     T, pages, page = 37, 6, 16
-    latent = torch.randn(T, 512 + 64, generator=g) * 2
+    latent = (torch.randn(T, 512 + 64, generator=g) * 2).to(dtype)
     c_kv, k_pe = latent[:, :512], latent[:, 512:]  # strided views
     slots = torch.randperm(pages * page, generator=g)[:T]
     width, dtype = row_spec(fmt, 512, 64, torch.float32)
@@ -337,6 +338,31 @@ def _cast_kernel(X, Y, Z, N: tl.constexpr):
     x = tl.load(X + o)
     tl.store(Y + o, _e4m3_rne(x))
     tl.store(Z + o, _bf16_rne(x))
+
+
+@triton.jit
+def _split_kernel(X, HI, MID, LO, N: tl.constexpr):
+    o = tl.arange(0, N)
+    x = tl.load(X + o)
+    hi = _tf32_part(x)
+    mid = _tf32_part(x - hi)
+    tl.store(HI + o, hi)
+    tl.store(MID + o, mid)
+    tl.store(LO + o, x - hi - mid)
+
+
+def test_tbq4_write_splits_fp32_into_tf32_exact_parts():
+    """The tbq4 write's rotation operand: x = hi + mid + lo exactly, each part with its 13 low mantissa bits clear
+    (exact in tf32), over signs, zeros and magnitudes from 2⁻¹⁰⁰ to 2¹⁰⁰."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-100, 100, (4096,), generator=g).float())
+    x[:4] = torch.tensor([0.0, -0.0, 1.0, -3.0])
+    hi, mid, lo = (torch.empty_like(x) for _ in range(3))
+    _split_kernel[(1,)](x, hi, mid, lo, N=4096)
+    assert torch.equal(hi.double() + mid.double() + lo.double(), x.double())
+    for part in (hi, mid, lo):
+        assert (part.view(torch.int32) & 0x1FFF == 0).all()
+    assert (mid != 0).sum() > 3000 and (lo != 0).sum() > 500  # the parts carry bits (not all in hi)
 
 
 def test_kernel_roundings_equal_torch_casts():

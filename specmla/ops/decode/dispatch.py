@@ -114,14 +114,21 @@ def route_key(kv_format: str, S: int, H: int) -> str:
     return f"{kv_format},{S},{H}"
 
 
+def measured_point(routes: Mapping[str, list] | None, kv_format: str, B: int, S: int, H: int,
+                   max_seq: int) -> list | None:
+    """The measured point [B, T, kernel] nearest (B, max_seq) in log B + log T among the table's rows for this
+    format, S and H; None where they were not measured (or the call has no request or key)."""
+    rows = (routes or {}).get(route_key(kv_format, S, H))
+    if not rows or B < 1 or max_seq < 1:
+        return None
+    return min(rows, key=lambda r: abs(math.log2(B / r[0])) + abs(math.log2(max_seq / r[1])))
+
+
 def measured_kernel(routes: Mapping[str, list] | None, kv_format: str, B: int, S: int, H: int,
                     max_seq: int) -> str | None:
-    """The kernel of the measured point nearest (B, max_seq) in log B + log T among the table's rows
-    [B, T, kernel] for this format, S and H; None where they were not measured."""
-    rows = (routes or {}).get(route_key(kv_format, S, H))
-    if not rows:
-        return None
-    return min(rows, key=lambda r: abs(math.log2(B / r[0])) + abs(math.log2(max_seq / r[1])))[2]
+    """The kernel of `measured_point`; None where none."""
+    point = measured_point(routes, kv_format, B, S, H, max_seq)
+    return None if point is None else point[2]
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,13 +161,20 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r} ({' | '.join(KERNELS)})")
     if backend == "auto" and kernel is None:
-        measured = measured_kernel(routes, kv_format, B, S, H, max_seq)
+        point = measured_point(routes, kv_format, B, S, H, max_seq)
+        measured = None if point is None else point[2]
         if measured is not None and (hopper or measured == "triton"):
-            # the rules' conditions but the choice of kernel hold: a measured Hopper kernel that does not take
-            # the tensors, or whose splits would be too short, leaves the call to the rules
-            route = _select(B, S, H, D, kv_format, hopper and measured != "triton", sm_count, max_seq, elem, supports,
-                            measured, block_n, max_rows, forced=False)
-            if route.kernel == measured:
+            # the rules' conditions but the choice of kernel hold, except that splits shorter than MIN_HOPPER_KEYS
+            # are taken where the measured point's own splits were that short (the benchmark names the kernel,
+            # so it times them); a measured kernel that does not take the tensors leaves the call to the rules
+            short_measured = (measured != "triton" and plan(point[0], S, H, point[1], sm_count, HOPPER_BLOCK_N,
+                                                            max_rows, waves=1)["keys_per_split"] < MIN_HOPPER_KEYS)
+            try:
+                route = _select(B, S, H, D, kv_format, hopper and measured != "triton", sm_count, max_seq, elem,
+                                supports, measured, block_n, max_rows, forced=short_measured)
+            except ValueError:
+                route = None
+            if route is not None and route.kernel == measured:
                 return route
     if kernel == "triton":
         backend = "triton"
@@ -177,10 +191,11 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     included (else the Triton kernel where no Hopper kernel qualifies)."""
     quant = kv_format in QUANTIZED
     e4m3 = E4M3_KERNEL.get(kv_format)
+    fold_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)
     folded = (on_hopper and quant and S > 1 and kernel in (None, "dequant_seesaw")
-              and (kernel is not None or S >= FOLD_MIN_S and B * S >= FOLD_MIN_TOKENS) and supports("dequant_seesaw", row_tile(S, H, max_rows))
-              and (forced or plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)["keys_per_split"]
-                   >= MIN_HOPPER_KEYS))
+              and (kernel is not None or S >= FOLD_MIN_S and B * S >= FOLD_MIN_TOKENS and fold_plan["FOLD"] > 1)
+              and supports("dequant_seesaw", row_tile(S, H, max_rows))
+              and (forced or fold_plan["keys_per_split"] >= MIN_HOPPER_KEYS))
     if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and not folded and kernel in (None, e4m3)
             and supports(e4m3, E4M3_ROWS)):
         # one query token per program on the 16-row kernel (each token reads the keys again), where the folded

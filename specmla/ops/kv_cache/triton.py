@@ -61,10 +61,13 @@ def _tf32_part(x):
 
 
 @triton.jit
-def _rotate_block(x):
-    """x [T, 128] fp32 times the ±1 Hadamard signs on the tensor cores, exactly up to fp32 accumulation: x split
-    into three tf32-exact parts (11 + 11 + 2 significant bits), whose products by ±1 are exact."""
+def _rotate_block(x, PARTS: tl.constexpr):
+    """x [T, 128] fp32 times the ±1 Hadamard signs on the tensor cores, the products exact and summed in fp32: x
+    in PARTS tf32-exact parts (1: x came from bf16 / fp16, already exact in tf32; 3: fp32, 11 + 11 + 2 significant
+    bits, exact for |x| ≥ 2⁻¹⁰⁰; smaller x lose bits below 2⁻¹³⁶)."""
     signs = _hadamard_signs()
+    if PARTS == 1:
+        return tl.dot(x, signs, input_precision="tf32")
     hi = _tf32_part(x)
     rest = x - hi
     mid = _tf32_part(rest)
@@ -78,7 +81,7 @@ def _write_quantized_kernel(
     CKV, KPE, SLOT, OUT_U8, OUT_W, OUT_BF, CENT,
     T, stride_ct, stride_pt, row_u8, row_w, row_bf,
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_T: tl.constexpr, TBQ4: tl.constexpr, ROPE_AT: tl.constexpr,
-    ROPE_I8: tl.constexpr = False, GROUP: tl.constexpr = 8,
+    ROPE_I8: tl.constexpr = False, GROUP: tl.constexpr = 8, X_PARTS: tl.constexpr = 3,
 ):
     """One program per BLOCK_T tokens. fp8: per-128 amax scale, e4m3 codes, fp32 scales (OUT_W is
     the fp32 view of the rows). tbq4: per 128-block y = x·H (Hadamard as a matrix product, split into
@@ -98,7 +101,7 @@ def _write_quantized_kernel(
         if TBQ4:
             half = tl.arange(0, 64)
             # coordinates 0, 2, 4, ... and 1, 3, 5, ... of the rotated block
-            y = _rotate_block(x) * 0.08838834764831845  # 1/√128
+            y = _rotate_block(x, X_PARTS) * 0.08838834764831845  # 1/√128
             y0, y1 = tl.split(tl.reshape(y, [BLOCK_T, 64, 2]))
             norm = tl.sqrt(tl.sum(y0 * y0, 1) + tl.sum(y1 * y1, 1))
             inv = 1.0 / tl.maximum(norm, 1e-30)
@@ -167,7 +170,7 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torc
         c_kv, k_pe, slot_mapping, flat, wide, bf, cent,
         T, c_kv.stride(0), k_pe.stride(0), flat.stride(0), wide.stride(0), bf.stride(0),
         DC=dc, DR=dr, BLOCK_T=block_t, TBQ4=tbq, ROPE_AT=rope_at if i8 else rope_at // 2, ROPE_I8=i8,
-        GROUP=ROPE_GROUP,
+        GROUP=ROPE_GROUP, X_PARTS=1 if c_kv.dtype in (torch.bfloat16, torch.float16) else 3,
     )
 
 

@@ -1,22 +1,23 @@
 """Hopper MLA decode over a quantised latent cache (fp8 608-byte rows, fp8_ds_mla 656-byte rows, tbq4 400-byte rows)
-at 64 query rows: a producer warpgroup dequantises each 64-key block once into a bf16 tile (code · scale, centroid ·
-norm), and two consumer warpgroups run the bf16 seesaw schedule (`bf16_seesaw`) on the tiles. The codes are read
-once per block whatever the rows, so S > 1 tokens folded into 64 rows cost what one token costs in bytes.
+at 64 query rows: a producer warpgroup dequantises each 32-key block once into a bf16 tile (code · scale, centroid ·
+norm), and two consumer warpgroups run the seesaw schedule (`bf16_seesaw`) on the tiles. The codes are read once
+per block whatever the rows, so S > 1 tokens folded into 64 rows cost what one token costs in bytes.
 
-- Producer (4 warps): the codes go into registers in units of 32 keys × 128 codes, four units (half a block) in
-  flight while the four before them are dequantised; the rope goes by cp.async, which takes no registers. Each
+- Producer (4 warps): two blocks' codes are in registers, units of 32 keys × 128 codes, each unit's registers
+  taking the same unit two blocks on once it is stored; the rope goes by cp.async, which takes no registers. Each
   chunk's codes become exact bf16 values with integer operations (fp8: `dequant._E4M3_TO_BF16`'s bit moves; tbq4:
   the byte-permute centroid lookup), then the key's chunk scale (fp8: in fp32, the product rounded to bf16 once, as
   FlashMLA's fp8 kernel holds code · scale) or norm (tbq4: a bf16x2 multiply by the norm rounded to bf16, as the
-  Triton kernel's lookup does). The rope part goes into the
-  stage's rope tile by cp.async (bf16 on fp8_ds_mla and tbq4 rows), or lands as int8 in the tile's second half with
-  its fp16 scales beside and is converted in place (fp8 rows).
+  Triton kernel's lookup does). The rope part goes into the stage's rope tile by cp.async (bf16 on fp8_ds_mla and
+  tbq4 rows), or lands as int8 in the tile's second half with its fp16 scales beside and is converted in place
+  (fp8 rows).
 - Latent columns are permuted in the tile (`quant_common._latent_column`) so that each thread's unpacked pairs are
   16-byte stores; q and the output are permuted to match.
-- Consumers: warpgroup w owns the blocks 2r + w (stage w), as in `bf16_seesaw`: S for its block, that block's
-  softmax while the other warpgroup's matmuls run, its half of V times its own P from registers, then the other
-  warpgroup's P (handed over in the stage's rope tile) times the same half. A stage is free for the producer once
-  both warpgroups have read it (two arrivals); the producer marks it ready once the tile and rope are in place.
+- Consumers: warpgroup w owns the blocks 2r + w (stage 2 (r % 2) + w), as in `bf16_seesaw`: S for its block, that
+  block's softmax while the other warpgroup's matmuls run, its half of V times its own P from registers, then the
+  other warpgroup's P (handed over in the stage's rope tile) times the same half. A stage is free for the producer
+  once both warpgroups have read it (two arrivals); the producer marks it ready once the tile and rope are in
+  place. Four stages of 32 keys: the producer fills round r + 1 while the consumers read round r.
 
 Dc = 512, Dr = 64, bf16 queries, up to 64 query rows (tiles are 64 rows: wgmma's M). Same contract, grid, split rule
 and partial layout as `mla_decode` (its combine merges the splits; tbq4: q rotated by the caller). Gluon does not
@@ -46,7 +47,8 @@ if G.HAVE_GLUON:
 
 FORMATS = {"fp8": 0, "fp8_ds_mla": 1, "tbq4": 2}  # the kernel's ROW
 
-_SOURCE_KEY = G.source_key(__file__) ^ QC._SOURCE_KEY ^ DQ._SOURCE_KEY
+_SOURCE_KEY = (G.source_key(__file__) ^ QC._SOURCE_KEY ^ DQ._SOURCE_KEY ^ G.source_key(G.__file__)
+               ^ G.source_key(tbq4.__file__))
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
 BLOCK_N = _c(32)  # keys per stage; P [64 rows, 32 keys] fits the stage's rope tile [32 keys, 64]
 NUM_STAGES = _c(4)  # two rounds of two blocks: the producer fills one round while the consumers read the other
@@ -195,7 +197,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _rope_landing(rope_tile):
-        """(fp8 rows) Where a stage's int8 rope values land: [64 keys, 64] bytes, unswizzled, in the second half of
+        """(fp8 rows) Where a stage's int8 rope values land: [32 keys, 64] bytes, unswizzled, in the second half of
         its bf16 rope tile."""
         R8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
         return G._reinterpret(rope_tile, gl.int8, [2 * BLOCK_N, DR], R8).slice(BLOCK_N, BLOCK_N, dim=0)
