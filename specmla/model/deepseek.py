@@ -24,6 +24,7 @@ from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.decode import mla_decode
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
+from specmla.ops.kv_cache.rotation import rotate_rows_torch
 from specmla.ops.linear.reference import BLOCK as FP8_BLOCK
 from specmla.ops.moe import RouteSpec, fused_moe, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
@@ -204,11 +205,21 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, hid, bias=cfg.attention_bias)
 
-    # W_UK [H, Dn, Dc] and W_UV [H, Dv, Dc]: views into kv_b_proj.weight (no copies).
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    # W_UK [H, Dn, Dc] and W_UV [H, Dv, Dc]: views into kv_b_proj.weight (no copies), or (rotated) into its copy
+    # with tbq4's rotation folded in along Dc (`fold_tbq4_rotation_`).
+    def absorbed_weights(self, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = self.kv_b_rotated if rotated else self.kv_b_proj.weight
+        w = w.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+    def fold_tbq4_rotation_(self) -> None:
+        """For a tbq4 cache: keep kv_b_proj's weight times tbq4's rotation R along Dc (a buffer, not a checkpoint
+        tensor). The absorbed decode then makes q's latent part already rotated (q_nope · W_UK·R) and takes the
+        output from the rotated domain (o · (W_UV·R)ᵀ, R being its own inverse), so `mla_decode` runs with
+        rotated=True and launches no rotation. Costs one more copy of kv_b_proj."""
+        w = self.kv_b_proj.weight.detach()
+        self.register_buffer("kv_b_rotated", rotate_rows_torch(w, w.shape[-1]), persistent=False)
 
     def forward(
         self,
@@ -285,13 +296,14 @@ class MLAttention(nn.Module):
 
     def _absorbed(self, q_nope, q_pe, meta, kv_cache):
         cfg, H = self.cfg, self.num_heads
-        w_uk, w_uv = self.absorbed_weights()
+        rotated = meta.kv_format == "tbq4" and hasattr(self, "kv_b_rotated")
+        w_uk, w_uv = self.absorbed_weights(rotated)
         q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, Dc]
         S = meta.decode_query_len
         q = torch.cat([q_lat, q_pe], dim=-1).view(-1, S, H, cfg.latent_dim)
         o_lat = mla_decode(
             q, kv_cache, meta.block_table, meta.seq_lens, cfg.softmax_scale, causal=True,
-            head_dim_v=cfg.kv_lora_rank, kv_format=meta.kv_format,
+            head_dim_v=cfg.kv_lora_rank, kv_format=meta.kv_format, rotated=rotated,
         )  # [B, S, H, Dc]
         return torch.einsum("thc,hvc->thv", o_lat.reshape(-1, H, cfg.kv_lora_rank), w_uv)
 
@@ -395,6 +407,12 @@ class DeepseekForCausalLM(nn.Module):
                 for rel, t in module.checkpoint_tensors().items():
                     out[checkpoint_name(f"{name}.{rel}", n)] = t
         return out
+
+    def fold_tbq4_rotation_(self) -> None:
+        """Every attention layer (trunk and MTP) folds tbq4's rotation into a copy of its kv_b_proj
+        (`MLAttention.fold_tbq4_rotation_`): decode over a tbq4 cache then launches no rotation."""
+        for layer in list(self.model.layers) + list(self.mtp):
+            layer.self_attn.fold_tbq4_rotation_()
 
     @property
     def num_cache_layers(self) -> int:

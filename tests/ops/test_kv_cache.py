@@ -180,6 +180,33 @@ def test_engine_runs_on_a_quantised_cache(model_dc128, fmt):
     assert [o.token_ids for o in poisoned.generate(prompts, params)] == [o.token_ids for o in outs]
 
 
+def test_tbq4_engine_folds_the_rotation_into_the_weights(model_dc128, monkeypatch):
+    """With a tbq4 cache every attention layer keeps kv_b_proj·R and decodes with rotated=True (no rotation
+    launches); the greedy tokens are those of the unfolded decode (the rotation applied to q and the output)."""
+    import specmla.model.deepseek as deepseek
+
+    prompts = [[(5 * i + j) % 250 + 3 for j in range(4 + 2 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    calls = []
+    real = deepseek.mla_decode
+    monkeypatch.setattr(deepseek, "mla_decode", lambda *a, **k: calls.append(k["rotated"]) or real(*a, **k))
+    folded = LLM(model_dc128, device="cpu", page_size=4, num_pages=256, kv_cache_dtype="tbq4")
+    attns = [layer.self_attn for layer in list(folded.model.model.layers) + list(folded.model.mtp)]
+    for attn in attns:
+        assert attn.kv_b_rotated.shape == attn.kv_b_proj.weight.shape
+        assert not torch.equal(attn.kv_b_rotated, attn.kv_b_proj.weight)
+        assert "kv_b_rotated" not in dict(folded.model.named_parameters())  # not a checkpoint tensor
+    got = folded.generate(prompts, params)
+    assert calls and all(calls)
+    plain = LLM(model_dc128, device="cpu", page_size=4, num_pages=256, kv_cache_dtype="tbq4")
+    for layer in list(plain.model.model.layers) + list(plain.model.mtp):
+        del layer.self_attn.kv_b_rotated
+    calls.clear()
+    want = plain.generate(prompts, params)
+    assert calls and not any(calls)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "fp8", "tbq4"])
 @pytest.mark.parametrize("S,H,page", [(1, 16, 16), (3, 4, 64), (2, 1, 5)])
 def test_triton_decode_reads_quantised_rows_directly(fmt, S, H, page):

@@ -121,3 +121,31 @@ def test_decode_over_tbq4_with_splits_matches_the_reference(B, H):
         out = mla_decode(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4", num_splits=splits,
                          backend="triton")
         assert torch.allclose(out.double(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_in_the_rotated_domain(backend):
+    """rotated=True: q's latent part comes rotated and the output stays rotated (no rotation inside): the same
+    attention as the plain call seen through the rotation, lse unchanged; other formats refuse it."""
+    from specmla.ops import mla_decode
+    from specmla.ops.kv_cache import row_spec, write_kv_cache
+
+    torch.manual_seed(6)
+    page, B, S, H = 16, 2, 2, 3
+    num_pages = 2 * 6
+    latent = torch.randn(num_pages * page, 576, device=DEVICE)
+    cache = torch.empty(num_pages, page, row_spec("tbq4", 512, 64, torch.float32)[0], dtype=torch.uint8, device=DEVICE)
+    write_kv_cache(cache, latent[:, :512], latent[:, 512:], torch.arange(num_pages * page, device=DEVICE), "tbq4")
+    table = torch.randperm(num_pages, device=DEVICE, dtype=torch.int32).view(B, 6)
+    seq = torch.tensor([90, 37], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(B, S, H, 576, device=DEVICE)
+    want, want_lse = mla_decode(q, cache, table, seq, 576 ** -0.5, head_dim_v=512, kv_format="tbq4", backend=backend,
+                                return_lse=True, num_splits=None if backend == "torch" else 2)
+    got, got_lse = mla_decode(rotate_rows_torch(q, 512), cache, table, seq, 576 ** -0.5, head_dim_v=512,
+                              kv_format="tbq4", backend=backend, return_lse=True, rotated=True,
+                              num_splits=None if backend == "torch" else 2)
+    assert not torch.allclose(got, want, atol=1e-2)  # the output is in the rotated domain
+    assert torch.allclose(rotate_rows_torch(got, 512), want, atol=1e-4)
+    assert torch.allclose(got_lse, want_lse, atol=1e-4)
+    with pytest.raises(ValueError, match="rotated=True is for tbq4"):
+        mla_decode(q, cache, table, seq, 0.1, head_dim_v=512, kv_format="fp8", rotated=True)

@@ -16,7 +16,7 @@ from specmla.ops.decode import dispatch
 from specmla.ops.decode.hopper import common as hopper_common
 from specmla.ops.decode.reference import check_args, mla_decode_torch
 from specmla.ops.decode.triton import LOG2E, combine_splits
-from specmla.ops.kv_cache.rotation import combine_rotate, rotate_rows
+from specmla.ops.kv_cache.rotation import combine_rotate, rotate_rows, rotate_rows_torch
 
 __all__ = ["mla_decode", "mla_decode_torch"]
 
@@ -90,6 +90,7 @@ def mla_decode(
     opts=None,
     num_splits: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotated: bool = False,
 ):
     """Contract C1. Returns out [B, S, H, Dc] (q's dtype) and, if return_lse, lse [B, S, H] fp32.
 
@@ -99,16 +100,27 @@ def mla_decode(
     `opts`: the `Options` of one kernel module, which then runs the call. `num_splits` overrides the planned
     split count; `workspace` = (mid_o [B, S, H, splits, Dc], mid_lse [B, S, H, splits]) fp32, preallocated (its
     split count wins). kv_format "fp8" / "fp8_ds_mla" / "tbq4": uint8 rows of `ops.kv_cache`'s layouts.
+    `rotated` (tbq4 only): q's latent part comes in tbq4's rotated domain and out is returned in it, for a caller
+    that folds the rotation into its weights (the model's W_UK and W_UV); the call then launches no rotation.
     """
+    if rotated and kv_format != "tbq4":
+        raise ValueError(f"rotated=True is for tbq4 caches (attention in the rotated domain); got {kv_format!r}")
     if backend not in ("auto", "torch", "triton", "hopper"):
         raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
     if backend == "auto" and opts is None and not q.is_cuda:
         backend = "torch"
     if backend == "torch":
-        return mla_decode_torch(
+        dc = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+        if rotated:  # the reference attends in the original domain: q back (the rotation is its own inverse)
+            q = rotate_rows_torch(q, dc)
+        res = mla_decode_torch(
             q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
             kv_scale=kv_scale, out=out, return_lse=return_lse, head_dim_v=head_dim_v,
         )
+        if rotated:
+            o = res[0] if return_lse else res
+            rotate_rows_torch(o, dc, out=o)
+        return res
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
     check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
     if head_dim_v % 16 or (q.shape[-1] - head_dim_v) % 16:
@@ -135,7 +147,7 @@ def mla_decode(
     elif workspace is None:
         mid_o = torch.empty(B, S, H, ns, dc, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(B, S, H, ns, dtype=torch.float32, device=q.device)
-    tbq = kv_format == "tbq4"
+    tbq = kv_format == "tbq4" and not rotated
     if tbq:  # attention runs in the rotated domain: q's latent part rotated once, the output back once
         q = rotate_rows(q, dc)
     extra = dict(tiles=chosen.tiles) if chosen.kernel == "triton" else {}
