@@ -76,10 +76,11 @@ def run(path: Path, kv: str, spec: str | None, k: int, context: int, new_tokens:
         rates.append((len(out.token_ids) - 1) / (m["e2e_s"] - m["ttft_s"]))
         first = first or (out, m, wall)
     out, m, wall = first
-    decode_s = m["e2e_s"] - m["ttft_s"]
+    rate = statistics.median(rates)
+    decode_s = (len(out.token_ids) - 1) / rate  # the median run's
     per_token = llm.kv_pool.bytes_per_page() // llm.kv_pool.page_size  # every layer's row of one token
     row = dict(kv=kv, spec=spec or "none", k=k if spec else 0, context=context, new_tokens=len(out.token_ids),
-               wall_s=wall, ttft_s=m["ttft_s"], decode_s=decode_s, decode_tok_s=statistics.median(rates),
+               wall_s=wall, ttft_s=m["ttft_s"], decode_s=decode_s, decode_tok_s=rate,
                decode_tok_s_runs=rates,
                kv_bytes_per_token=per_token, kv_bytes=per_token * (context + new_tokens),
                acceptance_length=m["spec"]["mean_acceptance_length"] if spec else None, tokens=out.token_ids[:16])
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiny", action="store_true", help="CPU, fp32, a 2k context: a check of the script")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     device, dtype = ("cpu", "float32") if args.tiny else ("cuda", "bfloat16")
     context, new = (2048, 16) if args.tiny else (args.context, args.new_tokens)
     rows = []

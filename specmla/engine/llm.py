@@ -112,8 +112,8 @@ class LLM:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected auto | bf16 | fp16 | fp32 | "
                              + " | ".join(QUANTIZED))
         kv_format = kv_cache_dtype if kv_cache_dtype in QUANTIZED else "auto"
-        if kv_format == "tbq4":  # decode then runs with no rotation launches (before the pool is sized: a copy)
-            self.model.fold_tbq4_rotation_()
+        if kv_format == "tbq4" and self.model.config.kv_lora_rank % 128 == 0:  # (else the pool refuses tbq4)
+            self.model.fold_tbq4_rotation_()  # decode launches no rotation; before the pool is sized: a copy
         if kv_cache_dtype in _DTYPES:
             cache_dtype = _DTYPES[kv_cache_dtype]
         max_len = self.model.max_positions

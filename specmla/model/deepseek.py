@@ -217,7 +217,8 @@ class MLAttention(nn.Module):
         """For a tbq4 cache: keep kv_b_proj's weight times tbq4's rotation R along Dc (a buffer, not a checkpoint
         tensor). The absorbed decode then makes q's latent part already rotated (q_nope · W_UK·R) and takes the
         output from the rotated domain (o · (W_UV·R)ᵀ, R being its own inverse), so `mla_decode` runs with
-        rotated=True and launches no rotation. Costs one more copy of kv_b_proj."""
+        rotated=True and launches no rotation. Costs one more copy of kv_b_proj; a snapshot of its weight (call
+        again after changing it)."""
         w = self.kv_b_proj.weight.detach()
         self.register_buffer("kv_b_rotated", rotate_rows_torch(w, w.shape[-1]), persistent=False)
 

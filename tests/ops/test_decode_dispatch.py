@@ -112,7 +112,8 @@ def test_every_kernel_is_reachable():
 
 
 ROUTES = {"tbq4,4,16": [[32, 32768, "tbq4"], [1, 262144, "dequant_seesaw"], [1, 8192, "triton"]],
-          "fp8,1,64": [[4, 16384, "triton"]], "tbq4,1,16": [[1, 8192, "dequant"], [32, 32768, "tbq4"]]}
+          "fp8,1,64": [[4, 16384, "triton"]], "tbq4,1,16": [[1, 8192, "dequant"], [32, 32768, "tbq4"]],
+          "tbq4,3,16": [[1, 8192, "tbq4"]]}
 
 
 @pytest.mark.parametrize("B,S,H,T,kv_format,kernel", [
@@ -125,6 +126,8 @@ ROUTES = {"tbq4,4,16": [[32, 32768, "tbq4"], [1, 262144, "dequant_seesaw"], [1, 
     (4, 1, 64, 16384, "fp8_ds_mla", "dequant_seesaw"),  # another format: the rules
     (1, 1, 16, 8192, "tbq4", "dequant"),  # measured on one-block splits (the rules would take Triton): taken
     (1, 1, 16, 4096, "tbq4", "dequant"),  # nearest: the same point, splits as short
+    (1, 3, 16, 8192, "tbq4", "tbq4"),  # measured one token per program on 192-key splits
+    (1, 3, 16, 2048, "tbq4", "triton"),  # nearest that point, but 64-key splits were never measured: the rules
 ])
 def test_measured_routes_take_the_nearest_point(B, S, H, T, kv_format, kernel):
     assert pick(B, S, H, T, kv_format, routes=ROUTES).kernel == kernel

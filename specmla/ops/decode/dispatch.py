@@ -149,7 +149,8 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     kernel wherever one takes the call (ValueError if none); `kernel` names one kernel to run.
 
     `routes`: measured routes (`load_routes`); in "auto" their kernel takes the call where they cover it, the
-    kernel supports it and (a quantised Hopper kernel) its splits hold MIN_HOPPER_KEYS keys. The rules (auto):
+    kernel supports it and (a quantised Hopper kernel) its splits hold MIN_HOPPER_KEYS keys or the measured
+    point's own splits were as short. The rules (auto):
     16-bit caches → bf16_seesaw when its tile is 64 rows or the programs are at least SEESAW_MIN_PROGRAMS, else
     bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read once for
     all of them) from FOLD_MIN_S tokens a request and FOLD_MIN_TOKENS in all when those splits hold MIN_HOPPER_KEYS keys, else one
@@ -167,8 +168,14 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
             # the rules' conditions but the choice of kernel hold, except that splits shorter than MIN_HOPPER_KEYS
             # are taken where the measured point's own splits were that short (the benchmark names the kernel,
             # so it times them); a measured kernel that does not take the tensors leaves the call to the rules
-            short_measured = (measured != "triton" and plan(point[0], S, H, point[1], sm_count, HOPPER_BLOCK_N,
-                                                            max_rows, waves=1)["keys_per_split"] < MIN_HOPPER_KEYS)
+            short_measured = False
+            if measured != "triton":  # the measured point planned as the benchmark ran it (the kernel named)
+                try:
+                    at_point = _select(point[0], S, H, D, kv_format, hopper, sm_count, point[1], elem, supports,
+                                       measured, block_n, max_rows, forced=True)
+                    short_measured = at_point.plan["keys_per_split"] < MIN_HOPPER_KEYS
+                except ValueError:
+                    pass
             try:
                 route = _select(B, S, H, D, kv_format, hopper and measured != "triton", sm_count, max_seq, elem,
                                 supports, measured, block_n, max_rows, forced=short_measured)
