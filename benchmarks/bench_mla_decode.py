@@ -119,8 +119,19 @@ def time_fn(fn, copies: int, iters: int = 30, warmup: int = 5, graph: bool = Fal
     return statistics.median(times)
 
 
+def flashmla_time(qs, caches, table, seq, copies: int) -> float:
+    """FlashMLA's dense decode (`flash_mla.flash_mla_with_kvcache`, bf16, causal) on the same problem, timed as ours
+    (a graph of ≥ 16 calls); its scheduling metadata is made by the warm-up calls, outside the graph."""
+    import flash_mla
+
+    meta, _ = flash_mla.get_mla_metadata()
+    paged = [c.view(c.shape[0], c.shape[1], 1, c.shape[2]) for c in caches]
+    return time_fn(lambda i: flash_mla.flash_mla_with_kvcache(qs[i], paged[i], table, seq, 512, meta,
+                                                              softmax_scale=SCALE, causal=True), copies, graph=True)
+
+
 def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], kv: str = "bf16",
-             max_variants: int | None = None, routes: bool = False):
+             max_variants: int | None = None, routes: bool = False, flashmla: bool = False):
     kv_bytes = B * T * row_bytes(kv)
     copies = max(1, min(8, -(-4 * l2_bytes // kv_bytes)))
     caches, table, seq, qs = make_problem(H, B, T, S, copies, kv)
@@ -206,6 +217,8 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
         row["triton_only_s"] = time_fn(lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default,
                                                             head_dim_v=512, kv_format=kv, backend="triton"),
                                        copies, graph=True)
+    if flashmla and kv == "bf16":  # the peer, same caches, queries and graph timing
+        row["flashmla_s"] = flashmla_time(qs, caches, table, seq, copies)
     row["ours_GBps"] = nbytes / best[0] / 1e9
     row["ours_pct_copy"] = 100 * nbytes / best[0] / copy_bw
     row["ours_TFLOPs"] = flops / best[0] / 1e12
@@ -260,6 +273,8 @@ def parse_args(argv=None):
     ap.add_argument("--routes", action="store_true",
                     help="also time every kernel that takes each call and write the fastest per (format, S, H, B, T) "
                          "to OUT/decode_routes.json, the format of specmla/ops/decode/routes/<device>.json")
+    ap.add_argument("--flashmla", action="store_true",
+                    help="also time FlashMLA's dense decode on the bf16 cases (needs the flash_mla package)")
     ap.add_argument("--variants", type=int, default=None,
                     help="try only the first N tile variants (default all; for S > 1 the fold variants come last)")
     args = ap.parse_args(argv)
@@ -272,6 +287,11 @@ def parse_args(argv=None):
         args.cases = [parse_case(c) for a in args.cases for c in a.split(",") if c] if args.cases else list(CASES)
     except (ValueError, argparse.ArgumentTypeError) as e:
         ap.error(f"--cases: {e} (want HxBxTxS, e.g. 16x32x32768x1)")
+    if args.flashmla:
+        try:
+            import flash_mla  # noqa: F401
+        except ImportError:
+            ap.error("--flashmla: the flash_mla package is not importable (build FlashMLA and put it on PYTHONPATH)")
     if args.quick:
         args.variants = 1
     if args.variants is not None and args.variants < 1:
@@ -295,7 +315,7 @@ def main():
         base = None
         for kv in args.kv:
             row = run_case(H, B, T, S, copy_bw, l2, naive=not args.quick, variants=variants, kv=kv,
-                           max_variants=args.variants, routes=args.routes)
+                           max_variants=args.variants, routes=args.routes, flashmla=args.flashmla)
             if kv == "bf16":
                 base = row["ours_s"]
             elif base is not None:
@@ -312,7 +332,8 @@ def main():
                   f"planned {row['planned_s'] * 1e3:.4f} ms  "
                   f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}  kernel {row['kernel']}"
                   + (f"  triton-only {row['triton_only_s'] * 1e3:.4f} ms" if row.get("triton_only_s") else "")
-                  + "".join(f"  {k} {t * 1e6:.1f} us" for k, t in row.get("kernels_s", {}).items()),
+                  + "".join(f"  {k} {t * 1e6:.1f} us" for k, t in row.get("kernels_s", {}).items())
+                  + (f"  FlashMLA {row['flashmla_s'] * 1e6:.1f} us" if row.get("flashmla_s") else ""),
                   flush=True)
     result = {"device": props.name, "copy_GBps": copy_bw / 1e9, "gemm_TFLOPs": gemm / 1e12, "torch": torch.__version__,
               "rows": rows}

@@ -29,6 +29,16 @@ def test_args():
         assert case in bm.CASES  # the issue-7 acceptance shapes
 
 
+def test_flashmla_peer_needs_the_package(monkeypatch, capsys):
+    """--flashmla is refused up front, with the reason, where flash_mla cannot be imported (not mid-run)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flash_mla", None)  # import flash_mla → ImportError
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--flashmla"])
+    assert "flash_mla package is not importable" in capsys.readouterr().err
+
+
 def test_byte_counts():
     assert [bm.row_bytes(k) for k in ("bf16", "fp8_ds_mla", "fp8", "tbq4")] == [1152, 656, 608, 400]
     for B, T, S, H in [(32, 32768, 1, 16), (4, 81920, 4, 16), (3, 7, 2, 128)]:
