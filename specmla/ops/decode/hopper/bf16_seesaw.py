@@ -43,7 +43,7 @@ if G.HAVE_GLUON:
 
     _cp_async, _cta_barrier = G._cp_async, G._cta_barrier
 
-_SOURCE_KEY = G.source_key(__file__)  # in the kernel's cache key (see G.source_key)
+_SOURCE_KEY = G.source_key(__file__) ^ G.source_key(G.__file__)  # in the kernel's cache key (G.source_key)
 
 # mbarrier slots: one arrival each (a warpgroup's elected thread after a warpgroup-wide sync)
 _c = getattr(gl, "constexpr", int) if G.HAVE_GLUON else int
@@ -117,7 +117,6 @@ if G.HAVE_GLUON:
          stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
          n_rounds, q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars) = shared
-        dtype: gl.constexpr = Q.dtype.element_ty
         HALF: gl.constexpr = DC // 2
         NH: gl.constexpr = DC // 128  # 64-column chunks per half
         GROUPS: gl.constexpr = 2 * NH + 1  # cp.async groups per key block: one per chunk, one for the rope part
@@ -185,51 +184,13 @@ if G.HAVE_GLUON:
             s = warpgroup_mma(q_r_smem, own_r.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
-            # ---- softmax of block j against the max after block j-1 ----
-            if ROLE == 0:  # block j-1 was warpgroup 1's, in the previous round
-                mbarrier.wait(bars.index(M_READY + 1), (r + 1) & 1, pred=r > 0)
-                m_prev = gl.where(r > 0, m_smem.load(ROW_S), float("-inf"))
-            else:  # block j-1 was warpgroup 0's, this round
-                mbarrier.wait(bars.index(M_READY), phase)
-                m_prev = m_smem.load(ROW_S)
-                scale_other = scale_smem.slice(0, BLOCK_M).load(ROW_S)
             offs_n = start + (2 * r + ROLE) * BLOCK_N + cols_n
-            visible = gl.expand_dims(offs_n < end, 0) & (gl.expand_dims(offs_n, 0) < gl.expand_dims(limit, 1))
-            s = gl.where(visible, s * scale_log2, float("-inf"))
-            m_i = gl.maximum(m_prev, gl.max(s, axis=1))
-            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-            scale_own = gl.exp2(m_prev - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-            m_smem.store(m_i)
-            scale_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(scale_own)
-            mbarrier.arrive(bars.index(M_READY + ROLE))
-
-            # ---- O_half = O_half·scale + P_j·V_j[:, half] (P from registers) ----
-            if ROLE == 0:
-                rescale = scale_own
-            else:  # warpgroup 0's block of this round moved the max too
-                rescale = scale_other * scale_own
-            acc = acc * gl.expand_dims(gl.convert_layout(rescale, ROW_O), 1)
-            l_i = l_i * rescale + gl.sum(p, axis=1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_OPERAND), own_c.slice(ROLE * HALF, HALF, dim=1), acc,
-                                is_async=True)
-
-            # ---- hand P_j over (at the newest max) in the stage's rope buffer, which only S_j read ----
-            if ROLE == 0:
-                mbarrier.wait(bars.index(M_READY + 1), phase)
-                scale_next = scale_smem.slice(BLOCK_M, BLOCK_M).load(ROW_S)
-                own_r.store((p * gl.expand_dims(scale_next, 1)).to(dtype))
-            else:
-                own_r.store(p.to(dtype))
-            fence_async_shared()
-            mbarrier.arrive(bars.index(P_READY + ROLE))
+            acc, l_i, m_i, scale_next = G._seesaw_softmax(s, r, acc, l_i, offs_n, end, limit, scale_log2, m_smem,
+                                                          scale_smem, bars, own_c.slice(ROLE * HALF, HALF, dim=1),
+                                                          own_r, ROLE, M_READY, P_READY, ROW_S, ROW_O, P_OPERAND)
 
             # ---- O_half += P_other·V_other[:, half] ----
-            mbarrier.wait(bars.index(P_READY + OTHER), phase)
-            if ROLE == 0:  # block 2r+1 moved the max after this warpgroup's block: rescale first
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                acc = acc * gl.expand_dims(gl.convert_layout(scale_next, ROW_O), 1)
-                l_i = l_i * scale_next
+            acc, l_i = G._seesaw_other_ready(acc, l_i, scale_next, r, bars, ROLE, P_READY, ROW_O)
             acc = warpgroup_mma(k_r_smem.index(OTHER), k_c_smem.index(OTHER).slice(ROLE * HALF, HALF, dim=1), acc,
                                 is_async=True)
 
@@ -245,14 +206,7 @@ if G.HAVE_GLUON:
         cp.wait_group(0)
 
         # ---- finish: both warpgroups' row sums, normalise, store this warpgroup's half ----
-        l_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(l_i)
-        mbarrier.arrive(bars.index(L_READY + ROLE))
-        mbarrier.wait(bars.index(L_READY + OTHER), 0)
-        l_i = l_i + l_smem.slice(OTHER * BLOCK_M, BLOCK_M).load(ROW_S)
-        has = l_i > 0
-        inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
-        out = acc * gl.expand_dims(inv_l, 1)
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        out, lse2 = G._seesaw_finish(acc, l_i, m_i, l_smem, bars, ROLE, L_READY, ROW_S, ROW_O)
         G._store_result(out, ROLE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT)), lse2, b, g, H,
                         MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb,
                         stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,

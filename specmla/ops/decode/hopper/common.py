@@ -1,5 +1,6 @@
 """Gluon helpers shared by the Hopper decode kernels: Triton-version shims, the split rule, key-block page
-lookups, the online-softmax step, result stores and the launch arguments common to every split kernel.
+lookups, the online-softmax step, the seesaw schedule's shared steps, result stores and the launch arguments
+common to every split kernel.
 
 Every kernel here shares the Triton split kernel's grid (request × token group, head block, split), its split
 rule and its partial layout, so one combine kernel merges any of them.
@@ -16,6 +17,8 @@ try:  # Gluon is experimental and absent from old Triton releases; the engine ne
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
 
     # cp.async global → shared: `async_load` after Triton 3.6, `async_copy_global_to_shared` up to it
     _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
@@ -82,6 +85,78 @@ if HAVE_GLUON:
         if CAUSAL:
             end = gl.minimum(end, seq_len - S + g * FOLD + FOLD)
         return b, g, seq_len, start, end
+
+    @gluon.jit
+    def _seesaw_softmax(s, r, acc, l_i, offs_n, end, limit, scale_log2, m_smem, scale_smem, bars, own_v, p_tile,
+                        ROLE: gl.constexpr, M_READY: gl.constexpr, P_READY: gl.constexpr, ROW_S: gl.constexpr,
+                        ROW_O: gl.constexpr, P_OPERAND: gl.constexpr):
+        """The seesaw schedule's step from warpgroup ROLE's S_j (block j = 2r + ROLE) to its hand-over
+        (`bf16_seesaw`): the softmax of block j against the max after block j-1 (read from the other warpgroup,
+        this block's max and rescale factor published to it), O_half rescaled and P_j·V_j[:, half] issued from
+        registers (own_v: block j's half of V), then P_j handed over at the newest max in p_tile, which only S_j
+        read. Returns acc, l_i, the max m_i and (warpgroup 0) the factor by which block 2r+1 moved the max."""
+        BLOCK_M: gl.constexpr = s.shape[0]
+        phase = r & 1
+        if ROLE == 0:  # block j-1 was warpgroup 1's, in the previous round
+            mbarrier.wait(bars.index(M_READY + 1), (r + 1) & 1, pred=r > 0)
+            m_prev = gl.where(r > 0, m_smem.load(ROW_S), float("-inf"))
+        else:  # block j-1 was warpgroup 0's, this round
+            mbarrier.wait(bars.index(M_READY), phase)
+            m_prev = m_smem.load(ROW_S)
+            scale_other = scale_smem.slice(0, BLOCK_M).load(ROW_S)
+        p, scale_own, m_i, l_own = _softmax_rows(s, m_prev, l_i, offs_n, end, limit, scale_log2)
+        m_smem.store(m_i)
+        scale_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(scale_own)
+        mbarrier.arrive(bars.index(M_READY + ROLE))
+
+        # ---- O_half = O_half·scale + P_j·V_j[:, half] (P from registers) ----
+        if ROLE == 0:
+            rescale = scale_own
+            l_i = l_own
+        else:  # warpgroup 0's block of this round moved the max too
+            rescale = scale_other * scale_own
+            l_i = l_i * rescale + gl.sum(p, axis=1)
+        acc = acc * gl.expand_dims(gl.convert_layout(rescale, ROW_O), 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(own_v.dtype), P_OPERAND), own_v, acc, is_async=True)
+
+        # ---- hand P_j over (at the newest max) ----
+        if ROLE == 0:
+            mbarrier.wait(bars.index(M_READY + 1), phase)
+            scale_next = scale_smem.slice(BLOCK_M, BLOCK_M).load(ROW_S)
+            p_tile.store((p * gl.expand_dims(scale_next, 1)).to(p_tile.dtype))
+        else:
+            scale_next = scale_own  # (unused: block 2r+1 is this warpgroup's own)
+            p_tile.store(p.to(p_tile.dtype))
+        fence_async_shared()
+        mbarrier.arrive(bars.index(P_READY + ROLE))
+        return acc, l_i, m_i, scale_next
+
+    @gluon.jit
+    def _seesaw_other_ready(acc, l_i, scale_next, r, bars, ROLE: gl.constexpr, P_READY: gl.constexpr,
+                            ROW_O: gl.constexpr):
+        """Before P_other·V_other[:, half]: wait for the other warpgroup's P; warpgroup 0 first rescales O_half and
+        its sums by the factor block 2r+1 moved the max by (after its own P·V has landed)."""
+        mbarrier.wait(bars.index(P_READY + 1 - ROLE), r & 1)
+        if ROLE == 0:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = acc * gl.expand_dims(gl.convert_layout(scale_next, ROW_O), 1)
+            l_i = l_i * scale_next
+        return acc, l_i
+
+    @gluon.jit
+    def _seesaw_finish(acc, l_i, m_i, l_smem, bars, ROLE: gl.constexpr, L_READY: gl.constexpr, ROW_S: gl.constexpr,
+                       ROW_O: gl.constexpr):
+        """After the last round: both warpgroups' row sums added, this warpgroup's O_half normalised; returns it and
+        the rows' log2-sum-exp (warpgroup 1's is the final one: it holds the final max)."""
+        BLOCK_M: gl.constexpr = acc.shape[0]
+        l_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(l_i)
+        mbarrier.arrive(bars.index(L_READY + ROLE))
+        mbarrier.wait(bars.index(L_READY + 1 - ROLE), 0)
+        l_i = l_i + l_smem.slice((1 - ROLE) * BLOCK_M, BLOCK_M).load(ROW_S)
+        has = l_i > 0
+        inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
+        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        return acc * gl.expand_dims(inv_l, 1), lse2
 
     @gluon.jit
     def _store_result(out, cols_o, lse2, b, g, H, MID_O, MID_LSE, OUT, LSE,

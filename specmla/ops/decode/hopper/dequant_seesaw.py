@@ -328,13 +328,12 @@ if G.HAVE_GLUON:
     def _consumer(ROLE: gl.constexpr, shared, args, BLOCK_H: gl.constexpr, FOLD: gl.constexpr, CAUSAL: gl.constexpr,
                   DIRECT: gl.constexpr, FMT: gl.constexpr):
         """Warpgroup ROLE of the seesaw schedule (see `bf16_seesaw`) on the producer's stages: its block j = 2r + ROLE
-        is stage ROLE of round r."""
+        is stage 2 (r % 2) + ROLE."""
         (Q, KV8, KV16, KV32, BT, stride_kvp, stride_kvt, stride_btb, b, start, end, n_rounds,
          q_c_smem, q_r_smem, k_c_smem, k_c32_smem, k_r_smem, rope_scales, m_smem, scale_smem, l_smem, bars) = shared
         (MID_O, MID_LSE, OUT, LSE, stride_qb, stride_qs, stride_qh, stride_mob, stride_mos, stride_moh, stride_mosp,
          stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
          scale_log2, S, H, g, seq_len) = args
-        dtype: gl.constexpr = gl.bfloat16
         HALF: gl.constexpr = DC // 2
         OTHER: gl.constexpr = 1 - ROLE
         S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -364,7 +363,6 @@ if G.HAVE_GLUON:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT)
 
         for r in range(n_rounds):
-            phase = r & 1
             own = 2 * (r % 2) + ROLE  # the stages of round r: 2 (r % 2) + warpgroup
             other = 2 * (r % 2) + OTHER
             own_c = k_c_smem.index(own)
@@ -375,54 +373,16 @@ if G.HAVE_GLUON:
             s = warpgroup_mma(q_r_smem, own_r.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
-            # ---- softmax of block j against the max after block j-1 ----
-            if ROLE == 0:  # block j-1 was warpgroup 1's, in the previous round
-                mbarrier.wait(bars.index(M_READY + 1), (r + 1) & 1, pred=r > 0)
-                m_prev = gl.where(r > 0, m_smem.load(ROW_S), float("-inf"))
-            else:  # block j-1 was warpgroup 0's, this round
-                mbarrier.wait(bars.index(M_READY), phase)
-                m_prev = m_smem.load(ROW_S)
-                scale_other = scale_smem.slice(0, BLOCK_M).load(ROW_S)
             offs_n = start + (2 * r + ROLE) * BLOCK_N + cols_n
-            visible = gl.expand_dims(offs_n < end, 0) & (gl.expand_dims(offs_n, 0) < gl.expand_dims(limit, 1))
-            s = gl.where(visible, s * scale_log2, float("-inf"))
-            m_i = gl.maximum(m_prev, gl.max(s, axis=1))
-            m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-            scale_own = gl.exp2(m_prev - m_safe)
-            p = gl.exp2(s - gl.expand_dims(m_safe, 1))
-            m_smem.store(m_i)
-            scale_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(scale_own)
-            mbarrier.arrive(bars.index(M_READY + ROLE))
-
-            # ---- O_half = O_half·scale + P_j·V_j[:, half] (P from registers) ----
-            if ROLE == 0:
-                rescale = scale_own
-            else:  # warpgroup 0's block of this round moved the max too
-                rescale = scale_other * scale_own
-            acc = acc * gl.expand_dims(gl.convert_layout(rescale, ROW_O), 1)
-            l_i = l_i * rescale + gl.sum(p, axis=1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_OPERAND), own_c.slice(ROLE * HALF, HALF, dim=1), acc,
-                                is_async=True)
-
-            # ---- hand P_j over (at the newest max) in the stage's rope tile, which only S_j read ----
-            if ROLE == 0:
-                mbarrier.wait(bars.index(M_READY + 1), phase)
-                scale_next = scale_smem.slice(BLOCK_M, BLOCK_M).load(ROW_S)
-                _p_tile(own_r).store((p * gl.expand_dims(scale_next, 1)).to(dtype))
-            else:
-                _p_tile(own_r).store(p.to(dtype))
-            fence_async_shared()
-            mbarrier.arrive(bars.index(P_READY + ROLE))
+            acc, l_i, m_i, scale_next = G._seesaw_softmax(s, r, acc, l_i, offs_n, end, limit, scale_log2, m_smem,
+                                                          scale_smem, bars, own_c.slice(ROLE * HALF, HALF, dim=1),
+                                                          _p_tile(own_r), ROLE, M_READY, P_READY, ROW_S, ROW_O,
+                                                          P_OPERAND)
 
             # ---- O_half += P_other·V_other[:, half] ----
-            mbarrier.wait(bars.index(P_READY + OTHER), phase)
-            if ROLE == 0:  # block 2r+1 moved the max after this warpgroup's block: rescale first
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                acc = acc * gl.expand_dims(gl.convert_layout(scale_next, ROW_O), 1)
-                l_i = l_i * scale_next
+            acc, l_i = G._seesaw_other_ready(acc, l_i, scale_next, r, bars, ROLE, P_READY, ROW_O)
             acc = warpgroup_mma(_p_tile(k_r_smem.index(other)), k_c_smem.index(other).slice(ROLE * HALF, HALF, dim=1),
-                                acc,
-                                is_async=True)
+                                acc, is_async=True)
 
             # ---- hand the stages back: own once this warpgroup's reads of it are done, the other's after its P·V ----
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
@@ -433,14 +393,7 @@ if G.HAVE_GLUON:
             mbarrier.arrive(bars.index(KV_FREE + other))
 
         # ---- finish: both warpgroups' row sums, normalise, store this warpgroup's half ----
-        l_smem.slice(ROLE * BLOCK_M, BLOCK_M).store(l_i)
-        mbarrier.arrive(bars.index(L_READY + ROLE))
-        mbarrier.wait(bars.index(L_READY + OTHER), 0)
-        l_i = l_i + l_smem.slice(OTHER * BLOCK_M, BLOCK_M).load(ROW_S)
-        has = l_i > 0
-        inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), ROW_O)
-        out = acc * gl.expand_dims(inv_l, 1)
-        lse2 = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+        out, lse2 = G._seesaw_finish(acc, l_i, m_i, l_smem, bars, ROLE, L_READY, ROW_S, ROW_O)
         cols_o = QC._latent_column(ROLE * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT)), FMT)
         G._store_result(out, cols_o, lse2, b, g, H, MID_O, MID_LSE, OUT, LSE, stride_mob, stride_mos, stride_moh,
                         stride_mosp, stride_mlb, stride_mls, stride_mlh, stride_ob, stride_os, stride_oh, stride_lb,
