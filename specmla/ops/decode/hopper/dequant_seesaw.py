@@ -73,31 +73,20 @@ NUM_BARRIERS = _c(15)
 # Four e4m3 codes (one word) → two bf16x2 words of code · scale rounded once: `dequant._E4M3_TO_BF16`'s exact bit
 # moves give each pair as bf16x2, each value is widened to fp32 (a shift or a mask), multiplied by $3 (the fp32
 # scale) and the pair rounded to bf16x2 by one cvt
-_E4M3_TO_BF16_SCALED = _c("""{
-.reg .b32 m, s, a, b, x, y;
-and.b32 m, $2, 0x7f7f7f7f;
-and.b32 s, $2, 0x80808080;
-prmt.b32 a, m, 0, 0x1404;
+_E4M3_PAIR_SCALED = """prmt.b32 a, m, 0, {sel};
 shr.b32 a, a, 4;
-prmt.b32 b, s, 0, 0x1404;
+prmt.b32 b, s, 0, {sel};
 add.u32 a, a, b;
 add.u32 a, a, 0x3C003C00;
 shl.b32 x, a, 16;
 and.b32 y, a, 0xFFFF0000;
 mul.f32 x, x, $3;
 mul.f32 y, y, $3;
-cvt.rn.bf16x2.f32 $0, y, x;
-prmt.b32 a, m, 0, 0x3424;
-shr.b32 a, a, 4;
-prmt.b32 b, s, 0, 0x3424;
-add.u32 a, a, b;
-add.u32 a, a, 0x3C003C00;
-shl.b32 x, a, 16;
-and.b32 y, a, 0xFFFF0000;
-mul.f32 x, x, $3;
-mul.f32 y, y, $3;
-cvt.rn.bf16x2.f32 $1, y, x;
-}""")
+cvt.rn.bf16x2.f32 {out}, y, x;
+"""  # codes (0, 1) of the word with selector 0x1404, codes (2, 3) with 0x3424
+_E4M3_TO_BF16_SCALED = _c("{\n.reg .b32 m, s, a, b, x, y;\nand.b32 m, $2, 0x7f7f7f7f;\nand.b32 s, $2, 0x80808080;\n"
+                          + _E4M3_PAIR_SCALED.format(sel="0x1404", out="$0")
+                          + _E4M3_PAIR_SCALED.format(sel="0x3424", out="$1") + "}")
 _TBQ4_PAIRS = _c(tbq4.centroid_lookup_ptx(scaled=False))  # eight codes → four bf16x2 centroid pairs
 _MUL_BF16X2 = _c("mul.rn.bf16x2 $0, $1, $2;")
 _BF16X2_OF_F32 = _c("cvt.rn.bf16x2.f32 $0, $1, $1;")  # a scale rounded to bf16, in both halves
