@@ -1,7 +1,7 @@
 """The Hopper kernel that dequantises fp8_ds_mla / tbq4 blocks into bf16 tiles (`ops.decode.hopper.dequant`): against
 the fp32 reference on the dequantised rows with NaN-poisoned tails and permuted tables (the Triton kernel on the same
-call agrees too), and (with the fp8 and dequant_seesaw kernels) on a cache full of zero and subnormal fp8 codes. GPU (Hopper) only; on the CPU an sm_90
-compile."""
+call agrees too), and (with the fp8 and dequant_seesaw kernels) on a cache full of zero and subnormal fp8 codes.
+GPU (Hopper) only; on the CPU an sm_90 compile."""
 
 import pytest
 import torch

@@ -153,10 +153,10 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     point's own splits were as short. The rules (auto):
     16-bit caches → bf16_seesaw when its tile is 64 rows or the programs are at least SEESAW_MIN_PROGRAMS, else
     bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read once for
-    all of them) from FOLD_MIN_S tokens a request and FOLD_MIN_TOKENS in all when those splits hold MIN_HOPPER_KEYS keys, else one
-    token per program on the format's 16-row e4m3 kernel; S = 1: the e4m3 kernel when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows),
-    else dequant_seesaw (up to 64 rows); a quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else
-    triton."""
+    all of them) from FOLD_MIN_S tokens a request and FOLD_MIN_TOKENS in all when those splits hold
+    MIN_HOPPER_KEYS keys, else one token per program on the format's 16-row e4m3 kernel; S = 1: the e4m3 kernel
+    when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else dequant_seesaw (up to 64 rows); a
+    quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else triton."""
     if backend not in ("auto", "triton", "hopper"):
         raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
     if kernel is not None and kernel not in KERNELS:

@@ -119,7 +119,8 @@ def _moe_route_kernel(
     for h0 in range(pid_s * h_split, h_end, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         h_ok = offs_h < h_end
-        x = tl.load(X + offs_t[:, None].to(tl.int64) * stride_x + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+        x = tl.load(X + offs_t[:, None].to(tl.int64) * stride_x + offs_h[None, :], mask=t_ok[:, None] & h_ok[None, :],
+                    other=0.0)
         if USE_DOT:
             w = tl.load(W + offs_e[None, :] * stride_w + offs_h[:, None], mask=e_ok[None, :] & h_ok[:, None],
                         other=0.0)
@@ -257,7 +258,8 @@ def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     split = triton.cdiv(H, h_split)
     part = torch.empty(n_t * split * block_t * block_e if split > 1 else 1, dtype=torch.float32, device=x.device)
     _moe_route_kernel[(n_t, split)](
-        x, weight, bias if bias is not None else weight, weights, idx, part, zeroed_scratch("moe_route", _COUNTERS, x.device), T, H, h_split,
+        x, weight, bias if bias is not None else weight, weights, idx, part,
+        zeroed_scratch("moe_route", _COUNTERS, x.device), T, H, h_split,
         x.stride(0), weight.stride(0), float(spec.scaling), id_offset,
         SPLIT=split, E=E, BLOCK_E=block_e, BLOCK_T=block_t, BLOCK_H=block_h,
         TOP_K=spec.top_k, BLOCK_K=max(2, triton.next_power_of_2(spec.top_k)),
