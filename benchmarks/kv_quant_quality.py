@@ -14,7 +14,8 @@ The "-kernel" formats are the same fp8 / tbq4 caches read with the Hopper e4m3 k
 (`ops.decode.hopper.e4m3_reference`, a torch emulation of their rounding of q and P): "fp8-kernel" as the fp8
 kernel runs (P·V in fp16; the rope's int8 values times their scales rounded to bf16), "fp8_ds_mla-kernel" the same
 on FlashMLA's 656-byte rows (bf16 rope), "tbq4-kernel" as the tbq4 kernel runs. The "-tile" formats read them as
-`dequant_seesaw` does (`ops.decode.hopper.tile_reference`: keys dequantised once into bf16 tiles, P in bf16).
+`dequant_seesaw` does (`ops.decode.hopper.tile_reference`: keys' latent part dequantised once into fp16 tiles,
+P in fp16).
 For perplexity and greedy decoding the model's cache reads are routed there by `kernel_reads` (the engine
 is unchanged).
 
@@ -43,7 +44,7 @@ from specmla.model.metadata import AttentionMetadata
 from specmla.ops.kv_cache import row_spec, write_kv_cache
 from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper.e4m3_reference import mla_decode_e4m3
-from specmla.ops.decode.hopper.tile_reference import mla_decode_bf16_tiles
+from specmla.ops.decode.hopper.tile_reference import mla_decode_tiles
 from specmla.ops.rope import apply_rope
 
 FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-tile", "fp8_ds_mla", "fp8_ds_mla-kernel", "tbq4", "tbq4-kernel",
@@ -54,8 +55,8 @@ KERNEL_FORMATS = {
     "fp8-kernel": ("fp8", mla_decode_e4m3, dict(q_split=True, p_format="fp16")),
     "fp8_ds_mla-kernel": ("fp8_ds_mla", mla_decode_e4m3, dict(q_split=True, p_format="fp16")),  # on 656-byte rows
     "tbq4-kernel": ("tbq4", mla_decode_e4m3, {}),  # q and P in one e4m3 term each (hopper/tbq4.py)
-    "fp8-tile": ("fp8", mla_decode_bf16_tiles, {}),  # keys dequantised once into bf16 tiles (hopper/dequant_seesaw.py)
-    "tbq4-tile": ("tbq4", mla_decode_bf16_tiles, {}),
+    "fp8-tile": ("fp8", mla_decode_tiles, {}),  # keys dequantised once into fp16 tiles (hopper/dequant_seesaw.py)
+    "tbq4-tile": ("tbq4", mla_decode_tiles, {}),
 }
 
 

@@ -1,4 +1,4 @@
-"""The Hopper kernel that dequantises fp8 / fp8_ds_mla / tbq4 blocks once into bf16 tiles for 64 query rows
+"""The Hopper kernel that dequantises fp8 / fp8_ds_mla / tbq4 blocks once into fp16 tiles for 64 query rows
 (`ops.decode.hopper.dequant_seesaw`): against the fp32 reference on the dequantised rows with NaN-poisoned tails
 and permuted tables, S > 1 tokens folded into one program, odd block counts, one-token pages and empty splits (its
 zero and subnormal codes: `test_decode_hopper_dequant`). GPU (Hopper) only; on the CPU an sm_90 compile."""
@@ -11,7 +11,7 @@ from helpers.offline_compile import offline_sm90_rows
 
 from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper import dequant_seesaw as D
-from specmla.ops.decode.hopper.tile_reference import mla_decode_bf16_tiles
+from specmla.ops.decode.hopper.tile_reference import mla_decode_tiles
 
 
 @pytest.mark.gpu
@@ -27,7 +27,7 @@ from specmla.ops.decode.hopper.tile_reference import mla_decode_bf16_tiles
     (16, 4, 64, [130], 16, True),  # more splits than blocks: empty splits
 ])
 def test_dequant_seesaw_matches_the_reference(fmt, H, S, page, lens, splits, causal):
-    """Codes · scales (tbq4: centroids · norms, in the rotated domain) rounded to bf16 once per block; the seesaw's
+    """Codes · scales (tbq4: centroids · norms, in the rotated domain) rounded to fp16 once per block; the seesaw's
     two warpgroups on the tiles. The lse must match too (the combine of splits depends on it)."""
     q, cache, table = quant_case(fmt, seed=H * 7 + S + page, B=len(lens), S=S, H=H, T=max(lens), page=page)
     seq = torch.tensor(lens, dtype=torch.int32)
@@ -42,10 +42,10 @@ def test_dequant_seesaw_matches_the_reference(fmt, H, S, page, lens, splits, cau
     assert rel_err(got, want) < 1e-2
     assert torch.equal(torch.isfinite(got_lse), seen)
     assert (got[~seen].abs() == 0).all()  # rows that see no key (causal, before the request's first) are zeros
-    # the lse against the emulation of the kernel's own rounding (keys in bf16 tiles, q in bf16, fp32 scores): only
+    # the lse against the emulation of the kernel's own rounding (keys' latent part in fp16 tiles, fp32 scores): only
     # the summation order differs. Against the exact reads the keys' rounding moves scores of ~10 by ~1e-2.
-    _, tile_lse = mla_decode_bf16_tiles(q.bfloat16().float(), cache, table, seq, 0.0721, causal=causal, kv_format=fmt,
-                                        head_dim_v=512, return_lse=True)
+    _, tile_lse = mla_decode_tiles(q.bfloat16().float(), cache, table, seq, 0.0721, causal=causal, kv_format=fmt,
+                                   head_dim_v=512, return_lse=True)
     assert torch.equal(torch.isfinite(tile_lse), seen)
     assert (got_lse[seen] - tile_lse[seen]).abs().max() < 2e-3
     assert (got_lse[seen] - want_lse[seen]).abs().max() < 5e-2

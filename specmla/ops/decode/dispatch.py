@@ -8,7 +8,7 @@ Kernels (module names under `specmla.ops.decode`):
 - "bf16" / "bf16_seesaw": Hopper wgmma kernels for 16-bit caches (`hopper/bf16.py`, `hopper/bf16_seesaw.py`).
 - "fp8" / "tbq4": Hopper 16-row e4m3 kernels for quantised caches (`hopper/fp8.py`, `hopper/tbq4.py`).
 - "dequant": Hopper kernel that dequantises fp8_ds_mla / tbq4 blocks to bf16 tiles, up to 32 rows.
-- "dequant_seesaw": Hopper kernel that dequantises fp8 / fp8_ds_mla / tbq4 blocks once into bf16 tiles for up to
+- "dequant_seesaw": Hopper kernel that dequantises fp8 / fp8_ds_mla / tbq4 blocks once into fp16 tiles for up to
   64 rows (S > 1 tokens folded), consumed by the seesaw schedule.
 
 The split count comes from shapes only (B, S, H, SM count, the block table's capacity), never from the

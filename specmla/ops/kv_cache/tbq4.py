@@ -82,16 +82,18 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     return (y / math.sqrt(n)).view(x.shape)
 
 
-def centroid_lookup_ptx(scaled: bool) -> str:
+def centroid_lookup_ptx(scaled: bool, dtype: torch.dtype = torch.bfloat16) -> str:
     """PTX that turns one 32-bit word of 8 codes into the bf16 centroids of its coordinates, by byte permutes
     on register tables (llama.cpp's 16-entry `__byte_perm` lookup, for 16-bit values): the low and the high
     bytes of the 16 bf16 centroids are two 16-byte tables; a 3-bit selector picks among 8 entries, the
     code's fourth bit picks the table half.
 
     scaled (the Triton kernel): each value times the block norm, $8 = codes, $9 = the norm as bf16 in both
-    halves, $0..$7 = coordinates 0..7 of the word. Unscaled (the Gluon kernel, which applies the norms to
-    the scores and P): $4 = codes, $0..$3 = the bf16x2 pairs of coordinates (0, 1), (2, 3), (4, 5), (6, 7)."""
-    bits = torch.tensor(code_centroids(), dtype=torch.bfloat16).view(torch.int16).tolist()
+    halves, $0..$7 = coordinates 0..7 of the word. Unscaled (the Gluon kernels): $4 = codes, $0..$3 = the pairs
+    of coordinates (0, 1), (2, 3), (4, 5), (6, 7), in `dtype` (bf16 or fp16) pairs."""
+    if scaled and dtype != torch.bfloat16:
+        raise ValueError("the scaled lookup multiplies in bf16 (fma.rn.bf16x2): its table must be bf16")
+    bits = torch.tensor(code_centroids(), dtype=dtype).view(torch.int16).tolist()
     lo = [b & 0xFF for b in bits]
     hi = [(b >> 8) & 0xFF for b in bits]
 

@@ -1,23 +1,25 @@
 """Hopper MLA decode over a quantised latent cache (fp8 608-byte rows, fp8_ds_mla 656-byte rows, tbq4 400-byte rows)
-at 64 query rows: a producer warpgroup dequantises each 32-key block once into a bf16 tile (code · scale, centroid ·
-norm), and two consumer warpgroups run the seesaw schedule (`bf16_seesaw`) on the tiles. The codes are read once
+at 64 query rows: a producer warpgroup dequantises each 32-key block once into a tile (latent part in fp16, rope in
+bf16), and two consumer warpgroups run the seesaw schedule (`bf16_seesaw`) on the tiles. The codes are read once
 per block whatever the rows, so S > 1 tokens folded into 64 rows cost what one token costs in bytes.
 
 - Producer (4 warps): two blocks' codes are in registers, units of 32 keys × 128 codes, each unit's registers
   taking the same unit two blocks on once it is stored; the rope goes by cp.async, which takes no registers. Each
-  chunk's codes become exact bf16 values with integer operations (fp8: `dequant._E4M3_TO_BF16`'s bit moves; tbq4:
-  the byte-permute centroid lookup), then the key's chunk scale (fp8: in fp32, the product rounded to bf16 once, as
-  FlashMLA's fp8 kernel holds code · scale) or norm (tbq4: a bf16x2 multiply by the norm rounded to bf16, as the
-  Triton kernel's lookup does). The rope part goes into the stage's rope tile by cp.async (bf16 on fp8_ds_mla and
-  tbq4 rows), or lands as int8 in the tile's second half with its fp16 scales beside and is converted in place
-  (fp8 rows).
+  pair of codes becomes fp16 in one instruction (fp8: `cvt.rn.f16x2.e4m3x2`, exact; tbq4: the byte-permute lookup
+  of the fp16 centroids), times the key's chunk scale (fp8, rounded to fp16) or norm (tbq4, stored in fp16) in one
+  `mul.rn.f16x2`: fp8's scale rounded to fp16 and the product rounded, within 2⁻¹⁰ relative (tbq4's product rounded
+  once) while the values are fp16 normals: an fp8 chunk whose amax is under 0.027 has a subnormal scale and loses
+  relative precision, and q's latent part must stay under fp16's 65504. The rope part goes into the stage's rope tile by
+  cp.async (bf16 on fp8_ds_mla and tbq4 rows), or lands as int8 in the tile's second half with its fp16 scales
+  beside and is converted in place (fp8 rows).
 - Latent columns are permuted in the tile (`quant_common._latent_column`) so that each thread's unpacked pairs are
   16-byte stores; q and the output are permuted to match.
-- Consumers: warpgroup w owns the blocks 2r + w (stage 2 (r % 2) + w), as in `bf16_seesaw`: S for its block, that
-  block's softmax while the other warpgroup's matmuls run, its half of V times its own P from registers, then the
-  other warpgroup's P (handed over in the stage's rope tile) times the same half. A stage is free for the producer
-  once both warpgroups have read it (two arrivals); the producer marks it ready once the tile and rope are in
-  place. Four stages of 32 keys: the producer fills round r + 1 while the consumers read round r.
+- Consumers: warpgroup w owns the blocks 2r + w (stage 2 (r % 2) + w), as in `bf16_seesaw`: S for its block (q's
+  latent part in fp16 against the fp16 tile, its rope in bf16 against the bf16 rope tile, one fp32 accumulator),
+  that block's softmax while the other warpgroup's matmuls run, its half of V times its own P (fp16) from
+  registers, then the other warpgroup's P (handed over in the stage's rope tile) times the same half. A stage is
+  free for the producer once both warpgroups have read it (two arrivals); the producer marks it ready once the
+  tile and rope are in place. Four stages of 32 keys: the producer fills round r + 1 while the consumers read r.
 
 Dc = 512, Dr = 64, bf16 queries, up to 64 query rows (tiles are 64 rows: wgmma's M). Same contract, grid, split rule
 and partial layout as `mla_decode` (its combine merges the splits; tbq4: q rotated by the caller). Gluon does not
@@ -70,26 +72,20 @@ KV_FREE = _c(10)  # +s: both warpgroups are done reading stage s (two arrivals)
 Q_READY = _c(14)  # Q is in shared memory (stored by warpgroup 0)
 NUM_BARRIERS = _c(15)
 
-# Four e4m3 codes (one word) → two bf16x2 words of code · scale rounded once: `dequant._E4M3_TO_BF16`'s exact bit
-# moves give each pair as bf16x2, each value is widened to fp32 (a shift or a mask), multiplied by $3 (the fp32
-# scale) and the pair rounded to bf16x2 by one cvt
-_E4M3_PAIR_SCALED = """prmt.b32 a, m, 0, {sel};
-shr.b32 a, a, 4;
-prmt.b32 b, s, 0, {sel};
-add.u32 a, a, b;
-add.u32 a, a, 0x3C003C00;
-shl.b32 x, a, 16;
-and.b32 y, a, 0xFFFF0000;
-mul.f32 x, x, $3;
-mul.f32 y, y, $3;
-cvt.rn.bf16x2.f32 {out}, y, x;
-"""  # codes (0, 1) of the word with selector 0x1404, codes (2, 3) with 0x3424
-_E4M3_TO_BF16_SCALED = _c("{\n.reg .b32 m, s, a, b, x, y;\nand.b32 m, $2, 0x7f7f7f7f;\nand.b32 s, $2, 0x80808080;\n"
-                          + _E4M3_PAIR_SCALED.format(sel="0x1404", out="$0")
-                          + _E4M3_PAIR_SCALED.format(sel="0x3424", out="$1") + "}")
-_TBQ4_PAIRS = _c(tbq4.centroid_lookup_ptx(scaled=False))  # eight codes → four bf16x2 centroid pairs
-_MUL_BF16X2 = _c("mul.rn.bf16x2 $0, $1, $2;")
-_BF16X2_OF_F32 = _c("cvt.rn.bf16x2.f32 $0, $1, $1;")  # a scale rounded to bf16, in both halves
+# Four e4m3 codes (one word) → two f16x2 words of code · scale: each pair of codes converted exactly to f16x2, times
+# $3 (the key's chunk scale rounded to fp16, in both halves), the products rounded once
+_E4M3_TO_F16_SCALED = _c("""{
+.reg .b16 l, h;
+.reg .b32 a, b;
+mov.b32 {l, h}, $2;
+cvt.rn.f16x2.e4m3x2 a, l;
+cvt.rn.f16x2.e4m3x2 b, h;
+mul.rn.f16x2 $0, a, $3;
+mul.rn.f16x2 $1, b, $3;
+}""")
+_TBQ4_PAIRS = _c(tbq4.centroid_lookup_ptx(scaled=False, dtype=torch.float16))  # 8 codes → 4 fp16 centroid pairs
+_MUL_F16X2 = _c("mul.rn.f16x2 $0, $1, $2;")
+_F16X2_OF_F32 = _c("cvt.rn.f16x2.f32 $0, $1, $1;")  # a scale rounded to fp16, in both halves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,27 +125,26 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _dequant_unit(tile32, codes, scale, c: gl.constexpr, ROW: gl.constexpr, WORDS: gl.constexpr):
-        """Chunk c's codes · scale of 32 keys (fp8: the product rounded to bf16 once; tbq4: centroid · norm in bf16
-        arithmetic, the norm rounded to bf16 first), into their rows of the stage's tile (tile32: those
-        rows, as words of bf16 pairs) at the columns `quant_common._latent_column` gives: fp8 pair 0 of word v at
+        """Chunk c's codes · scale of 32 keys in fp16 (fp8: the code times the scale rounded to fp16; tbq4: the
+        centroid times the norm; the products rounded once), into their rows of the stage's tile (tile32: those
+        rows, as words of fp16 pairs) at the columns `quant_common._latent_column` gives: fp8 pair 0 of word v at
         word 64c + v, pair 1 at 64c + 32 + v; tbq4 pair k of word v at 64c + 16k + v."""
-        if ROW == ROW_TBQ4:  # centroid (bf16) · norm (fp16 → bf16), as the Triton kernel rounds it
-            s2 = gl.inline_asm_elementwise(_BF16X2_OF_F32, "=r,r", [scale], dtype=gl.int32, is_pure=True, pack=1)
-            s2 = gl.expand_dims(s2, 1) + gl.zeros_like(codes)
+        s2 = gl.inline_asm_elementwise(_F16X2_OF_F32, "=r,r", [scale], dtype=gl.int32, is_pure=True, pack=1)
+        s2 = gl.expand_dims(s2, 1) + gl.zeros_like(codes)
+        if ROW == ROW_TBQ4:  # centroid (fp16) · norm (fp16, as stored)
             p0, p1, p2, p3 = gl.inline_asm_elementwise(_TBQ4_PAIRS, "=r,=r,=r,=r,r", [codes],
                                                        dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True,
                                                        pack=1)
             tile32.slice(64 * c, 16, dim=1).store(
-                gl.inline_asm_elementwise(_MUL_BF16X2, "=r,r,r", [p0, s2], dtype=gl.int32, is_pure=True, pack=1))
+                gl.inline_asm_elementwise(_MUL_F16X2, "=r,r,r", [p0, s2], dtype=gl.int32, is_pure=True, pack=1))
             tile32.slice(64 * c + 16, 16, dim=1).store(
-                gl.inline_asm_elementwise(_MUL_BF16X2, "=r,r,r", [p1, s2], dtype=gl.int32, is_pure=True, pack=1))
+                gl.inline_asm_elementwise(_MUL_F16X2, "=r,r,r", [p1, s2], dtype=gl.int32, is_pure=True, pack=1))
             tile32.slice(64 * c + 32, 16, dim=1).store(
-                gl.inline_asm_elementwise(_MUL_BF16X2, "=r,r,r", [p2, s2], dtype=gl.int32, is_pure=True, pack=1))
+                gl.inline_asm_elementwise(_MUL_F16X2, "=r,r,r", [p2, s2], dtype=gl.int32, is_pure=True, pack=1))
             tile32.slice(64 * c + 48, 16, dim=1).store(
-                gl.inline_asm_elementwise(_MUL_BF16X2, "=r,r,r", [p3, s2], dtype=gl.int32, is_pure=True, pack=1))
+                gl.inline_asm_elementwise(_MUL_F16X2, "=r,r,r", [p3, s2], dtype=gl.int32, is_pure=True, pack=1))
         else:
-            s32, codes = gl.broadcast(gl.expand_dims(scale, 1), codes)
-            lo, hi = gl.inline_asm_elementwise(_E4M3_TO_BF16_SCALED, "=r,=r,r,r", [codes, s32],
+            lo, hi = gl.inline_asm_elementwise(_E4M3_TO_F16_SCALED, "=r,=r,r,r", [codes, s2],
                                                dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
             tile32.slice(64 * c, 32, dim=1).store(lo)
             tile32.slice(64 * c + 32, 32, dim=1).store(hi)
@@ -193,10 +188,10 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _p_tile(rope_tile):
-        """A stage's rope tile [32 keys, 64] once S has read it: a warpgroup's P [64 rows, 32 keys] in bf16, handed to
+        """A stage's rope tile [32 keys, 64] once S has read it: a warpgroup's P [64 rows, 32 keys] in fp16, handed to
         the other warpgroup as its P·V's A operand."""
         P_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
-        return G._reinterpret(rope_tile, gl.bfloat16, [BLOCK_M, BLOCK_N], P_SMEM)
+        return G._reinterpret(rope_tile, gl.float16, [BLOCK_M, BLOCK_N], P_SMEM)
 
     @gluon.jit
     def _convert_rope(rope_tile, rope_scales):
@@ -309,7 +304,7 @@ if G.HAVE_GLUON:
         for c in gl.static_range(DC // 128):
             x = gl.load(Q + q_at + c * 128 + cols, mask=ok_q, other=0.0)  # latent order
             x = gl.reshape(gl.permute(gl.reshape(x, [BLOCK_M, W, K, 2]), [0, 2, 1, 3]), [BLOCK_M, 128])
-            q_c_smem.slice(c * 128, 128, dim=1).store(x)
+            q_c_smem.slice(c * 128, 128, dim=1).store(x.to(gl.float16))
         cols_qr = gl.arange(0, DR, layout=gl.SliceLayout(0, LAYOUT))
         q_r_smem.store(gl.load(Q + q_at + DC + gl.expand_dims(cols_qr, 0), mask=ok_q, other=0.0))
 
@@ -408,11 +403,11 @@ if G.HAVE_GLUON:
         FMT: gl.constexpr = QC.FMT_TBQ4 if ROW == ROW_TBQ4 else QC.FMT_FP8
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
         n_rounds = gl.cdiv(gl.maximum(end - start, 0), 2 * BLOCK_N)
-        q_c_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, DC], Q_C_SMEM)
+        q_c_smem = gl.allocate_shared_memory(gl.float16, [BLOCK_M, DC], Q_C_SMEM)
         q_r_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, DR], Q_R_SMEM)
-        # the dequantised tiles: written as 32-bit words (bf16 pairs) by the producer, read as bf16 by the matmuls
+        # the dequantised tiles: written as 32-bit words (fp16 pairs) by the producer, read as fp16 by the matmuls
         k_c32_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, BLOCK_N, DC // 2], K_C32_SMEM)
-        k_c_smem = G._reinterpret(k_c32_smem, gl.bfloat16, [NUM_STAGES, BLOCK_N, DC], K_C_SMEM)
+        k_c_smem = G._reinterpret(k_c32_smem, gl.float16, [NUM_STAGES, BLOCK_N, DC], K_C_SMEM)
         k_r_smem = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, DR], K_R_SMEM)
         B8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
         rope_scales = gl.allocate_shared_memory(gl.int8, [NUM_STAGES, BLOCK_N, 16], B8)  # (fp8 rows) the rope's fp16 scales

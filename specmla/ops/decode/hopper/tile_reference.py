@@ -1,9 +1,10 @@
-"""Torch emulation of `dequant_seesaw`'s rounding, for quality checks: the quantised keys dequantised into bf16
-tiles (fp8: code · scale rounded once; tbq4: in the rotated domain, the bf16 centroid times the norm rounded to
-bf16, the product rounded), the rope part in bf16, q in bf16, scores and sums in fp32, P rounded to bf16 for P·V.
+"""Torch emulation of `dequant_seesaw`'s rounding, for quality checks: the quantised keys' latent part dequantised
+into fp16 tiles (fp8: the code times the scale rounded to fp16, the product rounded once; tbq4: in the rotated
+domain, the fp16 centroid times the fp16 norm, rounded once), the rope part in bf16, q's latent part in fp16 (from
+bf16) and its rope in bf16, scores and sums in fp32, P rounded to fp16 for P·V.
 
 P is rounded against each row's final max rather than the running max of the kernel's online softmax: both
-round P to bf16's 2⁻⁹ relative, which is what the quality checks see.
+round P to fp16's 2⁻¹¹ relative, which is what the quality checks see.
 """
 
 from __future__ import annotations
@@ -20,30 +21,30 @@ FORMATS = ("fp8", "fp8_ds_mla", "tbq4")
 
 
 def tile_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int) -> torch.Tensor:
-    """Quantised rows [T, W] → the bf16 tile rows [T, Dc + Dr] the kernel's producer writes (tbq4: the latent part
-    in the rotated domain)."""
+    """Quantised rows [T, W] → the tile rows [T, Dc + Dr] the kernel's producer writes, as fp32 values: the latent
+    part rounded to fp16 (tbq4: in the rotated domain), the rope part to bf16."""
     T = rows.shape[0]
     if kv_format in FP8_FORMATS:
         codes = rows[:, :dc].contiguous().view(torch.float8_e4m3fn).float().view(T, dc // FP8_BLOCK, FP8_BLOCK)
         scale = rows[:, dc : dc + 4 * (dc // FP8_BLOCK)].contiguous().view(torch.float32).view(T, -1, 1)
-        latent = (codes * scale).view(T, dc).bfloat16()
+        latent = (codes * scale.half().float()).view(T, dc).half()  # an exact fp32 product, rounded once
     else:
         nb, block = dc // tbq4.BLOCK, tbq4.BLOCK
-        norms = rows[:, dc // 2 : dc // 2 + 2 * nb].contiguous().view(torch.float16).bfloat16().float().view(T, nb, 1)
+        norms = rows[:, dc // 2 : dc // 2 + 2 * nb].contiguous().view(torch.float16).float().view(T, nb, 1)
         packed = rows[:, : dc // 2].long().view(T, nb, block // 2)
         idx = torch.stack([packed & 0xF, packed >> 4], dim=-1).view(T, nb, block)
-        centroids = tbq4.centroids(rows.device).bfloat16().float()
-        latent = (centroids[idx] * norms).view(T, dc).bfloat16()
-    return torch.cat([latent, decode_rope(kv_format, rows, dc, dr).bfloat16()], dim=-1)
+        centroids = tbq4.centroids(rows.device).half().float()
+        latent = (centroids[idx] * norms).view(T, dc).half()
+    return torch.cat([latent.float(), decode_rope(kv_format, rows, dc, dr).bfloat16().float()], dim=-1)
 
 
-def mla_decode_bf16_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+def mla_decode_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                           softmax_scale: float, *, causal: bool = True, kv_format: str = "fp8",
                           head_dim_v: int | None = None, return_lse: bool = False):
     """`mla_decode_torch`'s contract with `dequant_seesaw`'s rounding: out [B, S, H, Dc] in q's dtype, and with
     return_lse the natural-log sum of exp of the scores [B, S, H] in fp32 (-inf for rows that see no key)."""
     if kv_format not in FORMATS:
-        raise ValueError(f"mla_decode_bf16_tiles emulates the quantised formats {FORMATS}; got {kv_format!r}")
+        raise ValueError(f"mla_decode_tiles emulates the quantised formats {FORMATS}; got {kv_format!r}")
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
     check_args(q, kv_cache, block_table, seq_lens, head_dim_v, kv_format)
     B, S, H, D = q.shape
@@ -60,6 +61,7 @@ def mla_decode_bf16_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     if kv_format == "tbq4":  # attention in the rotated domain: q's latent part rotated once
         qb = rotate_rows_torch(qb.reshape(-1, D), dc).view(B, S, H, D)
     qb = qb.bfloat16().float()
+    qb = torch.cat([qb[..., :dc].half().float(), qb[..., dc:]], dim=-1)  # the latent part as the kernel's fp16
     scores = torch.einsum("bshd,bld->bshl", qb, kv) * softmax_scale
     mask = valid[:, None, None, :]
     if causal:
@@ -69,7 +71,7 @@ def mla_decode_bf16_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     m = scores.amax(dim=-1, keepdim=True)
     p = torch.exp(scores - torch.where(torch.isinf(m), 0.0, m))
     l_sum = p.sum(dim=-1, keepdim=True)
-    o = torch.einsum("bshl,blc->bshc", p.bfloat16().float(), kv[..., :dc]) / torch.where(l_sum > 0, l_sum, 1.0)
+    o = torch.einsum("bshl,blc->bshc", p.half().float(), kv[..., :dc]) / torch.where(l_sum > 0, l_sum, 1.0)
     if kv_format == "tbq4":  # the output back to the original domain
         o = rotate_rows_torch(o.reshape(-1, dc), dc).view(B, S, H, dc)
     if return_lse:
