@@ -85,7 +85,7 @@ def gluon_decode_usage(cases) -> list[dict]:
     turns on, cannot compile). dtype "fp8_ds_mla" / "tbq4": the kernel that dequantises those rows
     (`hopper.dequant`) with bf16 queries; "e4m3_fp8" / "e4m3_fp8_ds_mla": the e4m3 kernel of fp8 rows (`hopper.fp8`),
     "e4m3_tbq4": that of tbq4 rows (`hopper.tbq4`); "seesaw_fp8" / "seesaw_fp8_ds_mla" / "seesaw_tbq4": the 64-row
-    kernel that dequantises those rows into bf16 tiles (`hopper.dequant_seesaw`). The optional options item holds
+    kernel that dequantises those rows into fp16 tiles (`hopper.dequant_seesaw`). The optional options item holds
     fields of the module's `Options`, e.g. {"num_raw": 4}."""
     import importlib
 

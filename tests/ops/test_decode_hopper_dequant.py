@@ -56,10 +56,10 @@ def test_dequant_kernel_matches_the_reference(fmt, H, S, page, lens, splits, cau
 @pytest.mark.parametrize("module,fmt,S,rows", [(F, "fp8_ds_mla", 1, 16), (R, "fp8_ds_mla", 1, 16), (D, "fp8", 4, 64)],
                          ids=["dequant", "fp8", "dequant_seesaw"])
 def test_fp8_kernels_with_zero_and_subnormal_codes(module, fmt, S, rows):
-    """The unpacking kernels (dequant, dequant_seesaw) turn codes into bf16 with integer operations, exactly for normal
-    codes; zeros and subnormal codes (|code| < 2⁻⁶) come out within 2⁻⁷ of their value in code units. The fp8 kernel
-    multiplies the codes themselves. A cache whose chunks span six decades holds many of them; the output still
-    matches the reference on the dequantised rows."""
+    """dequant turns codes into bf16 with integer operations, exactly for normal codes; zeros and subnormal codes
+    (|code| < 2⁻⁶) come out within 2⁻⁷ of their value in code units. dequant_seesaw converts every code exactly to
+    fp16 (`cvt.rn.f16x2.e4m3x2`). The fp8 kernel multiplies the codes themselves. A cache whose chunks span six
+    decades holds many of them; the output still matches the reference on the dequantised rows."""
     g = torch.Generator().manual_seed(11)
     B, H, T, page = 3, 16, 700, 64
     c_kv = torch.randn(B * T, 512, generator=g) * 10.0 ** (-6 * torch.rand(B * T, 512, generator=g))
