@@ -219,9 +219,10 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
                                        copies, graph=True)
     if flashmla and kv == "bf16":  # the peer, same caches, queries and graph timing
         row["flashmla_s"] = flashmla_time(qs, caches, table, seq, copies)
-    row["ours_GBps"] = nbytes / best[0] / 1e9
-    row["ours_pct_copy"] = 100 * nbytes / best[0] / copy_bw
-    row["ours_TFLOPs"] = flops / best[0] / 1e12
+    # the headline is the default call (the engine's route); ours_s is the Triton kernel's best tiles and splits
+    row["ours_GBps"] = nbytes / row["default_s"] / 1e9
+    row["ours_pct_copy"] = 100 * nbytes / row["default_s"] / copy_bw
+    row["ours_TFLOPs"] = flops / row["default_s"] / 1e12
     row["naive_s"] = None
     if naive and kv == "bf16":  # quantised: dequantise-then-torch would time the dequantisation, skipped
         try:
@@ -317,20 +318,18 @@ def main():
             row = run_case(H, B, T, S, copy_bw, l2, naive=not args.quick, variants=variants, kv=kv,
                            max_variants=args.variants, routes=args.routes, flashmla=args.flashmla)
             if kv == "bf16":
-                base = row["ours_s"]
+                base = row["default_s"]
             elif base is not None:
-                row["speedup_vs_bf16"] = base / row["ours_s"]
+                row["speedup_vs_bf16"] = base / row["default_s"]
             rows.append(row)
             torch.cuda.empty_cache()  # run_case's caches are gone now
             naive = f"{row['naive_pct_copy']:.1f}%" if row.get("naive_s") else "-"
             speedup = f"{row['speedup_vs_bf16']:5.2f}x bf16  " if "speedup_vs_bf16" in row else ""
-            print(f"H={H:3d} B={B:3d} T={T:6d} S={S} {kv:>4}  {row['ours_s'] * 1e3:8.4f} ms  {speedup}"
+            print(f"H={H:3d} B={B:3d} T={T:6d} S={S} {kv:>4}  {row['default_s'] * 1e3:8.4f} ms  {speedup}"
                   f"{row['ours_GBps']:7.0f} GB/s {row['ours_pct_copy']:5.1f}% copy  {row['ours_TFLOPs']:6.1f} TFLOP/s "
                   f"({100 * row['ours_TFLOPs'] * 1e12 / gemm:.0f}% GEMM)  "
-                  f"naive {naive}  err {row['rel_err']:.1e}  default {row['default_s'] * 1e3:.4f} ms "
-                  f"({100 * row['bytes'] / row['default_s'] / copy_bw:.1f}% copy)  "
-                  f"planned {row['planned_s'] * 1e3:.4f} ms  "
-                  f"best {row['ours_variant']}  plan splits {row['plan']['num_splits']}  kernel {row['kernel']}"
+                  f"naive {naive}  err {row['rel_err']:.1e}  triton tiles: planned {row['planned_s'] * 1e3:.4f} ms  "
+                  f"best {row['ours_s'] * 1e3:.4f} ms at {row['ours_variant']}  plan splits {row['plan']['num_splits']}  kernel {row['kernel']}"
                   + (f"  triton-only {row['triton_only_s'] * 1e3:.4f} ms" if row.get("triton_only_s") else "")
                   + "".join(f"  {k} {t * 1e6:.1f} us" for k, t in row.get("kernels_s", {}).items())
                   + (f"  FlashMLA {row['flashmla_s'] * 1e6:.1f} us" if row.get("flashmla_s") else ""),
