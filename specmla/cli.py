@@ -115,6 +115,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                   help="dummy: random weights of config.json's shapes, built on the device (benchmarks)")
     p.add_argument("--weights", default="auto", choices=["auto", "dequantize"],
                    help="FP8 checkpoints: run the block-scaled e4m3 weights as stored (auto) or dequantise them to "
                         "--dtype at load")
@@ -205,7 +207,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
     )
     t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, load_format=args.load_format,
+              page_size=args.page_size,
               num_pages=args.num_pages, max_model_len=args.max_model_len, **_spec_kwargs(args))
     load_s = time.perf_counter() - t0
     print(f"[specmla] model {llm.model_path} loaded in {load_s:.1f} s", file=sys.stderr)
@@ -257,7 +260,8 @@ def _load_prompts(args: argparse.Namespace, vocab_size: int, n: int | None = Non
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     preflight_model(args.model, need_tokenizer=bool(args.dataset), speculative=args.speculative)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, load_format=args.load_format,
+              page_size=args.page_size,
               num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, **_spec_kwargs(args))
     prompts = _load_prompts(args, llm.model.config.vocab_size)
@@ -283,7 +287,8 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 def cmd_bench_spec(args: argparse.Namespace) -> int:
     def make_llm(mode, k, batch):
-        return LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
+        return LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, load_format=args.load_format,
+                   page_size=args.page_size,
                    num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=batch,
                    speculative=mode, num_speculative_tokens=k, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                    tensor_parallel_size=args.tp)
@@ -315,7 +320,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load():
         try:
-            return LLM(model, device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
+            return LLM(model, device=args.device, dtype=args.dtype, weights=args.weights, load_format=args.load_format,
+                       page_size=args.page_size,
                        num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
                        **_spec_kwargs(args))
@@ -426,7 +432,8 @@ def _torchrun_worker(args: argparse.Namespace) -> int | None:
     model = getattr(args, "model_pos", None) or args.model
     if model is None:
         model = default_model_path()
-    kwargs = dict(device=args.device, dtype=args.dtype, weights=args.weights, page_size=args.page_size,
+    kwargs = dict(device=args.device, dtype=args.dtype, weights=args.weights, load_format=args.load_format,
+                  page_size=args.page_size,
                   num_pages=args.num_pages, max_model_len=args.max_model_len,
                   max_num_seqs=getattr(args, "max_num_seqs", 64),
                   max_num_batched_tokens=getattr(args, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),

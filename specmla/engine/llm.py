@@ -52,6 +52,7 @@ class LLM:
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
         weights: str = "auto",
+        load_format: str = "safetensors",
         speculative: str | None = None,
         num_speculative_tokens: int = 3,
         ngram_min: int = 1,
@@ -76,6 +77,8 @@ class LLM:
         """`model`: a model directory, None (the embedded default), or an already built
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's). weights: "auto"
         runs an FP8 checkpoint's block-scaled weights as stored, "dequantize" turns them into dtype at load.
+        load_format: "safetensors" loads the directory's weights, "dummy" builds random ones of its config.json's
+        shapes on the device (benchmarks of models too large to write to disk; every rank builds its shard).
         custom_all_reduce: under tensor parallelism on GPUs of one host, small all-reduces use the one-shot kernel
         (`ops.all_reduce`); False sends every all-reduce through NCCL. pipeline_decode: launch the next decode step
         before this one's tokens reach the host (`LLMEngine`); False runs every step after the last."""
@@ -104,7 +107,7 @@ class LLM:
             shard = (_tp_rank, _tp_world) if _tp_rank is not None else (
                 (0, tensor_parallel_size) if tensor_parallel_size > 1 else None)
             self.model = load_model(self.model_path, device=device, dtype=dtype, max_positions=max_model_len,
-                                    progress=progress, shard=shard, weights=weights)
+                                    progress=progress, shard=shard, weights=weights, load_format=load_format)
             has_tok = (self.model_path / "tokenizer.json").exists()
             self.tokenizer = tokenizer or (Tokenizer(self.model_path) if has_tok else None)
         cache_dtype = next(self.model.parameters()).dtype
@@ -140,7 +143,7 @@ class LLM:
             # every rank builds this same engine (graphs included, their all-reduces captured in lockstep); the
             # other ranks mirror rank 0's pool page for page (sizing from their own free memory could differ)
             self._start_tensor_parallel(tensor_parallel_size, device, dict(
-                device=str(device), dtype=dtype, weights=weights, speculative=speculative,
+                device=str(device), dtype=dtype, weights=weights, load_format=load_format, speculative=speculative,
                 num_speculative_tokens=num_speculative_tokens, ngram_min=ngram_min, ngram_max=ngram_max,
                 kv_cache_dtype=kv_cache_dtype, page_size=page_size, num_pages=pool.num_pages,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -236,9 +239,11 @@ class LLM:
             os.unlink(self._init_file)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (no-op otherwise)."""
+        """Stop the tensor-parallel workers (no-op otherwise). Afterwards nothing of the group holds this LLM: its
+        weights, pool and graphs go with the last reference to it."""
         if not self._workers:
             return
+        atexit.unregister(self.shutdown)
         self._stopping = True
         clean = isinstance(self.engine, TPEngine) and not self.engine.in_step
         if clean:

@@ -70,14 +70,15 @@ NOT_QUANTISED = DEQUANTISED_AT_LOAD + ("eh_proj",)
 
 
 @torch.no_grad()
-def quantize_fp8_(model: nn.Module, chunk: int = 16) -> nn.Module:
+def quantize_fp8_(model: nn.Module, chunk: int = 16, prefix: str = "") -> nn.Module:
     """Block-quantise an in-memory model the way DeepSeek's FP8 checkpoints are (`weight_quant`): every linear layer
     of the decoder and MTP layers except `NOT_QUANTISED`, and the MoE stacks (padded as `MoE.use_fp8_` lays them
     out), on the weights' device, `chunk` experts at a time. For benchmarks of FP8 models too large to write to
-    disk; returns the model."""
+    disk; returns the model. prefix: `model`'s own name in the whole model when it is a part of one (e.g.
+    "model.layers.3"), which decides what is a decoder or MTP layer."""
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
+            full = ".".join(n for n in (prefix, parent_name, name) if n)
             in_layers = full.startswith(("model.layers.", "mtp."))
             if isinstance(child, nn.Linear) and in_layers and name not in NOT_QUANTISED:
                 fp8 = Fp8Linear(child.in_features, child.out_features, child.bias is not None,

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from specmla.config import ModelConfig
 from specmla.model.deepseek import DeepseekForCausalLM, MoE, checkpoint_name
+from specmla.model.dummy import dummy_model
 from specmla.model.fp8 import use_fp8_weights_
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.model.sharding import shard_model_
@@ -144,6 +145,7 @@ def _drop_absent_mtp_layers(cfg: ModelConfig, path: Path) -> ModelConfig:
 
 
 WEIGHTS = ("auto", "dequantize")
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 def load_model(
@@ -154,6 +156,7 @@ def load_model(
     progress: bool = True,
     shard: tuple[int, int] | None = None,
     weights: str = "auto",
+    load_format: str = "safetensors",
 ) -> DeepseekForCausalLM:
     """Build the model for the directory `path` and load its weights.
 
@@ -164,21 +167,27 @@ def load_model(
     shard=(rank, world): a tensor-parallel rank's part only. The full weights are staged in host
     memory, cut to the shard there, and only the shard goes to `device`: the point of tensor
     parallelism is a model larger than one GPU.
+    load_format: "safetensors" reads the directory's weights; "dummy" needs its config.json only and builds random
+    weights on `device` (`dummy_model`: the shard only, FP8 for an FP8 config unless weights="dequantize").
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}: expected one of {LOAD_FORMATS}")
     path = Path(path)
-    cfg = _drop_absent_mtp_layers(ModelConfig.from_file(path), path)
+    cfg = ModelConfig.from_file(path)
+    if load_format == "safetensors":
+        cfg = _drop_absent_mtp_layers(cfg, path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
         if device.type == "cpu":
             dtype = torch.float32
         else:
             dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.bfloat16)
-    if shard is not None:
-        if cfg.quantization and weights == "auto":
-            raise ValueError(f"{path}: tensor parallelism of FP8 checkpoints is not supported: load with "
-                             f"weights='dequantize'")
+    if load_format == "dummy":
+        fp8 = cfg.quantization == "fp8" and weights == "auto"
+        return dummy_model(cfg, device, dtype, max_positions, shard, fp8=fp8)
+    if shard is not None:  # FP8 weights stay FP8: the shard cuts them with their scales; .to(device) keeps dtypes
         model = load_model(path, device="cpu", dtype=dtype, max_positions=max_positions, progress=progress,
                            weights=weights)
         shard_model_(model, *shard)

@@ -1,14 +1,16 @@
 """Tensor parallelism: every rank runs the same engine on its shard; rank 0 forwards the request stream.
 
 CPU (gloo ranks): greedy and seeded sampling under TP=2 / TP=4 give the tokens of one process, with every
-speculative mode and KV format, and with requests added and aborted between steps. GPU (NCCL, CUDA graphs on every
-rank): the same in fp32."""
+speculative mode and KV format, with FP8 block-scaled weights, and with requests added and aborted between steps.
+GPU (NCCL, CUDA graphs on every rank): the same in fp32."""
 
 import pytest
 import torch
 
+from helpers.fp8_checkpoint import fp8_checkpoint_dir
+from helpers.tiny_config import FP8_TP_TEST_CONFIG
 from specmla import LLM, SamplingParams
-from specmla.model.default import default_model_path
+from specmla.model.default import build_random_model_dir, default_model_path
 
 
 def prompts(n=8):
@@ -29,6 +31,20 @@ def run(model_dir, tp, params=None, n=8, device="cpu", **kw):
 
 def test_tp2_equals_tp1_on_a_random_tiny_model(tiny_model_dir):
     assert run(tiny_model_dir, 2) == run(tiny_model_dir, 1)
+
+
+
+
+@pytest.fixture(scope="module")
+def fp8_tp_dir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fp8_tp")
+    return fp8_checkpoint_dir(build_random_model_dir(base / "src", FP8_TP_TEST_CONFIG, seed=3), base / "fp8")
+
+
+def test_tp2_equals_tp1_on_an_fp8_checkpoint(fp8_tp_dir):
+    """Each rank keeps its slices of the e4m3 weights and their block scales (fp32 activations, the weights
+    dequantised in the product on CPU): TP=2 gives one process's greedy tokens."""
+    assert run(fp8_tp_dir, 2) == run(fp8_tp_dir, 1)
 
 
 def test_tp4_equals_tp1_with_seeded_sampling(tiny_model_dir):
@@ -233,3 +249,27 @@ def test_follower_stops_when_its_requests_drift_from_rank_0s(tiny_model_dir):
     assert err is None and all(len(o) == 6 for o in outs)
     _, err = follow(perturb=True)
     assert isinstance(err, RuntimeError) and "no longer match rank 0" in str(err), err
+
+
+def test_tp2_on_random_dummy_weights_keeps_the_ranks_in_step_and_frees_the_llm_at_shutdown(tmp_path):
+    """load_format="dummy": each rank builds its shard from config.json alone, FP8 as the config says; the replicated
+    tensors are equal on both ranks, so they route and sample alike (a rank that drifted would stop the run), and
+    greedy decoding is deterministic. After shutdown nothing of the group keeps the LLM (its weights) alive."""
+    import gc
+    import json
+    import weakref
+
+    cfg = dict(FP8_TP_TEST_CONFIG, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                        "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    kw = dict(load_format="dummy", speculative="mtp", num_speculative_tokens=2)
+    first = run(tmp_path, 2, n=4, **kw)
+    assert first == run(tmp_path, 2, n=4, **kw) and len({tuple(t) for t in first}) > 1
+    llm = LLM(tmp_path, device="cpu", tensor_parallel_size=2, page_size=4, num_pages=64, load_format="dummy")
+    assert llm.model.model.layers[1].mlp.w_down.dtype == torch.float8_e4m3fn
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+    llm.shutdown()
+    ref = weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert ref() is None
