@@ -8,6 +8,7 @@
 #   OUT=dir bash benchmarks/run_all.sh tune      # fused-MoE tile configurations → $OUT/<device>.json
 #   OUT=dir bash benchmarks/run_all.sh fp8       # FP8 linear and fused MoE against bf16, V3-shaped engine step
 #   OUT=dir bash benchmarks/run_all.sh tp        # tensor parallelism (2 GPUs)
+#   OUT=dir bash benchmarks/run_all.sh v3        # V3 shapes under TP + EP (every GPU, ~15 min; LAYERS=61 needs 8 × H200)
 #   OUT=dir bash benchmarks/run_all.sh cpu       # paged-cache memory and quantised-cache quality (no GPU needed)
 # The speculative-decoding workload needs data/stdlib (scripts/prepare_data.py) for its prompt file.
 set -eu
@@ -57,13 +58,17 @@ case ${1:-decode} in
       benchmarks/bench_allreduce.py --out "$OUT"
     python3 benchmarks/bench_tp.py --checkpoint-dir /tmp/specmla_v2lite27 --identity --out "$OUT"
     ;;
+  v3)
+    python3 benchmarks/bench_v3.py --layers "${LAYERS:-16}" --prompt-len 1024 --new-tokens 64 --kv fp8 auto \
+      --spec none mtp1 mtp3 --spec-batches 1 8 32 --out "$OUT"
+    ;;
   cpu)
     python3 benchmarks/kv_memory_report.py --json "$OUT/kv_memory_report.json"
     python3 benchmarks/kv_quant_quality.py --formats bf16,fp8,fp8-kernel,fp8_ds_mla,fp8_ds_mla-kernel,tbq4,tbq4-kernel \
       --out "$OUT"
     ;;
   *)
-    echo "usage: OUT=dir bash benchmarks/run_all.sh decode|prefill|engine|engine27|chunks|moe|fp8|tune|tp|cpu" >&2
+    echo "usage: OUT=dir bash benchmarks/run_all.sh decode|prefill|engine|engine27|chunks|moe|fp8|tune|tp|v3|cpu" >&2
     exit 2
     ;;
 esac
