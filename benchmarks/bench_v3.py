@@ -9,8 +9,9 @@ every rank.
 - step per batch size: `bench_engine.decode_steps` ((t(1 + n) − t(1)) / n on fresh random prompts, median of
   --rounds rounds) per KV format (--kv) and speculative setting (--spec: none, mtp1, mtp2, mtp3). With MTP the
   random model's drafts are rarely accepted, so the time per emitted token is × the run's acceptance length = the
-  time of one verify + draft step; tokens/s is then projected for an acceptance of p per draft position
-  (1 + p + … + p^k tokens a step; DeepSeek reports 85–90 % for the second token);
+  time of one verify + draft step (the acceptance pooled over the configuration's batch sizes); tokens/s is then
+  projected for an acceptance of p per draft position, each position independent (1 + p + … + p^k tokens a step;
+  DeepSeek reports 85–90 % for the second token only, so k > 1 projections are upper estimates);
 - floor per step: rank 0's weight bytes read by the step (`bench_engine.step_read_bytes`: the routed experts the
   batch touches; with MTP the verify pass's B·(1 + k) tokens, plus k drafts through the MTP layer and the head) +
   the latent-cache bytes its heads read, over the copy rate measured in the same run;

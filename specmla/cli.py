@@ -20,7 +20,7 @@ from specmla.engine.llm import LLM, worker_main
 from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from specmla.config import ModelConfig
 from specmla.model.default import default_model_path
-from specmla.model.loader import CheckpointError, _checkpoint_files
+from specmla.model.loader import LOAD_FORMATS, CheckpointError, _checkpoint_files
 from specmla.sampling_params import SamplingParams
 
 
@@ -115,7 +115,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, choices=DTYPES,
                    help="float32 | bfloat16 | float16 (default: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+    p.add_argument("--load-format", default="safetensors", choices=LOAD_FORMATS,
                    help="dummy: random weights of config.json's shapes, built on the device (benchmarks)")
     p.add_argument("--weights", default="auto", choices=["auto", "dequantize"],
                    help="FP8 checkpoints: run the block-scaled e4m3 weights as stored (auto) or dequantise them to "
@@ -154,10 +154,12 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"argument --port: cannot listen on {args.host}:{args.port}: {e.strerror or e}")
 
 
-def preflight_model(model, need_tokenizer: bool, speculative: str | None = None) -> None:
+def preflight_model(model, need_tokenizer: bool, speculative: str | None = None,
+                    load_format: str = "safetensors") -> None:
     """Fail fast, with a one-line reason, on the model directory problems that would otherwise surface
     only after (or, under `serve`, in the background of) a load: no directory, an unreadable or invalid
-    config.json, no weights, no tokenizer, MTP speculation on a checkpoint without MTP layers."""
+    config.json, no weights (load_format "dummy" needs none), no tokenizer, MTP speculation on a model without
+    MTP layers (in the checkpoint; for "dummy", in config.json)."""
     if model is None:
         return  # the embedded default model (built on first run)
     path = Path(model)
@@ -165,12 +167,12 @@ def preflight_model(model, need_tokenizer: bool, speculative: str | None = None)
         raise FileNotFoundError(f"model directory {path} does not exist" if not path.exists()
                                 else f"{path} is not a model directory")
     cfg = ModelConfig.from_file(path)
-    names = _checkpoint_files(path)
+    names = _checkpoint_files(path) if load_format == "safetensors" else None
     if need_tokenizer and not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
     if speculative in ("mtp", "hybrid"):
-        mtp = cfg.num_nextn_predict_layers and any(n.startswith(f"model.layers.{cfg.num_hidden_layers}.")
-                                                   for n in names)
+        mtp = cfg.num_nextn_predict_layers and (names is None or any(
+            n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in names))
         if not mtp:
             raise ValueError(f"--speculative {speculative} needs a model with MTP layers; {path} has none")
 
@@ -201,7 +203,7 @@ def _stream(llm: LLM, prompt: str, params: SamplingParams):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    preflight_model(args.model, need_tokenizer=True, speculative=args.speculative)
+    preflight_model(args.model, need_tokenizer=True, speculative=args.speculative, load_format=args.load_format)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
@@ -259,7 +261,8 @@ def _load_prompts(args: argparse.Namespace, vocab_size: int, n: int | None = Non
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    preflight_model(args.model, need_tokenizer=bool(args.dataset), speculative=args.speculative)
+    preflight_model(args.model, need_tokenizer=bool(args.dataset), speculative=args.speculative,
+                    load_format=args.load_format)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, weights=args.weights, load_format=args.load_format,
               page_size=args.page_size,
               num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -294,7 +297,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
                    tensor_parallel_size=args.tp)
 
     preflight_model(args.model, need_tokenizer=bool(args.dataset),
-                    speculative="mtp" if {"mtp", "hybrid"} & set(args.modes) else None)
+                    speculative="mtp" if {"mtp", "hybrid"} & set(args.modes) else None, load_format=args.load_format)
     vocab = make_llm(None, 1, 1).model.config.vocab_size
     results = []
     for B in args.batch:  # B requests at a time (max_num_seqs), over max(B, --num-prompts) prompts
@@ -313,7 +316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specmla.server.app import build_server, create_app  # the web stack loads for `serve` only
 
     model = args.model_pos or args.model
-    preflight_model(model, need_tokenizer=True, speculative=args.speculative)
+    preflight_model(model, need_tokenizer=True, speculative=args.speculative, load_format=args.load_format)
     name = args.served_model_name or (str(model) if model else "specmla-default")
     failure: list[BaseException] = []
     loaded = threading.Event()  # the loader thread is done (returned or raised)

@@ -10,6 +10,7 @@ import os
 import signal
 import tempfile
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -197,7 +198,7 @@ class LLM:
                                     args=(rank, world, self._init_file, str(self.model_path), worker_kwargs, path))
                     p.start()
                     workers.append(p)
-                threading.Thread(target=self._watch_workers, args=(list(workers),), daemon=True,
+                threading.Thread(target=_watch_workers, args=(weakref.ref(self), list(workers)), daemon=True,
                                  name="specmla-tp-watch").start()
                 init_group(0, world, self._init_file, device.type, _symmetric_bytes(world, worker_kwargs))
             except BaseException:  # the workers would wait for a rank 0 that is not coming
@@ -208,10 +209,9 @@ class LLM:
                 self._channel.unlink()
         atexit.register(self.shutdown)
 
-    def _watch_workers(self, workers: list) -> None:
+    def _workers_exited(self, workers: list) -> None:
         """A rank that dies leaves the others waiting in a collective forever: when a spawned worker exits before
         `shutdown`, stop the remaining workers and this process (a server's supervisor then sees it exit)."""
-        mp_connection.wait([p.sentinel for p in workers])
         if self._stopping:
             return
         for p in workers:
@@ -340,6 +340,15 @@ def _exit_with_parent() -> None:
     """A spawned worker whose rank 0 is gone (killed, crashed) would wait in a collective forever: exit."""
     mp_connection.wait([mp.parent_process().sentinel])
     os._exit(1)
+
+
+def _watch_workers(llm_ref: weakref.ref, workers: list) -> None:
+    """Wait for a spawned worker to exit, then let the LLM react (`LLM._workers_exited`). The thread holds the LLM
+    weakly: a stopped LLM, its weights and pool, can be freed while it waits."""
+    mp_connection.wait([p.sentinel for p in workers])
+    llm = llm_ref()
+    if llm is not None:
+        llm._workers_exited(workers)
 
 
 def worker_main(rank: int, world: int, init_file: str | None, model_path: str, llm_kwargs: dict,

@@ -3,10 +3,12 @@ too large to write to disk, e.g. DeepSeek-V3 under tensor parallelism.
 
 The model is built on the meta device and cut to the rank's shard there (`shard_model_`), then materialised one
 piece (the embedding, each decoder or MTP layer, the head) at a time: random normal weights of std 0.02, norms 1,
-router biases 0, and, for an FP8 config, the piece block-quantised in place (`quantize_fp8_`) before the next one is
-allocated, so the peak is the rank's FP8 shard plus one bf16 piece. Each tensor's values come from a generator
-seeded by its name: replicated tensors are equal on every rank (routing and sampling agree across ranks); a
-sharded tensor holds the same values on every rank, so a rank's shard is not a slice of the TP = 1 model.
+router biases 0, and, for an FP8 config, the piece block-quantised in place (`quantize_fp8_`, QUANT_CHUNK experts at
+a time) before the next one is allocated, so the peak is the rank's FP8 shard plus one bf16 piece and the
+quantiser's fp32 temporaries of a few experts; on a GPU the cached free blocks go back before the KV pool is sized.
+Each tensor's values come from a generator seeded by its name: replicated tensors are equal on every rank (routing
+and sampling agree across ranks); a sharded tensor holds the same values on every rank, so a rank's shard is not a
+slice of the TP = 1 model.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from specmla.model.rope import rope_cos_sin_cache
 from specmla.model.sharding import shard_model_
 
 STD = 0.02
+QUANT_CHUNK = 4  # experts quantised together: their fp32 temporaries are ~5× their bf16 bytes
 
 
 @torch.no_grad()
@@ -45,10 +48,12 @@ def dummy_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype
         piece.to_empty(device=device)
         _fill_(piece, prefix, seed)
         if fp8 and prefix.startswith(("model.layers.", "mtp.")):
-            quantize_fp8_(piece, prefix=prefix)
+            quantize_fp8_(piece, chunk=QUANT_CHUNK, prefix=prefix)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.cos_sin = rope_cos_sin_cache(cfg.rope, cfg.qk_rope_head_dim, model.max_positions, device=device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return model.eval()
 
 

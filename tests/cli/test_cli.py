@@ -94,3 +94,19 @@ def test_torchrun_ranks_generate_what_one_process_generates(tiny_model_dir):
                          env=env, timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and one.stdout.startswith("hello there")
+
+
+def test_generate_with_dummy_weights_needs_config_and_tokenizer_only(tiny_model_dir, tmp_path):
+    """--load-format dummy: a directory without weights generates (MTP drafts too: config.json declares the layer);
+    without the flag the same directory is refused before any load."""
+    import shutil
+
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    args = ("generate", "--model", str(tmp_path), "--prompt", "abc", "--max-tokens", "4", "--device", "cpu",
+            "--ignore-eos")
+    r = run_cli(*args, "--load-format", "dummy", "--speculative", "mtp", "--num-speculative-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("abc") and "4 tokens" in r.stderr
+    r = run_cli(*args)
+    assert r.returncode == 2 and "neither model.safetensors nor" in r.stderr

@@ -33,8 +33,6 @@ def test_tp2_equals_tp1_on_a_random_tiny_model(tiny_model_dir):
     assert run(tiny_model_dir, 2) == run(tiny_model_dir, 1)
 
 
-
-
 @pytest.fixture(scope="module")
 def fp8_tp_dir(tmp_path_factory):
     base = tmp_path_factory.mktemp("fp8_tp")
@@ -145,6 +143,21 @@ def test_gpu_tp_with_graphs_on_every_rank_equals_tp1_in_fp32(tp, kw):
     assert many == one
 
 
+@pytest.mark.gpu
+def test_gpu_tp2_of_the_fp8_embedded_model_with_graphs_equals_tp1_in_fp32(tmp_path):
+    """The embedded model as an FP8 checkpoint (every TP = 2 cut on the 128-blocks): each rank runs its e4m3 slices
+    and scales through the GPU's FP8 kernels, graphs on both ranks; fp32 activations, so TP = 2 gives TP = 1's
+    greedy tokens, with and without MTP drafts."""
+    from specmla.model.default import ASSETS
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    fp8_dir = fp8_checkpoint_dir(ASSETS, tmp_path / "fp8", shard_bytes=10 ** 12)
+    for kw in ({}, dict(speculative="mtp", num_speculative_tokens=2)):
+        common = dict(device="cuda", dtype="float32", max_num_seqs=8, gpu_memory_utilization=0.3, **kw)
+        assert run(fp8_dir, 2, n=6, **common) == run(fp8_dir, 1, n=6, **common)
+
+
 def test_tp2_unseeded_sampling_equals_tp1_with_the_seeds_rank_0_drew(tiny_model_dir):
     """No seed given: rank 0 draws one per request and sends it along. Its tokens are those of one process given
     the same seeds; a worker that sampled other tokens would feed other embeddings into the all-reduces."""
@@ -252,9 +265,10 @@ def test_follower_stops_when_its_requests_drift_from_rank_0s(tiny_model_dir):
 
 
 def test_tp2_on_random_dummy_weights_keeps_the_ranks_in_step_and_frees_the_llm_at_shutdown(tmp_path):
-    """load_format="dummy": each rank builds its shard from config.json alone, FP8 as the config says; the replicated
-    tensors are equal on both ranks, so they route and sample alike (a rank that drifted would stop the run), and
-    greedy decoding is deterministic. After shutdown nothing of the group keeps the LLM (its weights) alive."""
+    """load_format="dummy": each rank builds its shard from config.json alone, FP8 as the config says, and the TP
+    engine runs it with MTP drafts, greedy decoding deterministic from run to run (that the replicated tensors are
+    equal on every rank is tests/model/test_dummy.py's). After shutdown nothing of the group keeps the LLM (its
+    weights) alive."""
     import gc
     import json
     import weakref
