@@ -39,14 +39,13 @@ from bench_fp8 import V3  # noqa: E402
 from limits import copy_bandwidth  # noqa: E402
 
 from specmla import LLM  # noqa: E402
-from specmla.config import ModelConfig  # noqa: E402
+from specmla.config import FP8_QUANTIZATION, ModelConfig  # noqa: E402
 from specmla.model.default import write_byte_tokenizer  # noqa: E402
 from specmla.model.deepseek import DeepseekForCausalLM, MoE  # noqa: E402
 from specmla.model.fp8 import quantize_fp8_  # noqa: E402
 from specmla.model.sharding import shard_model_  # noqa: E402
 
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-V3_FP8 = dict(V3, num_nextn_predict_layers=1, quantization_config=FP8_CONFIG, torch_dtype="bfloat16")
+V3_FP8 = dict(V3, num_nextn_predict_layers=1, quantization_config=FP8_QUANTIZATION, torch_dtype="bfloat16")
 ACCEPTANCE = (0.85, 0.90)  # DeepSeek-V3's reported second-token acceptance (the projection's p)
 SPECS = {"none": (None, 0), "mtp1": ("mtp", 1), "mtp2": ("mtp", 2), "mtp3": ("mtp", 3)}
 

@@ -12,10 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_v3 as bv  # noqa: E402
 
 from helpers.tiny_config import FP8_TP_TEST_CONFIG  # noqa: E402
-from specmla.config import ModelConfig  # noqa: E402
+from specmla.config import FP8_QUANTIZATION, ModelConfig  # noqa: E402
 from specmla.model.dummy import dummy_model  # noqa: E402
 
-CFG = dict(FP8_TP_TEST_CONFIG, quantization_config=bv.FP8_CONFIG, torch_dtype="bfloat16")
+CFG = dict(FP8_TP_TEST_CONFIG, quantization_config=FP8_QUANTIZATION, torch_dtype="bfloat16")
 
 
 def test_memory_plan_is_the_bytes_each_rank_builds():

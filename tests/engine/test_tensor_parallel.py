@@ -273,8 +273,9 @@ def test_tp2_on_random_dummy_weights_keeps_the_ranks_in_step_and_frees_the_llm_a
     import json
     import weakref
 
-    cfg = dict(FP8_TP_TEST_CONFIG, quantization_config={"quant_method": "fp8", "fmt": "e4m3",
-                                                        "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    from specmla.config import FP8_QUANTIZATION
+
+    cfg = dict(FP8_TP_TEST_CONFIG, quantization_config=FP8_QUANTIZATION)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     kw = dict(load_format="dummy", speculative="mtp", num_speculative_tokens=2)
     first = run(tmp_path, 2, n=4, **kw)

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 from helpers.tiny_config import FP8_TP_TEST_CONFIG
-from specmla.config import ModelConfig
+from specmla.config import FP8_QUANTIZATION, ModelConfig
 from specmla.model.deepseek import RMSNorm
 from specmla.model.dummy import dummy_model
 from specmla.model.fp8 import Fp8Linear, quantize_fp8_
 from specmla.model.loader import CheckpointError, empty_model, load_model
 
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 CFG = FP8_TP_TEST_CONFIG  # widths over 128: the FP8 blocks have full and partial edges
 
 
@@ -78,7 +77,7 @@ def test_dummy_shards_share_the_replicated_tensors_and_cut_the_rest():
 
 
 def test_load_model_dummy_reads_config_json_only(tmp_path):
-    cfg = dict(CFG, quantization_config=FP8_CONFIG, num_hidden_layers=3)
+    cfg = dict(CFG, quantization_config=FP8_QUANTIZATION, num_hidden_layers=3)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     model = load_model(tmp_path, device="cpu", load_format="dummy", progress=False)
     assert len(model.model.layers) == 3 and len(model.mtp) == 1  # no checkpoint to drop the MTP layer for
