@@ -55,10 +55,12 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         raise CheckpointError(f"cannot read {single}: {e}") from e
 
 
-def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = True) -> None:
+def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = True,
+                 shard: tuple[int, int] | None = None) -> None:
     """Copy every tensor of the checkpoint at `path` into `model` (already materialised). A float8_e4m3fn
     checkpoint weight goes as it is into a float8 parameter (its `weight_scale_inv` is a parameter too) and is
-    dequantised with its `weight_scale_inv` (`weight_dequant`) into any other."""
+    dequantised with its `weight_scale_inv` (`weight_dequant`) into any other. shard=(rank, world): `model` is that
+    rank's shard (`shard_model_`); a tensor it holds a part of is read as that part only (`_rank_part`)."""
     path = Path(path)
     params = model.checkpoint_tensors()  # checkpoint name → destination tensor (view)
     files = _checkpoint_files(path)
@@ -77,12 +79,14 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = 
             for ckpt_name in items:
                 if ckpt_name not in available:
                     raise CheckpointError(f"tensor {ckpt_name!r} is listed for {file.name} but not stored there")
-                t = _get(f, ckpt_name, file)
                 dst = params[ckpt_name]
-                if tuple(t.shape) != tuple(dst.shape):
-                    raise CheckpointError(
-                        f"tensor {ckpt_name!r} in {file.name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}"
-                    )
+                part = _rank_part(f, ckpt_name, file, tuple(dst.shape), shard)
+                dequant = _dtype_of(f, ckpt_name, file) == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn
+                if part is None or dequant:  # a dequantised part is cut after its scales are applied
+                    t = _get(f, ckpt_name, file)
+                else:
+                    dim, start, end = part
+                    t = _get_part(f, ckpt_name, file, dim, start, end)
                 if not t.is_floating_point():
                     raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} has non-float dtype {t.dtype}")
                 if (t.dtype == torch.float8_e4m3fn) != (dst.dtype == torch.float8_e4m3fn):
@@ -90,6 +94,8 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = 
                         raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} is {t.dtype}, but its layer is "
                                               f"stored as FP8 (the checkpoint scales the layer's other weights)")
                     t = weight_dequant(t, _scale_of(ckpt_name, f, available, file, files))
+                    if part is not None:
+                        t = t.narrow(part[0], part[1], part[2] - part[1])
                 with torch.no_grad():
                     dst.copy_(t)
                 bar.update(1)
@@ -108,6 +114,47 @@ def _open(file: Path, first: str):
 def _get(f, name: str, file: Path) -> torch.Tensor:
     try:
         return f.get_tensor(name)
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
+
+
+def _dtype_of(f, name: str, file: Path) -> torch.dtype:
+    try:
+        return _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype(), torch.float32)
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
+
+
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F32": torch.float32, "F64": torch.float64}
+
+
+def _rank_part(f, name: str, file: Path, want: tuple[int, ...], shard: tuple[int, int] | None):
+    """None when checkpoint tensor `name` has the destination's shape `want`; else, for a tensor-parallel rank,
+    (dim, start, end): the one dim a shard cuts, which holds world × want[dim] in the file, and the rank's even
+    part of it (`shard_model_` cuts heads, MLP columns and shared-expert columns in equal consecutive parts, FP8
+    scales on the same 128-blocks). Any other mismatch names the tensor and both shapes."""
+    try:
+        shape = tuple(f.get_slice(name).get_shape())
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
+    if shape == want:
+        return None
+    if shard is not None and len(shape) == len(want):
+        rank, world = shard
+        dims = [d for d, (a, b) in enumerate(zip(shape, want)) if a != b]
+        if len(dims) == 1 and shape[dims[0]] == world * want[dims[0]]:
+            n = want[dims[0]]
+            return dims[0], rank * n, (rank + 1) * n
+    raise CheckpointError(f"tensor {name!r} in {file.name} has shape {shape}, expected {want}"
+                          + (f" (rank {shard[0]} of {shard[1]})" if shard else ""))
+
+
+def _get_part(f, name: str, file: Path, dim: int, start: int, end: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, end) of a checkpoint tensor, read without the rest."""
+    try:
+        part = f.get_slice(name)
+        return part[start:end] if dim == 0 else part[:, start:end]
     except Exception as e:
         raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
 
@@ -164,9 +211,9 @@ def load_model(
     weights: "auto" keeps an FP8 checkpoint's block-scaled e4m3 weights as they are (`model.fp8`), "dequantize"
     turns every one into dtype at load (more memory; for comparison). Unquantised checkpoints load the same
     either way.
-    shard=(rank, world): a tensor-parallel rank's part only. The full weights are staged in host
-    memory, cut to the shard there, and only the shard goes to `device`: the point of tensor
-    parallelism is a model larger than one GPU.
+    shard=(rank, world): a tensor-parallel rank's part only: the model is cut on the meta device, and each
+    checkpoint tensor is read as the part the rank keeps (its experts' tensors only), straight to `device`: host
+    memory holds one tensor's part at a time.
     load_format: "safetensors" reads the directory's weights; "dummy" needs its config.json only and builds random
     weights on `device` (`dummy_model`: the shard only, FP8 for an FP8 config unless weights="dequantize").
     """
@@ -187,27 +234,25 @@ def load_model(
     if load_format == "dummy":
         fp8 = cfg.quantization == "fp8" and weights == "auto"
         return dummy_model(cfg, device, dtype, max_positions, shard, fp8=fp8)
-    if shard is not None:  # FP8 weights stay FP8: the shard cuts them with their scales; .to(device) keeps dtypes
-        model = load_model(path, device="cpu", dtype=dtype, max_positions=max_positions, progress=progress,
-                           weights=weights)
-        shard_model_(model, *shard)
-        return model.to(device)
     fp8_names = set(_checkpoint_files(path)) if cfg.quantization and weights == "auto" else None
-    model = empty_model(cfg, device, dtype, max_positions, fp8_names)
-    load_weights(model, path, progress=progress)
+    model = empty_model(cfg, device, dtype, max_positions, fp8_names, shard)
+    load_weights(model, path, progress=progress, shard=shard)
     return model.eval()
 
 
 def empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
-                max_positions: int | None = None, fp8_names: set[str] | None = None) -> DeepseekForCausalLM:
+                max_positions: int | None = None, fp8_names: set[str] | None = None,
+                shard: tuple[int, int] | None = None) -> DeepseekForCausalLM:
     """The model of `cfg` on `device` with uninitialised weights, built without a host copy (on the meta
     device, then allocated): tied embeddings re-tied, the rope table built, router biases in fp32. fp8_names: an
     FP8 checkpoint's tensor names; the layers they quantise become FP8 (`use_fp8_weights_`), their padding
-    zeroed."""
+    zeroed. shard=(rank, world): that tensor-parallel rank's shard only (`shard_model_`, cut on the meta device)."""
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg, max_positions=max_positions).to(dtype)
         if fp8_names is not None:
             use_fp8_weights_(model, fp8_names, lambda name: checkpoint_name(name, cfg.num_hidden_layers))
+    if shard is not None:
+        shard_model_(model, *shard)
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty gives each module its own new Parameter: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -149,3 +149,32 @@ def test_fp8_splits_off_the_128_blocks_are_refused_with_the_layer_named(fp8_tp_d
     assert model.model.layers[1].mlp.shared_inter == 64
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.shared_experts: FP8 width 64 .*tensor_parallel_size=2"):
         shard_model_(model, 1, 2)
+
+
+def test_a_rank_reads_only_its_part_of_the_checkpoint(fp8_tp_dir, monkeypatch):
+    """load_model(shard=...) cuts the model on the meta device and reads each tensor as the rank's part: its own
+    experts' tensors only, the rows or columns of a cut tensor only (kv_b_proj, dequantised at load, whole and then
+    cut), every tensor once; the result equals cutting the fully loaded model."""
+    from specmla.model import loader
+
+    whole, part = [], []
+    get, get_part = loader._get, loader._get_part
+    monkeypatch.setattr(loader, "_get", lambda f, name, file: whole.append(name) or get(f, name, file))
+    monkeypatch.setattr(loader, "_get_part", lambda f, name, file, *a: part.append((name, a)) or get_part(
+        f, name, file, *a))
+    rank1 = load_model(fp8_tp_dir, device="cpu", progress=False, shard=(1, 2))
+    read = [n for n in whole + [n for n, _ in part] if not n.endswith("kv_b_proj.weight_scale_inv")]
+    assert sorted(read) == sorted(rank1.checkpoint_tensors())  # each tensor the shard holds, once (+ kv_b's scales)
+    assert not any(".experts.0." in n or ".experts.1." in n for n in read)  # rank 0's experts (of 4)
+    assert any(".experts.3." in n for n in read)
+    cut = {n for n, _ in part}
+    assert any(n.endswith("o_proj.weight") for n in cut) and any(n.endswith("o_proj.weight_scale_inv") for n in cut)
+    assert not any("kv_b_proj" in n for n in cut) and any("kv_b_proj.weight" in n for n in whole)
+    assert all(a[1] > 0 for _, a in part)  # rank 1's parts start past rank 0's
+    monkeypatch.undo()
+    full = load_model(fp8_tp_dir, device="cpu", progress=False)
+    shard_model_(full, 1, 2)
+    want, got = dict(full.named_parameters()), dict(rank1.named_parameters())
+    assert want.keys() == got.keys()
+    for name in want:
+        assert _same(got[name], want[name]), name
