@@ -41,6 +41,19 @@ def poison_tails(cache, table, seq):
     cache.view(-1, cache.shape[-1])[~owned] = 255
 
 
+def poisoned_case(fmt, seed, lens, S, H, page, causal, scale=0.0721):
+    """(q, cache, table, seq, want, want_lse) on the CPU: `quant_case` with requests of `lens` keys, the rows past each
+    end poisoned (`poison_tails`), and the torch reference's output and lse for the call."""
+    from specmla.ops.decode import mla_decode
+
+    q, cache, table = quant_case(fmt, seed=seed, B=len(lens), S=S, H=H, T=max(lens), page=page)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    poison_tails(cache, table, seq)
+    want, want_lse = mla_decode(q, cache, table, seq, scale, backend="torch", head_dim_v=512, kv_format=fmt,
+                                causal=causal, return_lse=True)
+    return q, cache, table, seq, want, want_lse
+
+
 def quant_problem(lens, S, H=16, seed=0, kv_format="fp8_ds_mla"):
     """(q, cache, block table, lengths) on the GPU: B = len(lens) requests of bf16 queries [B, S, H, 576] over a
     `kv_format` cache of 64-key pages; rows past a request's end hold 0xFF bytes (NaN fp8 codes and scales, NaN

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers.mla_cases import rel_err
 from helpers.offline_compile import offline_sm90_rows
-from helpers.decode_kernels import hopper, poison_tails, quant_case, run_kernel
+from helpers.decode_kernels import hopper, poisoned_case, run_kernel
 
 from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper import dequant as F
@@ -29,11 +29,7 @@ from specmla.ops.kv_cache import row_spec, write_kv_cache
 def test_dequant_kernel_matches_the_reference(fmt, H, S, page, lens, splits, causal):
     """Codes unpacked exactly into a shared-memory tile, fp8 scales / tbq4 norms folded into the scores and P, keys
     as M; tbq4 in the rotated domain. The Triton kernel on the same call agrees too."""
-    q, cache, table = quant_case(fmt, seed=H * 7 + S + page, B=len(lens), S=S, H=H, T=max(lens), page=page)
-    seq = torch.tensor(lens, dtype=torch.int32)
-    poison_tails(cache, table, seq)
-    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
-                                causal=causal, return_lse=True)
+    q, cache, table, seq, want, want_lse = poisoned_case(fmt, H * 7 + S + page, lens, S, H, page, causal)
     args = (q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721)
     seen = torch.isfinite(want_lse)
     runs = {"gluon": run_kernel(F, *args, kv_format=fmt, causal=causal, num_splits=splits, max_rows=32,

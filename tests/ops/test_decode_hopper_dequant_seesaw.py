@@ -5,7 +5,7 @@ zero and subnormal codes: `test_decode_hopper_dequant`). GPU (Hopper) only; on t
 
 import pytest
 import torch
-from helpers.decode_kernels import hopper, poison_tails, quant_case, run_kernel
+from helpers.decode_kernels import hopper, poisoned_case, quant_case, run_kernel
 from helpers.mla_cases import rel_err
 from helpers.offline_compile import offline_sm90_rows
 
@@ -29,11 +29,7 @@ from specmla.ops.decode.hopper.tile_reference import mla_decode_tiles
 def test_dequant_seesaw_matches_the_reference(fmt, H, S, page, lens, splits, causal):
     """Codes · scales (tbq4: centroids · norms, in the rotated domain) rounded to fp16 once per block; the seesaw's
     two warpgroups on the tiles. The lse must match too (the combine of splits depends on it)."""
-    q, cache, table = quant_case(fmt, seed=H * 7 + S + page, B=len(lens), S=S, H=H, T=max(lens), page=page)
-    seq = torch.tensor(lens, dtype=torch.int32)
-    poison_tails(cache, table, seq)
-    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
-                                causal=causal, return_lse=True)
+    q, cache, table, seq, want, want_lse = poisoned_case(fmt, H * 7 + S + page, lens, S, H, page, causal)
     args = (q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda(), 0.0721)
     got, got_lse = run_kernel(D, *args, kv_format=fmt, causal=causal, num_splits=splits, max_rows=64, return_lse=True)
     got, got_lse = got.float().cpu(), got_lse.cpu()

@@ -4,10 +4,9 @@ rounding of the exact reference, with NaN-poisoned tails."""
 
 import pytest
 import torch
-from helpers.decode_kernels import poison_tails, quant_case
+from helpers.decode_kernels import poisoned_case, quant_case
 from helpers.mla_cases import rel_err
 
-from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper.tile_reference import mla_decode_tiles, tile_rows
 from specmla.ops.kv_cache.reference import decode_rows
 from specmla.ops.kv_cache.rotation import rotate_rows_torch
@@ -35,11 +34,7 @@ def test_tile_rows_are_the_dequantised_rows_rounded_once(fmt):
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla", "tbq4"])
 @pytest.mark.parametrize("S,H,lens,causal", [(4, 16, [333, 1, 65], True), (1, 7, [70, 9], False), (3, 5, [2, 40], True)])
 def test_emulation_is_the_reference_within_bf16_rounding(fmt, S, H, lens, causal):
-    q, cache, table = quant_case(fmt, seed=S * 11 + H, B=len(lens), S=S, H=H, T=max(lens), page=16)
-    seq = torch.tensor(lens, dtype=torch.int32)
-    poison_tails(cache, table, seq)
-    want, want_lse = mla_decode(q, cache, table, seq, 0.0721, backend="torch", head_dim_v=512, kv_format=fmt,
-                                causal=causal, return_lse=True)
+    q, cache, table, seq, want, want_lse = poisoned_case(fmt, S * 11 + H, lens, S, H, 16, causal)
     got, got_lse = mla_decode_tiles(q, cache, table, seq, 0.0721, kv_format=fmt, causal=causal, return_lse=True)
     assert got.shape == want.shape and not got.isnan().any()
     err = rel_err(got, want)
