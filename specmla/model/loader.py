@@ -80,13 +80,13 @@ def load_weights(model: DeepseekForCausalLM, path: str | Path, progress: bool = 
                 if ckpt_name not in available:
                     raise CheckpointError(f"tensor {ckpt_name!r} is listed for {file.name} but not stored there")
                 dst = params[ckpt_name]
-                part = _rank_part(f, ckpt_name, file, tuple(dst.shape), shard)
-                dequant = _dtype_of(f, ckpt_name, file) == torch.float8_e4m3fn and dst.dtype != torch.float8_e4m3fn
+                header = _slice(f, ckpt_name, file)  # shape and dtype, nothing read yet
+                part = _rank_part(tuple(header.get_shape()), tuple(dst.shape), shard, ckpt_name, file)
+                dequant = header.get_dtype() == "F8_E4M3" and dst.dtype != torch.float8_e4m3fn
                 if part is None or dequant:  # a dequantised part is cut after its scales are applied
                     t = _get(f, ckpt_name, file)
                 else:
-                    dim, start, end = part
-                    t = _get_part(f, ckpt_name, file, dim, start, end)
+                    t = _get_part(header, ckpt_name, file, *part)
                 if not t.is_floating_point():
                     raise CheckpointError(f"tensor {ckpt_name!r} in {file.name} has non-float dtype {t.dtype}")
                 if (t.dtype == torch.float8_e4m3fn) != (dst.dtype == torch.float8_e4m3fn):
@@ -118,26 +118,19 @@ def _get(f, name: str, file: Path) -> torch.Tensor:
         raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
 
 
-def _dtype_of(f, name: str, file: Path) -> torch.dtype:
+def _slice(f, name: str, file: Path):
+    """The lazy view of a checkpoint tensor (its shape, dtype and parts, read on indexing)."""
     try:
-        return _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype(), torch.float32)
+        return f.get_slice(name)
     except Exception as e:
         raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
 
 
-_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
-                       "F32": torch.float32, "F64": torch.float64}
-
-
-def _rank_part(f, name: str, file: Path, want: tuple[int, ...], shard: tuple[int, int] | None):
-    """None when checkpoint tensor `name` has the destination's shape `want`; else, for a tensor-parallel rank,
-    (dim, start, end): the one dim a shard cuts, which holds world × want[dim] in the file, and the rank's even
-    part of it (`shard_model_` cuts heads, MLP columns and shared-expert columns in equal consecutive parts, FP8
+def _rank_part(shape: tuple[int, ...], want: tuple[int, ...], shard: tuple[int, int] | None, name: str, file: Path):
+    """None when checkpoint tensor `name` of `shape` has the destination's shape `want`; else, for a tensor-parallel
+    rank, (dim, start, end): the one dim a shard cuts, which holds world × want[dim] in the file, and the rank's
+    even part of it (`shard_model_` cuts heads, MLP columns and shared-expert columns in equal consecutive parts, FP8
     scales on the same 128-blocks). Any other mismatch names the tensor and both shapes."""
-    try:
-        shape = tuple(f.get_slice(name).get_shape())
-    except Exception as e:
-        raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
     if shape == want:
         return None
     if shard is not None and len(shape) == len(want):
@@ -150,11 +143,10 @@ def _rank_part(f, name: str, file: Path, want: tuple[int, ...], shard: tuple[int
                           + (f" (rank {shard[0]} of {shard[1]})" if shard else ""))
 
 
-def _get_part(f, name: str, file: Path, dim: int, start: int, end: int) -> torch.Tensor:
-    """Rows (dim 0) or columns (dim 1) [start, end) of a checkpoint tensor, read without the rest."""
+def _get_part(header, name: str, file: Path, dim: int, start: int, end: int) -> torch.Tensor:
+    """Rows (dim 0) or columns (dim 1) [start, end) of a checkpoint tensor (`_slice`), read without the rest."""
     try:
-        part = f.get_slice(name)
-        return part[start:end] if dim == 0 else part[:, start:end]
+        return header[start:end] if dim == 0 else header[:, start:end]
     except Exception as e:
         raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from e
 
