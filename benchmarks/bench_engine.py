@@ -140,22 +140,29 @@ def decode_step_s(llm: LLM, prompts, tokens: int = 48) -> float:
     return statistics.median(o.metrics["tpot_s"] for o in outs)
 
 
+ROUTED = {"w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"}  # an MoE's routed-expert stacks and scales
+
+
+def routed_read_bytes(moe: MoE, cfg: ModelConfig, batch: int) -> float:
+    """Bytes of `moe`'s routed experts that `batch` tokens touch on average: this rank's experts (all of them
+    without expert parallelism), each picked with probability k / E by each token."""
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    per_expert = sum(nbytes(t[0]) for t in (moe.w_gate_up, moe.w_down, moe.w_gate_up_scale, moe.w_down_scale)
+                     if t is not None)
+    k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+    return moe.w_down.shape[0] * (1 - (1 - k / E) ** batch) * per_expert
+
+
 def step_read_bytes(model: DeepseekForCausalLM, batch: int) -> float:
     """Weight bytes a decode step of `batch` tokens reads, in the model's own storage (bf16, or e4m3 + scales): every
     parameter but the embedding (gathered) and the routed experts, plus the routed experts the batch touches on
     average (E_here·(1 − (1 − k/E)^batch) per MoE layer, E_here the experts this rank holds); the MTP layers are not
     part of the step. Under tensor parallelism: rank 0's shard."""
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    routed = {"w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"}
-    total = sum(nbytes(p) for n, p in model.named_parameters()
-                if not n.startswith(("mtp.", "model.embed_tokens")) and n.rsplit(".", 1)[-1] not in routed)
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if not n.startswith(("mtp.", "model.embed_tokens")) and n.rsplit(".", 1)[-1] not in ROUTED)
     for name, m in model.named_modules():
         if isinstance(m, MoE) and not name.startswith("mtp."):
-            # this rank's experts (all of them without expert parallelism), each picked with probability k / E
-            E, local, k = model.config.n_routed_experts, m.w_down.shape[0], model.config.num_experts_per_tok
-            per_expert = sum(nbytes(t[0]) for t in (m.w_gate_up, m.w_down, m.w_gate_up_scale, m.w_down_scale)
-                             if t is not None)
-            total += local * (1 - (1 - k / E) ** batch) * per_expert
+            total += routed_read_bytes(m, model.config, batch)
     return total
 
 

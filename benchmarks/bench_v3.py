@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import decode_steps, step_read_bytes  # noqa: E402
+from bench_engine import ROUTED, decode_steps, routed_read_bytes, step_read_bytes  # noqa: E402
 from bench_fp8 import V3  # noqa: E402
 from limits import copy_bandwidth  # noqa: E402
 
@@ -64,7 +64,7 @@ def memory_plan(cfg_dict: dict, worlds=(1, 4, 8), batches=(1, 8, 32, 128)) -> li
         by = {}
         for name, p in model.named_parameters():
             part = ("MTP layer" if name.startswith("mtp.")
-                    else "routed experts" if name.endswith(("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"))
+                    else "routed experts" if name.rsplit(".", 1)[-1] in ROUTED
                     else "embedding + head" if name.startswith(("model.embed_tokens", "lm_head"))
                     else "attention, dense and shared")
             by[part] = by.get(part, 0) + p.numel() * p.element_size()
@@ -77,15 +77,11 @@ def draft_read_bytes(model: DeepseekForCausalLM, batch: int) -> float:
     """Weight bytes one MTP draft of `batch` tokens reads on this rank: the MTP layer (its routed experts as
     `step_read_bytes` counts them) and the head it shares with the trunk."""
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    routed = {"w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"}
     total = nbytes(model.lm_head.weight) + sum(nbytes(p) for n, p in model.named_parameters()
-                                               if n.startswith("mtp.0.") and n.rsplit(".", 1)[-1] not in routed)
+                                               if n.startswith("mtp.0.") and n.rsplit(".", 1)[-1] not in ROUTED)
     moe = model.mtp[0].mlp
     if isinstance(moe, MoE):
-        E, k = model.config.n_routed_experts, model.config.num_experts_per_tok
-        per_expert = sum(nbytes(t[0]) for t in (moe.w_gate_up, moe.w_down, moe.w_gate_up_scale, moe.w_down_scale)
-                         if t is not None)
-        total += moe.w_down.shape[0] * (1 - (1 - k / E) ** batch) * per_expert
+        total += routed_read_bytes(moe, model.config, batch)
     return total
 
 
