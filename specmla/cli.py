@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
@@ -131,6 +132,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=_int(1, 64, "1 to 64"), default=3)
     p.add_argument("--ngram-min", type=_int(1, 1024, "1 to 1024"), default=1)
     p.add_argument("--ngram-max", type=_int(1, 1024, "1 to 1024"), default=3)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: no CUDA graphs and no warm-up (a faster start; kernels then compile on first use)")
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -178,9 +181,10 @@ def preflight_model(model, need_tokenizer: bool, speculative: str | None = None,
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:
-    """Speculative-decoding and tensor-parallel options shared by the commands that build an LLM."""
+    """Speculative-decoding, tensor-parallel and graph options shared by the commands that build an LLM."""
     return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                ngram_min=args.ngram_min, ngram_max=args.ngram_max, tensor_parallel_size=args.tp)
+                ngram_min=args.ngram_min, ngram_max=args.ngram_max, tensor_parallel_size=args.tp,
+                enforce_eager=args.enforce_eager)
 
 
 def _stream(llm: LLM, prompt: str, params: SamplingParams):
@@ -327,6 +331,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        page_size=args.page_size,
                        num_pages=args.num_pages, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                       on_phase=lambda p: app.state.specmla.update(phase=p),
                        **_spec_kwargs(args))
         finally:
             loaded.set()
@@ -450,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    if not logging.getLogger().handlers:  # the engine's start-up lines (warm-up time, memory split) on stderr
+        logging.basicConfig(level=logging.WARNING, format="[specmla] %(message)s", stream=sys.stderr)
+    logging.getLogger("specmla.engine").setLevel(logging.INFO)
     if launched_by_torchrun() and getattr(args, "num_pages", 0) is None:
         print("specmla: error: under torchrun pass --num-pages, so that every rank's KV pool has the same size",
               file=sys.stderr)

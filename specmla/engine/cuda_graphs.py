@@ -1,9 +1,9 @@
 """Decode steps replayed from CUDA graphs.
 
 A decode step (one new token per request) launches hundreds of small kernels; replaying a captured
-graph removes their launch cost. Graphs are captured lazily, one per padded batch size (1, 2, 4, 8,
-then multiples of 16), over static input buffers: a batch of B requests is copied into the buffers,
-padded to the next captured size, and the graph is replayed. Padded rows read and write only a
+graph removes their launch cost. One graph is captured per padded batch size (1, 2, 4, 8, then
+multiples of 16) by the engine's warm-up (`capture`), over static input buffers: a batch of B
+requests is copied into the buffers, padded to the next captured size, and the graph is replayed. Padded rows read and write only a
 scratch page that no request owns, with length 1, so they cannot disturb real requests.
 
 With `use_graphs=False` (CPU) the same static-buffer path runs eagerly, which lets the padding logic
@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specmla.engine import compile_guard
 from specmla.engine.kv_pool import KVPool
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
@@ -30,7 +31,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class BatchGraphs:
     """What every static-buffer step shares: padded batch sizes, one CUDA graph per padded size
-    (captured lazily, replayed; run eagerly on CPU), and the step's integer inputs in two flat
+    (captured by `capture` at warm-up, or on first use; replayed; run eagerly on CPU), and the step's integer inputs in two flat
     device buffers (int64 and int32) uploaded from pinned host twins: two copies per step. The twins
     come in two sets used in turn, so filling step n + 1's waits only for step n - 1's copies (a
     pipelined engine launches step n + 1 while step n's upload may still sit behind queued work)."""
@@ -95,7 +96,15 @@ class BatchGraphs:
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
 
+    @torch.inference_mode()
+    def capture(self, b: int) -> None:
+        """Capture padded size b's graph (once; nothing on CPU). The warm-up captures every size, largest first, so
+        the smaller graphs' intermediates reuse the largest's blocks of the shared memory pool."""
+        if self.use_graphs and b not in self.graphs:
+            self._capture(b)
+
     def _capture(self, b: int) -> None:
+        compile_guard.note(f"CUDA graph capture of {type(self).__name__} at batch {b}")
         torch.cuda.synchronize()
         self._forward(b)  # warm-up: compile kernels, settle allocations outside the capture
         torch.cuda.synchronize()

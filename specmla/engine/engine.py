@@ -532,6 +532,18 @@ class LLMEngine:
         self._finish(seq, "abort")
         return True
 
+    def forget_history(self) -> None:
+        """Reset what finished requests left behind (counters, speculative statistics, the prefix cache and its
+        counters): the engine looks unused. For the warm-up's synthetic requests; every request must be done."""
+        if self.has_unfinished():
+            raise RuntimeError("forget_history needs an idle engine")
+        self._ahead = None
+        self.spec_stats = SpecStats()
+        self.failures.clear()
+        self.num_failed_steps = 0
+        self.scheduler.num_preemptions = 0
+        self.pool.forget_prefixes()
+
     # ---- outputs -----------------------------------------------------------------------------------
     @staticmethod
     def output_of(s: Sequence) -> RequestOutput:
@@ -568,15 +580,18 @@ def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
 
 def default_num_pages(model: DeepseekForCausalLM, page_size: int, dtype: torch.dtype, device: torch.device,
                       max_num_seqs: int, max_model_len: int, gpu_memory_utilization: float = 0.9,
-                      kv_format: str = "auto") -> int:
-    """Pages for max_num_seqs × max_model_len tokens, capped by memory (1 GiB on CPU; a share of free GPU memory)."""
+                      kv_format: str = "auto", reserved_bytes: int = 0, free_bytes: int | None = None) -> int:
+    """Pages for max_num_seqs × max_model_len tokens, capped by memory (1 GiB on CPU; on a GPU what is left of
+    gpu_memory_utilization × its memory once `reserved_bytes` (graphs, activations) are set aside from the free
+    memory, `free_bytes` or measured now)."""
     cfg = model.config
     width, row_dtype = row_spec(kv_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype)
     per_page = page_size * width * torch.empty((), dtype=row_dtype).element_size() * model.num_cache_layers
     want = max_num_seqs * (-(-max_model_len // page_size))
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = max(0, free - (1 - gpu_memory_utilization) * total)
+        free = free if free_bytes is None else free_bytes
+        budget = max(0, free - reserved_bytes - (1 - gpu_memory_utilization) * total)
     else:
         budget = 1 << 30
     return max(1, min(want, int(budget // per_page)))

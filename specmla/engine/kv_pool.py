@@ -184,6 +184,16 @@ class KVPool:
         if full > done:
             self._registered[seq_id] = (full, prev)
 
+    def forget_prefixes(self) -> None:
+        """Drop every registered prefix and reset the counters (pages in use keep their contents but are no longer
+        found by `match_prefix`)."""
+        self._hash = [None] * self.num_pages
+        self._tokens = [None] * self.num_pages
+        self._by_hash.clear()
+        self._registered.clear()
+        self.peak_pages_used = self.num_used_pages()
+        self.prefix_query_tokens = self.prefix_hit_tokens = 0
+
     # ---- addressing -------------------------------------------------------------------------
     def slots(self, seq_id: int, start: int, end: int) -> list[int]:
         """Cache slots (page * page_size + offset) of token positions start..end-1."""

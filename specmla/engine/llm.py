@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import atexit
 import gc
+import itertools
 import logging
 import multiprocessing.connection as mp_connection
 import os
 import signal
 import tempfile
 import threading
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,14 +21,11 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 from specmla.distributed import destroy_group, init_group, launched_by_torchrun, local_rank
-from specmla.engine.cuda_graphs import GraphedDecoder
-from specmla.engine.prefill_graphs import PiecewisePrefill
+from specmla.engine import compile_guard, warmup
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
-from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from specmla.engine.spec import HybridProposer, MtpProposer, NgramProposer
-from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.engine.tp_channel import GlooChannel, ShmChannel
 from specmla.engine.tp_worker import TPEngine, follow_engine
 from specmla.model.deepseek import DeepseekForCausalLM
@@ -39,6 +38,9 @@ from specmla.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+GIB = float(1 << 30)
+RESERVE_SLACK, RESERVE_FLOOR = 0.02, 64 << 20  # kept free beyond the measured graphs and activations (allocator
+# rounding differs a little between the measuring engine and the served one)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -72,6 +74,7 @@ class LLM:
         pipeline_decode: bool = True,
         progress: bool = False,
         tokenizer: Tokenizer | None = None,
+        on_phase: Callable[[str], None] | None = None,
         _tp_rank: int | None = None,
         _tp_world: int = 1,
     ):
@@ -82,7 +85,16 @@ class LLM:
         shapes on the device (benchmarks of models too large to write to disk; every rank builds its shard).
         custom_all_reduce: under tensor parallelism on GPUs of one host, small all-reduces use the one-shot kernel
         (`ops.all_reduce`); False sends every all-reduce through NCCL. pipeline_decode: launch the next decode step
-        before this one's tokens reach the host (`LLMEngine`); False runs every step after the last."""
+        before this one's tokens reach the host (`LLMEngine`); False runs every step after the last.
+
+        On a GPU (unless enforce_eager) the constructor returns once every kernel a step can reach is compiled and
+        every CUDA graph captured (`engine.warmup`), the KV pool sized from the memory those left; `startup` then
+        holds the times and the memory split, and `engine.compile_guard` reports any later compile (a warning, or an
+        error with SPECMLA_COMPILE_GUARD=raise). `on_phase("loading" | "warming up")`: called as the start goes on
+        (the server's /health says which)."""
+        start = time.perf_counter()
+        if on_phase is not None:
+            on_phase("loading")
         if weights not in WEIGHTS:
             raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
         if speculative not in (None, "ngram", "mtp", "hybrid"):
@@ -121,12 +133,6 @@ class LLM:
         if kv_cache_dtype in _DTYPES:
             cache_dtype = _DTYPES[kv_cache_dtype]
         max_len = self.model.max_positions
-        if num_pages is None:
-            num_pages = default_num_pages(self.model, page_size, cache_dtype, device, max_num_seqs, max_len,
-                                          gpu_memory_utilization, kv_format)
-        pool = KVPool(self.model.num_cache_layers, num_pages, page_size, self.model.config.latent_dim,
-                      cache_dtype, device, enable_prefix_caching=enable_prefix_caching, scratch_page=True,
-                      kv_format=kv_format, kv_lora_rank=self.model.config.kv_lora_rank)
         proposer = None
         if speculative == "ngram":
             proposer = NgramProposer(num_speculative_tokens, ngram_min, ngram_max)
@@ -136,9 +142,42 @@ class LLM:
                                  "(num_nextn_predict_layers)")
             proposer = (MtpProposer(num_speculative_tokens) if speculative == "mtp"
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
-        self.engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
-                                max_num_batched_tokens=max_num_batched_tokens, proposer=proposer,
-                                pipeline_decode=pipeline_decode)
+        use_graphs = device.type == "cuda" and not enforce_eager
+
+        def make_engine(pages: int) -> LLMEngine:
+            pool = KVPool(self.model.num_cache_layers, pages, page_size, self.model.config.latent_dim, cache_dtype,
+                          device, enable_prefix_caching=enable_prefix_caching, scratch_page=True, kv_format=kv_format,
+                          kv_lora_rank=self.model.config.kv_lora_rank)
+            engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
+                               max_num_batched_tokens=max_num_batched_tokens, proposer=proposer,
+                               pipeline_decode=pipeline_decode)
+            if use_graphs:
+                warmup.attach_graphs(engine)
+            return engine
+
+        loaded = time.perf_counter()
+        if on_phase is not None and use_graphs:
+            on_phase("warming up")
+        tp = tensor_parallel_size > 1 or _tp_rank is not None
+        # one GPU: a warm-up on a small pool measures what the graphs and activations take before the pool is
+        # sized (ranks of a tensor-parallel group size theirs as rank 0 did, before they exist)
+        profiled = num_pages is None and use_graphs and not tp
+        reserved, free, first = 0, None, None
+        if profiled:
+            gc.collect()
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(device)[0]
+            look = proposer.k if proposer else 0
+            groups = warmup.request_groups(self.model.config.vocab_size, max_num_batched_tokens, max_num_seqs,
+                                           page_size, max_len - warmup.NEW_TOKENS - look - 1)
+            used, first = warmup.measure(make_engine, device, groups, page_size, look, progress or None)
+            reserved = used + int(RESERVE_SLACK * used) + RESERVE_FLOOR
+            log.info("profile: %s; %.2f GiB set aside for them", first.line(), reserved / GIB)
+        if num_pages is None:
+            num_pages = default_num_pages(self.model, page_size, cache_dtype, device, max_num_seqs, max_len,
+                                          gpu_memory_utilization, kv_format, reserved_bytes=reserved, free_bytes=free)
+        self.engine = make_engine(num_pages)
+        pool = self.engine.pool
         self._workers, self._stopping, self._channel, self._init_file = [], False, None, None
         if tensor_parallel_size > 1 and _tp_rank is None:
             # every rank builds this same engine (graphs included, their all-reduces captured in lockstep); the
@@ -150,26 +189,33 @@ class LLM:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                 enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
                 enforce_eager=enforce_eager, custom_all_reduce=custom_all_reduce, pipeline_decode=pipeline_decode))
-        if device.type == "cuda" and not enforce_eager:
-            self._capture_graphs(pool, proposer, max_num_seqs, max_len, page_size, max_num_batched_tokens)
+        self.startup: dict = {}  # what the warm-up measured (GPU with graphs): times and the memory split
+        if use_graphs:
+            # under tensor parallelism every rank captures the same graphs in the same order (their all-reduces
+            # pair up); the eager requests are left out there, so that no rank can step alone
+            groups = None
+            if not profiled and not tp:  # num_pages given: the request groups the pool holds
+                every = warmup.engine_groups(self.engine)
+                look = self.engine.scheduler.lookahead
+                groups = [g for g in every if warmup.pages_needed([g], page_size, look) <= pool.num_pages]
+                if len(groups) < len(every):
+                    log.warning("the KV pool (%d pages) cannot hold %d of the %d warm-up request groups: some eager "
+                                "kernels may compile on first use", pool.num_pages, len(every) - len(groups), len(every))
+            report = warmup.warm_up(self.engine, groups, progress=progress or None)
+            tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+            weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+            kv = pool.bytes_per_page() * pool.num_pages
+            if first is not None:  # the activations were measured on the profiling engine
+                report.activation_bytes = first.activation_bytes
+            self.startup = dict(load_s=loaded - start, ready_s=time.perf_counter() - start, graphs=report.graphs,
+                                graph_bytes=report.graph_bytes, activation_bytes=report.activation_bytes,
+                                reserved_bytes=reserved, weight_bytes=weights, kv_bytes=kv, kv_pages=pool.num_pages)
+            log.info("%s; memory: weights %.2f GiB, KV pool %.2f GiB (%d pages, %d tokens); ready in %.1f s "
+                     "(load %.1f s)", report.line(), weights / GIB, kv / GIB, pool.num_pages, pool.num_pages * page_size,
+                     self.startup["ready_s"], self.startup["load_s"])
+            compile_guard.arm()
         if self._workers:
             self.engine = TPEngine(self.engine, self._channel)
-
-    def _capture_graphs(self, pool: KVPool, proposer, max_num_seqs: int, max_len: int, page_size: int,
-                        max_num_batched_tokens: int) -> None:
-        """CUDA graphs of the decode / verify / MTP steps and the prefill pieces (under tensor parallelism every
-        rank captures the same ones in the same order: their all-reduces pair up across ranks)."""
-        runner, pages = self.engine.runner, -(-max_len // page_size)
-        runner.prefill_graphs = PiecewisePrefill(self.model, pool, max_num_batched_tokens)
-        if proposer is None:
-            runner.graphed = GraphedDecoder(self.model, pool, max_num_seqs, pages)
-        else:  # every decode step is a verify step with S = 1 + k query tokens
-            runner.graphed_verify = GraphedDecoder(self.model, pool, max_num_seqs, pages, query_len=1 + proposer.k)
-            if proposer.uses_mtp:  # the MTP catch-up + k drafts after each verify step: one more replay
-                runner.graphed_mtp = GraphedMtpDrafter(self.model, pool, max_num_seqs, pages, proposer.k,
-                                                       num_draft=proposer.num_mtp_drafts)
-            if proposer.whole_step_graph:  # greedy batches: the whole step in one replay
-                runner.graphed_spec = GraphedSpecStep(self.model, pool, max_num_seqs, pages, proposer.k)
 
     def _start_tensor_parallel(self, world: int, device, worker_kwargs: dict) -> None:
         """Rank 0 (this process, its shard loaded): spawn ranks 1..world-1 (each builds the same engine on its

@@ -3,7 +3,7 @@
 A prefill forward is cut at each layer's attention: piece 0 is the embedding and layer 0's projections
 (q, the normed latent, the roped k_pe, the cache write); piece l runs layer l-1's o_proj, residual norm
 and MLP, then layer l's projections; the last piece ends with the final norm. Each piece depends only on
-the step's token count, so it is captured once per padded size (a bucket) and replayed; attention, whose
+the step's token count, so it is captured once per padded size (a bucket; every bucket at warm-up) and replayed; attention, whose
 work depends on the batch's lengths and cached prefixes, runs eagerly between the pieces on the real
 rows. Padded rows take token 0 at position 0 and write their cache rows into the pool's scratch page.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specmla.engine import compile_guard
 from specmla.engine.kv_pool import KVPool
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
@@ -104,9 +105,24 @@ class PiecewisePrefill:
         self.c_kv[:b].copy_(c_kv)
         self.k_pe[:b].copy_(k_pe)
 
+    @torch.inference_mode()
+    def capture(self, b: int, mtp: bool = False) -> None:
+        """Capture bucket b's pieces (once; nothing without graphs), and with `mtp` the MTP catch-up's two pieces
+        (MTP module 0, the one the catch-up runs)."""
+        if not self.use_graphs:
+            return
+        if b not in self.graphs:
+            layers = self.model.model.layers
+            self.graphs[b] = self._captured([lambda layer=layer: self._piece(layer, b)
+                                             for layer in range(len(layers) + 1)], b)
+        if mtp and (0, b) not in self.mtp_graphs:
+            self.mtp_graphs[(0, b)] = self._captured([lambda piece=piece: self._mtp_piece(0, piece, b)
+                                                      for piece in (0, 1)], b)
+
     def _captured(self, pieces, b: int) -> list[torch.cuda.CUDAGraph]:
         """One graph per piece (callables of no argument), in order, on padding rows of size b: each piece
         runs once eagerly first (compiles kernels, allocates the ops' scratch outside the capture)."""
+        compile_guard.note(f"CUDA graph capture of the prefill pieces at {b} tokens")
         self._load([], [], [], b)
         torch.cuda.synchronize()
         graphs = []
@@ -154,8 +170,7 @@ class PiecewisePrefill:
         b = self._bucket(T)
         layers = self.model.model.layers
         pieces = [lambda layer=layer: self._piece(layer, b) for layer in range(len(layers) + 1)]
-        if self.use_graphs and b not in self.graphs:
-            self.graphs[b] = self._captured(pieces, b)
+        self.capture(b)
         run = [g.replay for g in self.graphs[b]] if self.use_graphs else pieces
         self._load(input_ids, positions, slots, b)
         for layer, lay in enumerate(layers):
@@ -174,7 +189,7 @@ class PiecewisePrefill:
         T = len(next_ids)
         b = self._bucket(T)
         pieces = [lambda piece=piece: self._mtp_piece(k, piece, b) for piece in (0, 1)]
-        if self.use_graphs and (k, b) not in self.mtp_graphs:
+        if self.use_graphs and (k, b) not in self.mtp_graphs:  # (module 0 is captured at warm-up)
             self.mtp_graphs[(k, b)] = self._captured(pieces, b)
         run = [g.replay for g in self.mtp_graphs[(k, b)]] if self.use_graphs else pieces
         self._load(next_ids, positions, slots, b)

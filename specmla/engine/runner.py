@@ -51,7 +51,11 @@ class ModelRunner:
         pool, dev = self.pool, self.device
         starts = [s.num_cached for s in seqs] if starts is None else starts
         ids, positions, slots, kv_lens = rows if rows is not None else self._rows(seqs, q_lens, starts)
-        is_decode = all(q == q_lens[0] for q in q_lens) and all(st > 0 for st in starts) and q_lens[0] <= 8
+        # equal short chunks after a cached prefix take the absorbed decode path, except in an engine with graphs:
+        # there every eager attention is the MHA form, whose kernels specialise on nothing a step's lengths change
+        # (the absorbed kernels plan by batch and table width, which would compile mid-run)
+        is_decode = (self.prefill_graphs is None and all(q == q_lens[0] for q in q_lens)
+                     and all(st > 0 for st in starts) and q_lens[0] <= 8)
         has_prefix = any(st > 0 for st in starts)
         ctx, cu_kv = [], []
         if has_prefix and (not is_decode or naive_context):
@@ -163,9 +167,10 @@ class ModelRunner:
         if g is not None and g.padded_size(B) is not None and all(
                 len(self.pool.pages_of(s.seq_id)) <= g.max_pages_per_seq for s in seqs):
             pool, d = self.pool, drafts.tolist()
+            last_pos = self.model.max_positions - 1  # padded drafts past the context: the last rope position
             hidden, logits = g.run(
                 input_ids=[t for s, row in zip(seqs, d) for t in [s.all_ids[-1]] + row],
-                positions=[p for s in seqs for p in range(s.num_cached, s.num_cached + S)],
+                positions=[min(p, last_pos) for s in seqs for p in range(s.num_cached, s.num_cached + S)],
                 slots=[x for s in seqs for x in pool.slots(s.seq_id, s.num_cached, s.num_cached + S)],
                 seq_lens=[s.num_cached + S for s in seqs],
                 tables=[pool.pages_of(s.seq_id) for s in seqs],
@@ -234,22 +239,23 @@ class ModelRunner:
         for s, e in zip(seqs, emitted):
             total = s.total_len + e  # the length once the emitted tokens are appended
             if not (s.num_cached == s.total_len - 1 and not s.is_finished and 1 <= e <= S
-                    and -(-(total + k) // pool.page_size) <= g.max_pages_per_seq
-                    and total + k - 2 < self.model.max_positions):
+                    and -(-(total + k) // pool.page_size) <= g.max_pages_per_seq):
                 return None
             need += pool.pages_needed(s.seq_id, total + k)
         if need > pool.num_free_pages():
             return None
         ids, positions, slots, seq_lens, dpos, dslots, tables = [], [], [], [], [], [], []
+        last_pos = self.model.max_positions - 1
         for s, toks, e in zip(seqs, tokens, emitted):
             st, total = s.num_cached, s.total_len + e
             pool.allocate(s.seq_id, total + k)
             ids += toks[:e] + [0] * (S - e)  # row j takes token st + j + 1; rows past the emitted ones are garbage
-            positions += range(st, st + S)
+            positions += [min(x, last_pos) for x in range(st, st + S)]  # rows past the emitted ones: garbage
             slots += pool.slots(s.seq_id, st, st + S)  # allocated: total + k > st + k
             seq_lens.append(st + S)
             p = list(range(total - 1, total + nd - 2))  # draft step j at total - 2 + j
-            dpos.append(p)
+            # drafts past the context (never proposed: the engine caps them there) take the last rope position
+            dpos.append([min(x, last_pos) for x in p])
             dslots.append(pool.slots(s.seq_id, p[0], p[-1] + 1) if p else [])
             tables.append(pool.pages_of(s.seq_id))
         return g.run(hidden=verify_hidden, input_ids=ids, positions=positions, slots=slots, seq_lens=seq_lens,
@@ -262,7 +268,9 @@ class ModelRunner:
         """The MTP proposer after a verify step whose emitted tokens are appended: seqs[i] verified
         S = 1 + k rows from position starts[i] (trunk states verify_hidden[i·S : (i+1)·S]) and
         emitted emitted[i] tokens. `launched`: the device drafts of `mtp_launch_after_verify`, read
-        here; without them the unfinished requests catch up and draft eagerly."""
+        here; without them the unfinished requests catch up and draft eagerly (one draft where the drafter is a
+        CUDA graph, as after a prefill: the recursive drafts would run the MTP layer's experts eagerly, at sizes the
+        warm-up never compiled)."""
         if launched is not None:
             for s, d in zip(seqs, launched.tolist()):
                 if not s.is_finished:
@@ -272,7 +280,9 @@ class ModelRunner:
         items = [(s, starts[i], verify_hidden[i * S : i * S + emitted[i]]) for i, s in enumerate(seqs)
                  if not s.is_finished]
         if items:
-            self.mtp_catch_up_and_draft(items, k if num_draft is None else num_draft)
+            n = k if num_draft is None else num_draft
+            graphed = self.graphed_mtp is not None and self.graphed_mtp.use_graphs
+            self.mtp_catch_up_and_draft(items, min(n, 1) if graphed else n)
 
     @torch.inference_mode()
     def mtp_catch_up_and_draft(self, items: list[tuple[Sequence, int, torch.Tensor]], k: int) -> None:

@@ -81,7 +81,7 @@ def ngram_propose_torch(tokens, seq_lens, *, max_ngram, min_ngram, num_draft, ma
     return drafts.to(tokens.device), num.to(tokens.device)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tb"])  # the token rows' length changes every step
 def _ngram_search_kernel(
     TOK, LENS, CAPS, ACTIVE, DRAFTS, NUM,
     stride_tb, stride_db,
@@ -119,7 +119,7 @@ def _ngram_search_kernel(
     tl.store(NUM + b, count.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "max_batch_tokens"])
 def _ngram_budget_kernel(NUM, ACTIVE, DRAFTS, B, stride_db, max_batch_tokens, WIDTH: tl.constexpr):
     """Serial pass in batch order (B is small: one program)."""
     remaining = tl.full([], 0, tl.int32)
@@ -140,8 +140,12 @@ def _ngram_budget_kernel(NUM, ACTIVE, DRAFTS, B, stride_db, max_batch_tokens, WI
 
 def ngram_propose_triton(tokens, seq_lens, *, max_ngram, min_ngram, num_draft, max_batch_tokens=None, active=None,
                          max_num_draft=None, block: int = 1024):
+    """`block`: start positions compared per iteration, a power of two fixed by the caller (never derived from the
+    step's lengths, so a new context length compiles nothing)."""
     _check(tokens, seq_lens, max_ngram, min_ngram)
-    B, L = tokens.shape
+    if block < 1 or block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    B = tokens.shape[0]
     dev = tokens.device
     caps, width = _caps(num_draft, B, dev, max_num_draft)
     w = max(1, triton.next_power_of_2(width))
@@ -152,7 +156,7 @@ def ngram_propose_triton(tokens, seq_lens, *, max_ngram, min_ngram, num_draft, m
     if B:
         _ngram_search_kernel[(B,)](
             tokens, seq_lens.to(dev, torch.int32), caps, act, drafts, num, tokens.stride(0), drafts.stride(0),
-            MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram, WIDTH=w, BLOCK=min(block, triton.next_power_of_2(max(L, 16))),
+            MAX_NGRAM=max_ngram, MIN_NGRAM=min_ngram, WIDTH=w, BLOCK=block,
         )
         if max_batch_tokens is not None:
             _ngram_budget_kernel[(1,)](num, act, drafts, B, drafts.stride(0), max_batch_tokens, WIDTH=w)

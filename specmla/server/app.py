@@ -342,7 +342,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
     `host`, when given, is the address the server binds: a public one without `api_key` logs a warning.
     A request body over `max_body_bytes` is a 413."""
     warn_if_exposed(host, api_key)
-    state: dict[str, Any] = {"llm": None, "engine": None, "error": None}
+    # phase: "loading" the weights, then "warming up" (compiling kernels, capturing graphs; set by the loader)
+    state: dict[str, Any] = {"llm": None, "engine": None, "error": None, "phase": "loading"}
     metrics = Metrics(lambda: state["llm"].engine if state["llm"] else None)
 
     def load():
@@ -406,13 +407,13 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
 
     def ready():
         if state["llm"] is None:
-            raise APIError(503, state["error"] or "the model is still loading", "server_error")
+            raise APIError(503, state["error"] or f"the server is not ready yet ({state['phase']})", "server_error")
         return state["llm"], state["engine"]
 
     @app.get("/health")
     async def health():
         if state["llm"] is None:
-            return JSONResponse(status_code=503, content={"status": "error" if state["error"] else "loading",
+            return JSONResponse(status_code=503, content={"status": "error" if state["error"] else state["phase"],
                                                           "error": state["error"]})
         return {"status": "ok"}
 

@@ -210,7 +210,7 @@ def _gpu_rank(rank, world, init_file, q):
 def test_gpu_one_shot_all_reduce_matches_nccl(tmp_path):
     world = 2
     if torch.cuda.device_count() < world:
-        pytest.fail(f"needs {world} GPUs")
+        pytest.skip(f"needs {world} GPUs")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_gpu_rank, args=(r, world, str(tmp_path / "init"), q)) for r in range(world)]

@@ -245,18 +245,28 @@ def test_health_is_503_while_the_model_loads_and_requests_wait(tiny_model_dir):
     from specmla import LLM
     from specmla.server.app import create_app
 
-    gate = threading.Event()
+    gate, warming = threading.Event(), threading.Event()
+    phases = []
 
     def slow_load():
+        def on_phase(p):
+            phases.append(p)
+            app.state.specmla.update(phase=p)
+        on_phase("warming up")  # what a GPU's LLM reports while it compiles and captures (a CPU has no warm-up)
+        warming.set()
         gate.wait(30)
-        return LLM(tiny_model_dir, device="cpu")
+        return LLM(tiny_model_dir, device="cpu", on_phase=on_phase)
 
-    with TestClient(create_app(slow_load, MODEL)) as c:
-        assert c.get("/health").status_code == 503
+    app = create_app(slow_load, MODEL)
+    with TestClient(app) as c:
+        assert warming.wait(30)
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "warming up"
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-        assert r.status_code == 503 and r.json()["error"]["message"]
+        assert r.status_code == 503 and "warming up" in r.json()["error"]["message"]
         gate.set()
         deadline = time.time() + 30
         while c.get("/health").status_code != 200 and time.time() < deadline:
             time.sleep(0.05)
         assert c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert phases == ["warming up", "loading"]  # the CPU LLM reported its load; it has nothing to warm up

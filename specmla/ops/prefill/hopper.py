@@ -547,7 +547,9 @@ if G.HAVE_GLUON:
                 t, h, q0, q_len, k_len, start_m, end, n_blocks = _next_tile(tile_info, bars, k, BLOCK_N)
             k += 1
 
-    @gluon.jit
+    # the tile counts and head group change with every step's lengths: not specialised, so a new length compiles
+    # nothing
+    @gluon.jit(do_not_specialize=["N_M", "N_TILES", "head_group"])
     def _mla_prefill_ws_kernel(
         q_desc, qt_desc, k_desc, kt_desc, v_desc, o_desc, O, LSE, CU_Q, CU_K, SCHED, H, N_M, N_TILES, head_group,
         COUNTER, stride_ot, stride_oh, stride_lt, scale_log2,
@@ -813,7 +815,7 @@ def mla_prefill_hopper(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_s
         pointers = (o, lse, cu_seqlens_q, cu_seqlens_kv, sched, counter)
         key = (q.device, q.dtype, d1, dt, dv, tma_out, causal, opts.pingpong, persistent, ragged, opts.split_q,
                opts.reverse, opts.consumer_regs, opts.producer_regs,
-               tuple(_int_key(x) for x in (H, n_m, n_tiles, group, o.stride(0), o.stride(1), lse.stride(0))),
+               tuple(_int_key(x) for x in (H, o.stride(0), o.stride(1), lse.stride(0))),
                tuple(t.data_ptr() % 16 == 0 for t in pointers))
         _launch(grid, named, key, opts.fast_launch)
     return (o, lse) if return_lse else o
