@@ -23,6 +23,7 @@ from specmla.config import ModelConfig
 from specmla.model.default import default_model_path
 from specmla.model.loader import LOAD_FORMATS, CheckpointError, _checkpoint_files
 from specmla.sampling_params import SamplingParams
+from specmla.tokenizer import Tokenizer
 
 
 DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
@@ -124,7 +125,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=_page_size, default=64, help="tokens per KV page: a power of two")
     p.add_argument("--num-pages", type=_int(1, None, ">= 1"), default=None,
                    help="KV pool size in pages (default: sized from the free memory)")
-    p.add_argument("--max-model-len", type=_int(1, None, ">= 1"), default=None)
+    p.add_argument("--max-model-len", type=_int(2, None, ">= 2"), default=None)
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_int(1, 1024, ">= 1"), default=1,
                    help="tensor-parallel ranks (spawned here, or the ranks of a torchrun launch)")
     p.add_argument("--speculative", choices=["ngram", "mtp", "hybrid"], default=None,
@@ -173,6 +174,8 @@ def preflight_model(model, need_tokenizer: bool, speculative: str | None = None,
     names = _checkpoint_files(path) if load_format == "safetensors" else None
     if need_tokenizer and not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}")
+    if need_tokenizer:  # a tokenizer that would fail every request stops the start, not each request
+        Tokenizer(path).check(cfg.vocab_size)
     if speculative in ("mtp", "hybrid"):
         mtp = cfg.num_nextn_predict_layers and (names is None or any(
             n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in names))
@@ -341,8 +344,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app = create_app(load, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     on_load_error=load_failed)
-    server = build_server(app, args.host, args.port, args.log_level, args.shutdown_timeout)
+                     body_timeout_s=args.read_timeout, on_load_error=load_failed)
+    server = build_server(app, args.host, args.port, args.log_level, args.shutdown_timeout, args.read_timeout)
     try:
         server.run()
         code = 0 if server.started and not server.load_failed else 1
@@ -393,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after SIGTERM, requests in flight get this long, then end with an error (default 30)")
     sv.add_argument("--max-body-bytes", type=_int(1, None, ">= 1"), default=16 << 20,
                     help="larger request bodies get a 413 (default 16 MiB)")
+    sv.add_argument("--read-timeout", type=_float(0.1, 3600.0, "seconds from 0.1 to 3600"), default=20.0,
+                    help="a request's headers, then its body, must arrive within this many seconds: a connection "
+                         "that sends no headers is closed, a body late gets a 408 (default 20)")
     sv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -204,6 +204,9 @@ class ModelConfig:
         if cfg.get("num_key_value_heads", heads) not in (None, heads):
             raise UnsupportedModelError("MLA models have num_key_value_heads == num_attention_heads")
         get = cfg.get
+        positions = get("max_position_embeddings", 4096)
+        if type(positions) is not int or positions < 2:  # a prompt token and one to generate, at the least
+            raise ValueError(f"max_position_embeddings must be an integer >= 2, got {positions!r}")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -233,7 +236,7 @@ class ModelConfig:
             attention_bias=bool(get("attention_bias", False)),
             rope_interleave=bool(get("rope_interleave", True)),
             rope=RopeConfig.from_hf(cfg),
-            max_position_embeddings=get("max_position_embeddings", 4096),
+            max_position_embeddings=positions,
             num_nextn_predict_layers=get("num_nextn_predict_layers", 0) or 0,
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             bos_token_id=get("bos_token_id"),

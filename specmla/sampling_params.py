@@ -14,6 +14,7 @@ INT64_MIN = -(2**63)
 MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default cap)
 MAX_STOP_STRINGS = 64  # stop list limits: matching costs O(count × length) per new token
 MAX_STOP_LENGTH = 1024
+FLOAT32_TINY = 2.0**-126  # the smallest normal float32: a top_p below it is 0 or subnormal in the sampler
 
 
 def _is_int(x) -> bool:
@@ -52,6 +53,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.top_p < FLOAT32_TINY:  # the sampler holds it in float32, where it would be 0 (or lose precision)
+            raise ValueError(f"top_p must be at least {FLOAT32_TINY:.3g} (the sampler's float32 would take "
+                             f"{self.top_p!r} as 0), got {self.top_p!r}")
         if not _is_int(self.top_k) or not (self.top_k in (-1, 0) or 1 <= self.top_k <= INT64_MAX):
             raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1 within int64, got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -46,12 +47,39 @@ class Tokenizer:
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
         self.add_bos = bool(cfg.get("add_bos_token", self.bos_token_id is not None))
         self.chat_template = cfg.get("chat_template")
-        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-        self._byte_level = decoder.get("type") == "ByteLevel"
+        spec = json.loads(self._tok.to_str())
+        self._byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+        self._normalizes = spec.get("normalizer") is not None
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    def check(self, vocab_size: int) -> None:
+        """Raise ValueError (one line) where this tokenizer would fail every request to a model of `vocab_size`
+        tokens: ids past the model's vocabulary, or a short text that does not come back from its tokens."""
+        sample = "Hello, world! 123 — ünïcode"
+        ids = self.encode(sample, add_bos=False)
+        if not ids or max(ids) >= vocab_size:
+            raise ValueError(f"the tokenizer's ids ({max(ids, default=-1)} for a short text) do not fit the model's "
+                             f"vocabulary of {vocab_size}")
+        back = self.decode(ids, skip_special_tokens=False)
+        if back.strip() != self.normalized(sample):
+            raise ValueError(f"the tokenizer does not round-trip a short text ({sample!r} came back as {back!r})")
+
+    def normalized(self, text: str) -> str:
+        """The text as the tokenizer's normalizer (if any) sees it: what decoding its tokens gives back."""
+        norm = self._tok.normalizer
+        return norm.normalize_str(text) if norm is not None else text
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """A bound on the characters of text one token covers: the most UTF-8 bytes a token stands for (special
+        tokens included; a character is at least one byte), doubled where a normalizer may shorten the text first.
+        A text of n characters encodes to at least n / max_chars_per_token tokens, which bounds a prompt before it
+        is tokenised."""
+        most = max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
+        return max(1, most) * (2 if self._normalizes else 1)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         # encode_batch releases the GIL (encode holds it): a long text does not stall the process's other threads

@@ -101,6 +101,8 @@ class LLM:
             raise ValueError(f"speculative={speculative!r}: expected None, 'ngram', 'mtp' or 'hybrid'")
         if tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and one to generate), got {max_model_len}")
         if tensor_parallel_size > 1 and isinstance(model, DeepseekForCausalLM):
             raise ValueError("tensor parallelism needs a model directory (each rank loads its shard)")
         if tensor_parallel_size > 1 and tokenizer is not None:

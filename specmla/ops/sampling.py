@@ -103,7 +103,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     p = top_p.float()[:, None]
-    keep = keep & ((mass_before < p) | (p >= 1.0))
+    first = torch.arange(vocab, device=logits.device) == 0  # the top token stays whatever p is (p = 0 included)
+    keep = keep & ((mass_before < p) | (p >= 1.0) | first)
     keep = torch.empty_like(keep).scatter_(1, order, keep)
     return logits.masked_fill(~keep, float("-inf"))
 

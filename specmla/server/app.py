@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hmac
 import ipaddress
 import json
@@ -17,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any
 
 import jinja2
 import jinja2.sandbox
@@ -25,12 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specmla.sampling_params import SamplingParams
 from specmla.server.async_engine import AsyncEngine
+from specmla.server.protocol import (APIError, BodyLimits, ChatMessage, ChatRequest, CompletionRequest, _Common,
+                                     error_response, parse_body, prompt_bound)
 
 log = logging.getLogger("specmla.server")
 
@@ -40,156 +42,145 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
-
-
-def _encodable(text: str) -> str:
-    """A JSON string may hold a lone surrogate (\\ud800), which no tokenizer can take: reject it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"invalid Unicode at position {e.start}: a lone surrogate is not text") from None
-    return text
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_BODY_TIMEOUT_S = 20.0  # a request body must have arrived this long after its headers
+TRIM_AFTER_BYTES = 1 << 20  # a request with a body this large gives the heap's free pages back when it ends
+SMALL_BODY_BYTES, BIG_PARSES = 1 << 16, 2  # bodies of 64 KiB and more are parsed two at a time
 
 
 def _raise_template_error(message: str):
     raise jinja2.TemplateError(message)
 
 
+CHECK_CONVERSATION = [{"role": "system", "content": "You are a helpful assistant."},
+                      {"role": "user", "content": "Hello!"}]
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A model's chat template is code from its files: compiled in a sandbox, as transformers does."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_template_error
+    return env.from_string(source)
+
+
+def render_chat(template: jinja2.Template, messages: list[dict]) -> str:
+    return template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+
+
+def check_model_dir(llm) -> dict:
+    """What could fail on every request because of the model directory, checked once at start: the context holds a
+    prompt token and an answer, the tokenizer's ids fit the model and a text round-trips; the chat template compiles
+    and renders a two-message conversation (else chat alone is unavailable, a 503 naming the cause, and completions
+    still serve). Raises ValueError for what makes the model unusable; returns the app's state entries (the chat
+    template or its error, the prompt bound, the body limits)."""
+    ctx, tok = llm.engine.max_model_len, llm.tokenizer
+    if ctx < 2:
+        raise ValueError(f"the model's context is {ctx} tokens: a prompt and an answer need at least 2")
+    out = {"chat_template": None, "chat_error": None, "chars_per_token": 1 << 30, "limits": None}
+    if tok is None:  # token ids only: a byte bound as for one character a token
+        return dict(out, limits=BodyLimits.for_context(ctx, 1))
+    tok.check(llm.model.config.vocab_size)
+    out["chars_per_token"] = tok.max_chars_per_token
+    out["limits"] = BodyLimits.for_context(ctx, tok.max_chars_per_token)
+    try:
+        out["chat_template"] = template = compile_chat_template(tok.chat_template or DEFAULT_CHAT_TEMPLATE)
+        if not render_chat(template, CHECK_CONVERSATION):
+            raise jinja2.TemplateError("it renders a conversation as nothing")
+    except jinja2.TemplateError as e:
+        out["chat_template"], out["chat_error"] = None, f"the model's chat template does not work: {e.message or e}"
+        log.warning("%s; /v1/chat/completions answers 503 (completions still serve)", out["chat_error"])
+    return out
+
+
+def body_schema(model) -> dict:
+    """OpenAPI's requestBody for an endpoint that parses its own body (`parse_body`): the model's JSON schema with
+    its $defs inlined."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.split("/")[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 class BodyLimitMiddleware:
-    """Answers 413 to a request body over `max_bytes` (by its Content-Length at once, else while it
-    arrives) before anything parses it; the body is then handed on whole. Plain ASGI, so the app still
-    sees the client's disconnect."""
+    """Reads a request body whole before anything parses it, and refuses, before it is kept:
+    - a body over `max_bytes` with a 413, at once by its Content-Length (else once it passes), the connection
+      closed unread;
+    - a body under it but over `useful_bytes()`, the most any request the loaded model can run may hold, with a
+      400 once the body has arrived (read and dropped as it comes, so the client reads the answer);
+    - a body that has not arrived `timeout_s` after the request began (a stalled or trickling upload) with a 408,
+      the connection closed.
+    Plain ASGI, so the app still sees the client's disconnect."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S, useful_bytes=lambda: None):
+        """useful_bytes(): see the class doc (None before the model loads)."""
+        self.app, self.max_bytes, self.timeout_s, self.useful_bytes = app, max_bytes, timeout_s, useful_bytes
 
-    async def _too_large(self, scope, receive, send):
-        resp = error_response(413, f"the request body is over {self.max_bytes} bytes", code="request_too_large")
-        resp.headers["connection"] = "close"  # the rest of the body is not read
+    @staticmethod
+    async def _answer(scope, receive, send, status: int, message: str, code: str, close: bool = True):
+        resp = error_response(status, message, code=code)
+        if close:
+            resp.headers["connection"] = "close"  # the rest of the body is not read
         await resp(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
+        too_large = (413, f"the request body is over {self.max_bytes} bytes", "request_too_large")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await self._too_large(scope, receive, send)
+            return await self._answer(scope, receive, send, *too_large)
+        useful = self.useful_bytes()
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return await self._answer(scope, receive, send, 408, f"the request body did not arrive within "
+                                          f"{self.timeout_s:g} s", "request_timeout")
             if message["type"] != "http.request":  # the client left before sending its body
                 return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
+            part = message.get("body", b"")
+            size += len(part)
             if size > self.max_bytes:
-                return await self._too_large(scope, receive, send)
+                return await self._answer(scope, receive, send, *too_large)
+            if useful is None or size <= useful:
+                chunks.append(part)
+            elif chunks:
+                chunks.clear()  # past any use: read on, keep nothing
             if not message.get("more_body", False):
                 break
+        if useful is not None and size > useful:
+            return await self._answer(scope, receive, send, 400, f"the request body is over {useful} bytes, more than "
+                                      "any request to this model can use (its prompt would exceed the context)",
+                                      "context_length_exceeded", close=False)
         body, handed = b"".join(chunks), False
+        del chunks  # one copy of a large body, not two, while the request runs
 
         async def replay():
-            nonlocal handed
+            nonlocal handed, body
             if not handed:
                 handed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+                message, body = {"type": "http.request", "body": body, "more_body": False}, b""
+                return message
             return await receive()
 
-        return await self.app(scope, replay, send)
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-INT64_MAX = 2**63 - 1
-MAX_LOGPROBS = 20  # as vLLM: completions' `logprobs` and chat's `top_logprobs` go up to this
-MAX_STOP = 32  # stop strings per request, each at most MAX_STOP_LEN characters (both bound per-token work)
-MAX_STOP_LEN = 512
-
-Finite = Annotated[float, Field(allow_inf_nan=False)]
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
-    max_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    temperature: Annotated[Finite, Field(ge=0)] | None = None
-    top_p: Annotated[Finite, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=INT64_MAX)] | None = None
-    stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1)] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-
-    # fields of OpenAI's API that this server does not implement: (name, the values that mean "off")
-    UNSUPPORTED: ClassVar[tuple] = (("n", (None, 1)), ("presence_penalty", (None, 0)), ("frequency_penalty", (None, 0)),
-                           ("logit_bias", (None, {})), ("tools", (None, [])), ("functions", (None, [])),
-                           ("response_format", (None, {"type": "text"})))
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_text(cls, v):
-        stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
-        for x in stops:
-            if not 1 <= len(x) <= MAX_STOP_LEN:
-                raise ValueError(f"a stop string has 1 to {MAX_STOP_LEN} characters, got {len(x)}")
-            _encodable(x)
-        return v
-
-    def check_supported(self) -> None:
-        """A field we accept but do not implement is a 400 naming it, never silently ignored."""
-        extra = self.model_extra or {}
-        for name, off in self.UNSUPPORTED:
-            value = getattr(self, name, None) if name in type(self).model_fields else extra.get(name)
-            if value not in off:
-                what = f"{name} > 1" if name in ("n", "best_of") else name
-                raise APIError(400, f"{what} is not supported by this server", param=name)
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-    UNSUPPORTED: ClassVar[tuple] = _Common.UNSUPPORTED + (("echo", (None, False)), ("suffix", (None, "")),
-                                                   ("best_of", (None, 1)))
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_text(cls, v):
-        return _encodable(v) if isinstance(v, str) else v
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
-
-    @field_validator("content")
-    @classmethod
-    def _content_text(cls, v):
-        return _encodable(v)
-
-
-class ChatRequest(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=INT64_MAX)] | None = None
-    logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+        try:
+            return await self.app(scope, replay, send)
+        finally:
+            if size >= TRIM_AFTER_BYTES:
+                await asyncio.to_thread(trim_heap)
 
 
 class Logprobs:
@@ -326,7 +317,6 @@ def warn_if_exposed(host: str | None, api_key: str | None) -> bool:
     return True
 
 
-DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
@@ -336,19 +326,21 @@ def _log_load_error(e: Exception) -> None:
 
 
 def create_app(load_llm, model_name: str, api_key: str | None = None, host: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_load_error=_log_load_error) -> FastAPI:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, on_load_error=_log_load_error,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """`load_llm()` builds the LLM (called in a background thread, so /health can say 503 first); if it raises,
     `on_load_error(exception)` reports it (default: the log) and the server stops (`build_server`).
     `host`, when given, is the address the server binds: a public one without `api_key` logs a warning.
-    A request body over `max_body_bytes` is a 413."""
+    A request body over `max_body_bytes` is a 413, one not arrived `body_timeout_s` after its headers a 408."""
     warn_if_exposed(host, api_key)
     # phase: "loading" the weights, then "warming up" (compiling kernels, capturing graphs; set by the loader)
-    state: dict[str, Any] = {"llm": None, "engine": None, "error": None, "phase": "loading"}
+    state: dict[str, Any] = {"llm": None, "engine": None, "error": None, "phase": "loading", "chat_error": None}
     metrics = Metrics(lambda: state["llm"].engine if state["llm"] else None)
 
     def load():
         try:
             llm = load_llm()
+            state.update(check_model_dir(llm))
             state["engine"] = AsyncEngine(llm.engine, on_finish=metrics.finished)
             state["llm"] = llm
         except Exception as e:  # /health reports that it failed; the reason (which may name paths) is reported
@@ -401,7 +393,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
         log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(500, "internal server error", "server_error")
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, timeout_s=body_timeout_s,
+                       useful_bytes=lambda: state["limits"].max_bytes if state.get("limits") else None)
     if api_key:  # outermost: a request without the key is turned away before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
@@ -444,7 +437,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
         engine = llm.engine
         ctx = engine.max_model_len
         if prompt_len >= ctx:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; the context is {ctx}", param="prompt")
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the context is {ctx}",
+                           param="messages" if isinstance(req, ChatRequest) else "prompt")
         # one request may hold the whole pool (others are preempted), never more: prompt + output + the
         # speculative lookahead must fit in it, or the request could never finish
         pool_tokens = engine.pool.num_pages * engine.pool.page_size - getattr(engine.scheduler, "lookahead", 0)
@@ -463,8 +457,9 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
                 max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
                 seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=engine_logprobs(req))
-        except ValueError as e:
-            raise APIError(400, str(e)) from e
+        except ValueError as e:  # SamplingParams names the field first
+            field = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=field if field in type(req).model_fields else None) from e
 
     def encode_prompt(llm, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -476,22 +471,40 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
             raise APIError(400, f"prompt token ids must be a non-empty list of ints in [0, {vocab})", param="prompt")
         return list(prompt)
 
-    templates: dict[str, jinja2.Template] = {}
-
     def chat_prompt(llm, messages: list[ChatMessage]) -> list[int]:
         if llm.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
-        source = llm.tokenizer.chat_template or DEFAULT_CHAT_TEMPLATE
-        if source not in templates:  # a model's template is code from its files: sandboxed, as transformers does
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            templates[source] = env.from_string(source)
+        if state["chat_error"]:
+            raise APIError(503, f"chat is unavailable: {state['chat_error']}", "server_error")
         try:
-            text = templates[source].render(messages=[m.model_dump() for m in messages], add_generation_prompt=True,
-                                            bos_token="", eos_token="")
+            text = render_chat(state["chat_template"], [m.model_dump() for m in messages])
         except jinja2.TemplateError as e:
             raise APIError(400, f"the chat template rejects these messages: {e.message}", param="messages") from e
         return llm.tokenizer.encode(text)
+
+    def check_prompt_size(llm, text_len: int, param: str) -> None:
+        """A text of text_len characters past the bound holds more tokens than the context: refused before it is
+        tokenised (tokenising megabytes costs seconds and gigabytes)."""
+        ctx = llm.engine.max_model_len
+        if text_len > prompt_bound(ctx, state["chars_per_token"]):
+            raise APIError(400, f"the prompt has {text_len} characters, so more than {ctx} tokens (a token covers at "
+                           f"most {state['chars_per_token']} characters); the context is {ctx}", param=param)
+
+    big_parses = asyncio.Semaphore(BIG_PARSES)
+
+    async def parsed(request: Request, model):
+        """The request's body as `model`, parsed off the event loop within the context's limits. Large bodies take
+        turns, BIG_PARSES at a time: the parser holds the interpreter for tens of milliseconds a call, and a crowd
+        of such threads would keep the event loop (/health, streams) from its turn."""
+        llm, _ = ready()
+        body = await request.body()
+        if len(body) < SMALL_BODY_BYTES:
+            req = await run_in_threadpool(parse_body, body, model, state["limits"])
+        else:
+            async with big_parses:
+                req = await run_in_threadpool(parse_body, body, model, state["limits"])
+        check_model(req)
+        return llm, req
 
     async def run(kind: str, req: _Common, prompt_ids: list[int], params: SamplingParams, request: Request):
         llm, engine = ready()
@@ -575,17 +588,18 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        llm, _ = ready()
-        check_model(req)
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    async def completions(request: Request):
+        llm, req = await parsed(request, CompletionRequest)
+        if isinstance(req.prompt, str):
+            check_prompt_size(llm, len(req.prompt), "prompt")
         ids = await run_in_threadpool(encode_prompt, llm, req.prompt)  # off the event loop: /health stays live
         return await run("text_completion", req, ids, sampling(req, len(ids), llm, req.max_tokens), request)
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest, request: Request):
-        llm, _ = ready()
-        check_model(req)
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatRequest))
+    async def chat(request: Request):
+        llm, req = await parsed(request, ChatRequest)
+        check_prompt_size(llm, sum(len(m.content) for m in req.messages), "messages")
         ids = await run_in_threadpool(chat_prompt, llm, req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await run("chat.completion", req, ids, sampling(req, len(ids), llm, max_tokens), request)
@@ -594,6 +608,31 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
 
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+KEEP_ALIVE_S = 5
+
+
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
+def return_large_frees() -> None:
+    """glibc serves large allocations from mmap and returns them at free, but raises that threshold to the largest
+    block freed so far, after which request bodies of megabytes come from the heap and stay in the process. Fixing
+    it at 1 MiB keeps a burst of oversized requests from leaving the server gigabytes larger (no-op elsewhere)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim over every arena): a large body arrives
+    in chunks of tens of kilobytes, which come from the worker threads' arenas and stay there once freed."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
@@ -605,12 +644,58 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: st
     return 1 if server.load_failed else 0
 
 
+def _header_deadline(timeout_s: float):
+    """uvicorn's httptools protocol with a deadline on each request's headers: a connection that sends nothing, or
+    its headers a few bytes at a time, is closed `timeout_s` after it opened or after its last response (uvicorn
+    times only idle keep-alive connections). "auto" where httptools is missing."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "auto"
+
+    class HeaderDeadlineProtocol(HttpToolsProtocol):
+        _headers_due = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._headers_due = self.loop.call_later(timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._headers_due is not None:
+                self._headers_due.cancel()
+                self._headers_due = None
+
+        def _headers_late(self) -> None:
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self.transport.close()
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderDeadlineProtocol
+
+
 def build_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S):
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, read_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
     """A uvicorn server for `app`. The first SIGINT / SIGTERM drains: no new connections, requests in flight go
     on for up to `shutdown_timeout` seconds, then end with a 503 error (an SSE error event on a stream) and the
     server exits. A second signal exits at once. A model that fails to load (its reason is logged) stops the
-    server and sets its `load_failed`."""
+    server and sets its `load_failed`. A request's headers must arrive within `read_timeout_s` of the connection's
+    start or its last response (`create_app`'s body_timeout_s bounds the body)."""
     import os
     import signal
 
@@ -645,8 +730,10 @@ def build_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_le
             finally:
                 timer.cancel()
 
-    # uvicorn cancels what still runs a little after the deadline (the failed requests have then answered)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout + 2)
+    # uvicorn cancels what still runs a little after the deadline (the failed requests have then answered); an idle
+    # keep-alive connection closes after KEEP_ALIVE_S, one whose request headers have not come after read_timeout_s
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S,
+                            timeout_graceful_shutdown=shutdown_timeout + 2, http=_header_deadline(read_timeout_s))
+    return_large_frees()
     warn_if_exposed(host, getattr(app.state, "api_key", None))
     return Server(config)

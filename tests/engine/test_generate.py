@@ -60,6 +60,25 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     assert len(others) > 1
 
 
+def test_seeded_requests_repeat_alone_and_in_the_same_batch(llm):
+    """The README's determinism sentence: a seeded, sampled request repeated alone samples the same tokens, and so
+    does a batch repeated as the same batch (the draws depend on (seed, step) only: tests/ops/test_sampling.py)."""
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=s, ignore_eos=True)
+              for s in (11, 12, 13, 14)]
+    batch = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == batch
+    for prompt, p in zip(PROMPTS, params):
+        assert llm.generate(prompt, p)[0].token_ids == llm.generate(prompt, p)[0].token_ids
+
+
+def test_top_p_that_float32_takes_as_zero_is_refused():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1e-300)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1e-40)  # a float32 subnormal
+    assert SamplingParams(top_p=2.0**-126).top_p == 2.0**-126
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     greedy = llm.generate(PROMPTS, GREEDY)
     k1 = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.9, top_k=1, seed=3, ignore_eos=True))

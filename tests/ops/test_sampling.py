@@ -114,6 +114,17 @@ def test_top_k_one_and_tiny_top_p_are_argmax():
     assert torch.equal(sample(logits, _st(32, temperature=1.5, top_p=1e-6)).tokens, logits.argmax(-1))
 
 
+def test_a_top_p_of_zero_keeps_the_top_token():
+    """A top_p that became 0 (float32 underflow; the API refuses such values) still keeps each row's most likely
+    token, so it samples argmax, never a masked-out token."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(16, 97, generator=gen) * 2
+    masked = apply_top_k_top_p(logits, torch.zeros(16, dtype=torch.long), torch.zeros(16))
+    assert torch.isfinite(masked).sum(-1).tolist() == [1] * 16
+    assert torch.equal(masked.argmax(-1), logits.argmax(-1))
+    assert torch.equal(sample(logits, _st(16, temperature=0.8, top_p=0.0)).tokens, logits.argmax(-1))
+
+
 def test_top_k_mask_keeps_exactly_k():
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 101, generator=gen)

@@ -66,9 +66,12 @@ def test_a_500_carries_no_internal_text(tiny_model_dir):
 
     def load():
         llm = LLM(tiny_model_dir, device="cpu")
+        encode = llm.tokenizer.encode
 
-        def broken(*a, **k):
-            raise RuntimeError(f"secret detail {tiny_model_dir}")
+        def broken(text, *a, **k):  # the start-up check's text still encodes; a request's text breaks it
+            if text == "x":
+                raise RuntimeError(f"secret detail {tiny_model_dir}")
+            return encode(text, *a, **k)
 
         llm.tokenizer.encode = broken
         return llm
@@ -112,6 +115,18 @@ INVALID = [  # (route, body, status, fragment of the message that names the para
     ("chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("chat/completions", {"max_completion_tokens": 600}, 400, "max_completion_tokens"),
     ("chat/completions", {"n": 3}, 400, "n > 1"),
+    # strict types, as OpenAI's API: no booleans for integers, no strings for numbers or booleans
+    ("completions", {"max_tokens": True}, 400, "max_tokens"),
+    ("completions", {"max_tokens": "5"}, 400, "max_tokens"),
+    ("completions", {"temperature": "0.5"}, 400, "temperature"),
+    ("completions", {"stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": [True, 5]}, 400, "prompt"),
+    ("completions", {"stream": True, "stream_options": {"include_usage": 1}}, 400, "include_usage"),
+    ("chat/completions", {"logprobs": 1}, 400, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "content"),
+    # values the sampler's float32 would take as 0
+    ("completions", {"top_p": 1e-300}, 400, "top_p"),
+    ("completions", {"top_p": 1e-46}, 400, "top_p"),
 ]
 
 
@@ -120,7 +135,9 @@ def test_invalid_parameters_are_rejected_naming_them(srv, route, fields, status,
     body = {"model": MODEL, **({"prompt": "x"} if route == "completions" else {"messages": MSG}), **fields}
     # json.dumps writes NaN / Infinity, as clients in other languages may
     r = httpx.post(f"{srv}/v1/{route}", content=json.dumps(body).encode(), headers=H, timeout=10)
-    assert_openai_error(r, status, fragment)
+    err = assert_openai_error(r, status, fragment)
+    if status == 400 and fragment in fields:  # a field of the request: named as the error's param too
+        assert err["param"] and err["param"].split(".")[0] == fragment, err
 
 
 def test_max_completion_tokens_wins_over_max_tokens(srv):
