@@ -17,6 +17,8 @@ import pytest
 
 from test_server import KEY, MODEL, ROOT, free_port, start_server
 
+from specmla.model.default import default_model_path
+
 H = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 BODY_TIMEOUT_S = 8  # (20 s by default) long enough for 16 concurrent 16 MB uploads on two loaded cores
 
@@ -31,12 +33,14 @@ def rss(pid: int) -> int:
 
 @pytest.fixture(scope="module", params=[None, 200_000], ids=["context-512", "context-200k"])
 def big_srv(tiny_model_dir, request):
-    """The tiny model's server as it is (a 15 MB body is more than any request to it can use: refused unread) and
-    with a 200k-token context (such bodies are read and parsed, within the parser's limits)."""
-    extra = ["--max-model-len", str(request.param)] if request.param else []
-    proc, base, _ = start_server(tiny_model_dir, "--num-pages", "256", "--max-num-seqs", "16",
+    """The tiny model's server as it is (a 15 MB body is more than any request to it can use: refused as it
+    arrives) and with a 200k-token context (such bodies are parsed, within the parser's limits); "embedded": the
+    embedded model's server (context 4096), the battery's own setting."""
+    model = default_model_path() if request.param == "embedded" else tiny_model_dir
+    extra = ["--max-model-len", str(request.param)] if isinstance(request.param, int) else []
+    proc, base, _ = start_server(model, "--num-pages", "256", "--max-num-seqs", "16",
                                  "--read-timeout", str(BODY_TIMEOUT_S), *extra)
-    yield proc, base, request.param
+    yield proc, base, request.param == 200_000
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -87,6 +91,8 @@ asyncio.run(main())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's RSS from /proc")
+@pytest.mark.parametrize("big_srv", [None, 200_000, "embedded"], indirect=True,
+                         ids=["context-512", "context-200k", "embedded"])
 def test_oversized_prompts_are_refused_cheaply_beside_a_stream(big_srv):
     """Eight 15.7 MB text prompts and eight 16 MB token-id prompts at once (under the 16 MiB body limit, far past
     the context): each a 400 within 2 s; the server grows by < 500 MB at its peak and comes back within 100 MB;
@@ -120,6 +126,9 @@ def test_oversized_prompts_are_refused_cheaply_beside_a_stream(big_srv):
     stop.set()
     watcher.join(10)
     after = rss(proc.pid)
+    print(f"\n400s in at most {max(dt for _, dt, _ in results):.2f} s; RSS {start >> 20} MB, peak +"
+          f"{(peak[0] - start) >> 20} MB, after +{(after - start) >> 20} MB; /health worst "
+          f"{max(dt for _, dt in health) * 1e3:.0f} ms over {len(health)} probes")
     assert len(results) == 16 and all(s == 400 for s, _, _ in results), [(s, e) for s, _, e in results if s != 400]
     assert all("context" in e["message"] for _, _, e in results), results
     if long_context:  # parsed: the prompt named
