@@ -96,11 +96,18 @@ class BatchGraphs:
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
 
+    def pad(self, b: int) -> None:
+        """Fill the static inputs as a batch of padded size b with no request in it (every row writes and reads
+        only the scratch page): what a capture runs on."""
+        raise NotImplementedError
+
     @torch.inference_mode()
     def capture(self, b: int) -> None:
-        """Capture padded size b's graph (once; nothing on CPU). The warm-up captures every size, largest first, so
-        the smaller graphs' intermediates reuse the largest's blocks of the shared memory pool."""
+        """Capture padded size b's graph (once; nothing on CPU), on an empty batch of that size. The warm-up
+        captures every size, largest first, so the smaller graphs' intermediates reuse the largest's blocks of
+        the shared memory pool."""
         if self.use_graphs and b not in self.graphs:
+            self.pad(b)
             self._capture(b)
 
     def _capture(self, b: int) -> None:
@@ -158,13 +165,17 @@ class GraphedDecoder(BatchGraphs):
         hidden = self.model(self.input_ids[: b * self.S], self._meta(b), self.pool.caches)
         return hidden, self.model.compute_logits(hidden)
 
+    def pad(self, b: int) -> None:
+        self.load([], [], [], [], [], pad_to=b)
+
     def load(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int], seq_lens: list[int],
-             tables: list[list[int]]) -> int:
+             tables: list[list[int]], pad_to: int | None = None) -> int:
         """Copy one batch (S tokens per request, flattened) into the static buffers; returns the
-        padded size. Padded requests write only the scratch page and read only it. input_ids may be a
-        device tensor (a previous step's tokens, not on the host yet): copied on the device after the upload."""
+        padded size (pad_to: that one instead of B's). Padded requests write only the scratch page and read only
+        it. input_ids may be a device tensor (a previous step's tokens, not on the host yet): copied on the device
+        after the upload."""
         B, S = len(seq_lens), self.S
-        b = self.padded_size(B)
+        b = self.padded_size(B) if pad_to is None else pad_to
         on_device = isinstance(input_ids, torch.Tensor)
         if b is None or len(input_ids) != B * S or any(len(t) > self.max_pages_per_seq for t in tables):
             raise ValueError("batch does not fit the graphed decoder")

@@ -91,6 +91,22 @@ class _Ahead:
         return rows
 
 
+@dataclass
+class _SpecAhead:
+    """A greedy MTP step launched before the step it follows was read (`LLMEngine._whole_spec_step`): the requests
+    it runs (in order), their cache lengths once that step's tokens were taken, and its result on the device."""
+
+    seq_ids: list[int]
+    cached: list[int]
+    out: torch.Tensor
+
+    def take(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Its result, when `seqs` are exactly its requests, unchanged since (not preempted, not ended)."""
+        if [s.seq_id for s in seqs] != self.seq_ids or [s.num_cached for s in seqs] != self.cached:
+            return None
+        return self.out
+
+
 class LLMEngine:
     # labels of `failures` and of Sequence.error_reason
     FAILURE_REASONS = ("invalid_request", "kv_capacity", "step_error")
@@ -136,6 +152,7 @@ class LLMEngine:
         self._unfinished: dict[int, Sequence] = {}  # request_id → its sequence, until it finishes
         self.pipeline_decode = pipeline_decode
         self._ahead: _Ahead | None = None  # the decode step launched ahead, if any
+        self._spec_ahead: _SpecAhead | None = None  # the greedy MTP step launched ahead, if any
 
     @property
     def max_total_tokens(self) -> int:
@@ -229,7 +246,7 @@ class LLMEngine:
             out = batch.decode + ready
         except Exception:
             log.exception("an engine step over %d requests failed; retrying them one by one", len(members))
-            self._ahead = None
+            self._ahead = self._spec_ahead = None
             self.num_failed_steps += 1
             out = self._retry_alone(batch, snaps)
         out += [s for s, _ in batch.rejected]
@@ -244,7 +261,7 @@ class LLMEngine:
         ready: list[Sequence] = []
         logits = []
         if batch.decode and self.proposer is not None:
-            self._speculative_decode(batch.decode)
+            self._speculative_decode(batch.decode, pipelined)
         elif batch.decode:
             dec = self.runner.forward_logits(batch.decode, [1] * len(batch.decode), naive_context=self.naive_decode)
             # graphed logits live in the graph's output buffer, which the prefill part's one-token chunks (they
@@ -393,7 +410,7 @@ class LLMEngine:
         graphs = self.runner.graphed_mtp
         return min(n, 1) if graphs is not None and graphs.use_graphs else n
 
-    def _speculative_decode(self, seqs: list[Sequence]) -> None:
+    def _speculative_decode(self, seqs: list[Sequence], pipelined: bool = True) -> None:
         """Draft, verify all drafts in one S = 1 + k pass, keep the accepted prefix + one token."""
         if self.fault_hook is not None:
             self.fault_hook(seqs)
@@ -403,16 +420,8 @@ class LLMEngine:
         all_greedy = all(s.params.temperature < 1e-5 for s in seqs)  # then no sampling tensors (host → device copies)
         want_lp = any(s.params.logprobs is not None for s in seqs)
         host_accept = all_greedy and not want_lp
-        if host_accept and self.proposer.whole_step_graph:  # verify, accept and next drafts: one replay
-            drafts_l = [s.drafts[:cap] for s, cap in zip(seqs, caps)]
-            step = self.runner.greedy_mtp_step(seqs, drafts_l)
-            if step is not None:
-                tokens_l, emitted_l, next_drafts = step
-                self._accept(seqs, tokens_l, emitted_l, [len(d) for d in drafts_l])
-                for s, d in zip(seqs, next_drafts):
-                    if not s.is_finished:
-                        s.drafts = d
-                return
+        if host_accept and self.proposer.whole_step_graph and self._whole_spec_step(seqs, caps, pipelined):
+            return  # verify, accept and next drafts: one replay (and the next step launched before this one's read)
         drafts, num = self.proposer.propose_for(seqs, caps, self.pool.device)
         if host_accept:  # read the (already computed) drafts before the verify pass, so this waits on nothing
             drafts_l, num_l = drafts.tolist(), num.tolist()
@@ -435,10 +444,53 @@ class LLMEngine:
             self.runner.mtp_draft_after_verify(seqs, starts, emitted_l, verify_hidden, k, launched,
                                                self.proposer.num_mtp_drafts)
 
+    def _whole_spec_step(self, seqs: list[Sequence], caps: list[int], pipelined: bool = True) -> bool:
+        """A greedy MTP step as one replay of `graphed_spec`; False (nothing done) where the graph does not take
+        the batch. Pipelined (`pipeline_decode`): the step after it is launched before this one's result is read,
+        its inputs derived on the device (`ModelRunner.launch_chained_mtp_step`), when no request can end by
+        length in this step; the next engine step takes it if its decodes are the same requests with the cache
+        lengths this step left (else it is dropped, as when a request ends here on EOS or a stop string, which the
+        device cannot see)."""
+        runner, k = self.runner, self.proposer.k
+        ahead, self._spec_ahead = self._spec_ahead, None
+        out = ahead.take(seqs) if ahead is not None else None
+        remaining = [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.total_len) for s in seqs]
+        if out is None:
+            out = runner.launch_greedy_mtp_step(seqs, [s.drafts[:cap] for s, cap in zip(seqs, caps)], remaining)
+            if out is None:
+                return False
+        # queued before the next step's launch, which overwrites the result buffer (a copy on CPU too)
+        host = out.to("cpu", non_blocking=True) if out.is_cuda else out.clone()
+        copied = None
+        if out.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        nxt = None
+        if pipelined and self.pipeline_decode and min(remaining) > k + 1:
+            nxt = runner.launch_chained_mtp_step(seqs)
+        if copied is not None:
+            copied.synchronize()
+        S = k + 1
+        rows = host.tolist()
+        self._accept(seqs, [r[:S] for r in rows], [r[S] for r in rows], [r[S + 1] for r in rows],
+                     trim=nxt is None)
+        for s, r in zip(seqs, rows):
+            if not s.is_finished:
+                s.drafts = r[S + 2 :]
+        if nxt is not None:
+            if any(s.is_finished for s in seqs):  # the launched step cannot be used: give back its pages
+                for s in seqs:
+                    if not s.is_finished:
+                        self.pool.trim(s.seq_id, s.num_cached)
+            else:
+                self._spec_ahead = _SpecAhead([s.seq_id for s in seqs], [s.num_cached for s in seqs], nxt)
+        return True
+
     def _accept(self, seqs: list[Sequence], tokens_l: list[list[int]], emitted_l: list[int], num_l: list[int],
-                logp: torch.Tensor | None = None) -> None:
+                logp: torch.Tensor | None = None, trim: bool = True) -> None:
         """Append each request's emitted tokens (stopping at a finish), count its drafts, move its
-        cache length past the accepted ones and release pages the rejected ones held."""
+        cache length past the accepted ones and release pages the rejected ones held (unless `trim` is False: a
+        step launched ahead writes there)."""
         for i, s in enumerate(seqs):
             accepted = emitted_l[i] - 1
             s.spec_stats.add(num_l[i], accepted)
@@ -453,7 +505,8 @@ class LLMEngine:
                     break
             if not s.is_finished:
                 self.pool.register_computed(s.seq_id, s.all_ids, s.num_cached)
-                self.pool.trim(s.seq_id, s.num_cached)
+                if trim:
+                    self.pool.trim(s.seq_id, s.num_cached)
 
     @staticmethod
     def _logprob_entry(s: Sequence, token: int, logp_row: torch.Tensor) -> dict:
@@ -537,7 +590,7 @@ class LLMEngine:
         counters): the engine looks unused. For the warm-up's synthetic requests; every request must be done."""
         if self.has_unfinished():
             raise RuntimeError("forget_history needs an idle engine")
-        self._ahead = None
+        self._ahead = self._spec_ahead = None
         self.spec_stats = SpecStats()
         self.failures.clear()
         self.num_failed_steps = 0

@@ -89,6 +89,9 @@ class GraphedMtpDrafter(BatchGraphs):
         d["table"] = d["table"].view(b, P)
         return d
 
+    def pad(self, b: int) -> None:
+        self.load(self.hidden[:0], [], [], [], [], [], [], [], [], pad_to=b)
+
     # ---- the step ------------------------------------------------------------------------------
     def _forward(self, b: int) -> torch.Tensor:
         model, pool, S, P = self.model, self.pool, self.S, self.max_pages_per_seq
@@ -108,15 +111,16 @@ class GraphedMtpDrafter(BatchGraphs):
 
     def load(self, hidden: torch.Tensor, input_ids: list[int], positions: list[int], slots: list[int],
              seq_lens: list[int], last: list[int], draft_positions: list[list[int]], draft_slots: list[list[int]],
-             tables: list[list[int]]) -> int:
+             tables: list[list[int]], pad_to: int | None = None) -> int:
         """Copy one batch into the static buffers; returns the padded size.
 
         hidden [B·S, hidden]: the verify step's trunk states (S rows per request); input_ids /
         positions / slots: S per request, flattened; seq_lens: start + S per request; last: the row
         (0..S-1) of each request whose MTP state drafts; draft_positions / draft_slots: num_draft - 1 per
-        request (draft step j at position total_len - 2 + j); tables: each request's pages."""
+        request (draft step j at position total_len - 2 + j); tables: each request's pages. pad_to: a padded
+        size to fill up to instead of B's (an empty batch of size pad_to: a capture's inputs)."""
         B, S, P = len(seq_lens), self.S, self.max_pages_per_seq
-        b = self.padded_size(B)
+        b = self.padded_size(B) if pad_to is None else pad_to
         if (b is None or len(input_ids) != B * S or hidden.shape[0] != B * S
                 or any(len(t) > P for t in tables)):
             raise ValueError("batch does not fit the graphed MTP drafter")
@@ -129,12 +133,13 @@ class GraphedMtpDrafter(BatchGraphs):
                  + slots + [scratch * ps + j % ps for j in range(S)] * pad
                  + [i * S + r for i, r in enumerate(last)] + [i * S for i in range(B, b)])
         ints = seq_lens + [S] * pad
-        draft_pos_rows = list(zip(*draft_positions))  # [num_draft - 1][B]: draft step j's positions
-        for j, row in enumerate(draft_pos_rows, 1):
+        steps = range(1, self.num_draft)  # draft step j's rows: its positions, slots and lengths per request
+        draft_pos_rows = [[p[j - 1] for p in draft_positions] for j in steps]
+        for j, row in zip(steps, draft_pos_rows):
             longs += [*row, *[j] * pad]
-        for j, row in enumerate(zip(*draft_slots), 1):
-            longs += [*row, *[scratch * ps + j % ps] * pad]
-        for j, row in enumerate(draft_pos_rows, 1):
+        for j in steps:
+            longs += [*(d[j - 1] for d in draft_slots), *[scratch * ps + j % ps] * pad]
+        for j, row in zip(steps, draft_pos_rows):
             ints += [p + 1 for p in row] + [j + 1] * pad
         for t in tables:
             ints += t + [scratch] * (P - len(t))

@@ -185,12 +185,13 @@ class ModelRunner:
         return logits.view(B, S, -1)
 
     @torch.inference_mode()
-    def greedy_mtp_step(self, seqs: list[Sequence], drafts: list[list[int]]
-                        ) -> tuple[list[list[int]], list[int], list[list[int]]] | None:
-        """A whole greedy MTP step through `graphed_spec` (one replay, one wait): seqs[i] is decoding
-        (num_cached = total_len - 1) with drafts[i] (≤ k tokens). Returns (tokens, emitted, next
-        drafts) per request — it emits tokens[i][:emitted[i]] — or None, with nothing done, when the
-        graph does not take the batch (then the two-graph path runs)."""
+    def launch_greedy_mtp_step(self, seqs: list[Sequence], drafts: list[list[int]], remaining: list[int]
+                               ) -> torch.Tensor | None:
+        """Launch a whole greedy MTP step through `graphed_spec` (one replay): seqs[i] is decoding
+        (num_cached = total_len - 1) with drafts[i] (≤ k tokens) and may emit remaining[i] more tokens. Returns
+        its result [B, S + 2 + k] on the device, not waited for (request i emits tokens[:emitted]; see
+        `GraphedSpecStep`), or None, with nothing done, when the graph does not take the batch (then the
+        two-graph path runs)."""
         g, pool = self.graphed_spec, self.pool
         if g is None or g.padded_size(len(seqs)) is None:
             return None
@@ -198,25 +199,42 @@ class ModelRunner:
         need = 0
         for s in seqs:
             reach = s.total_len - 1 + 2 * k  # positions the step may write: verify S rows, then k - 1 drafts
-            if (s.num_cached != s.total_len - 1 or -(-reach // pool.page_size) > g.max_pages_per_seq
-                    or reach > self.model.max_positions):
+            if s.num_cached != s.total_len - 1 or -(-reach // pool.page_size) > g.max_pages_per_seq:
                 return None
             need += pool.pages_needed(s.seq_id, reach)
         if need > pool.num_free_pages():
             return None
         ids, num, positions, slots, seq_lens, tables = [], [], [], [], [], []
+        last_pos = self.model.max_positions - 1  # padded drafts past the context: the last rope position
         for s, d in zip(seqs, drafts):
             st = s.num_cached
             pool.allocate(s.seq_id, st + 2 * k)
             ids += [s.all_ids[-1], *d] + [0] * (k - len(d))
             num.append(len(d))
-            positions += range(st, st + S)
+            positions += [min(p, last_pos) for p in range(st, st + S)]
             slots += pool.slots(s.seq_id, st, st + S)
             seq_lens.append(st + S)
             tables.append(pool.pages_of(s.seq_id))
-        rows = g.run(input_ids=ids, num_drafts=num, positions=positions, slots=slots, seq_lens=seq_lens,
-                     tables=tables)
-        return [r[:S] for r in rows], [r[S] for r in rows], [r[S + 1 :] for r in rows]
+        return g.launch(input_ids=ids, num_drafts=num, positions=positions, slots=slots, seq_lens=seq_lens,
+                        tables=tables, remaining=remaining)
+
+    @torch.inference_mode()
+    def launch_chained_mtp_step(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Launch the greedy MTP step after the one just launched for the same `seqs` (same order), before its
+        tokens reach the host: its inputs come from that step's result on the device (`GraphedSpecStep.
+        launch_chained`). The host state is that before the launched step: each request starts it at most S
+        positions further and writes 2k past that, for which pages are allocated here. Returns its result on the
+        device, or None (nothing launched) where the pool or the static table cannot hold that."""
+        g, pool = self.graphed_spec, self.pool
+        k, S = g.k, g.S
+        reach = [s.total_len - 1 + S + 2 * k for s in seqs]
+        if any(-(-r // pool.page_size) > g.max_pages_per_seq for r in reach):
+            return None
+        if sum(pool.pages_needed(s.seq_id, r) for s, r in zip(seqs, reach)) > pool.num_free_pages():
+            return None
+        for s, r in zip(seqs, reach):
+            pool.allocate(s.seq_id, r)
+        return g.launch_chained([pool.pages_of(s.seq_id) for s in seqs])
 
     @torch.inference_mode()
     def mtp_launch_after_verify(self, seqs: list[Sequence], tokens: list[list[int]], emitted: list[int],

@@ -90,3 +90,92 @@ def accept_and_place(ids, num_drafts, argmax, start, table, page_size: int, num_
     """Triton on CUDA, the torch reference elsewhere."""
     fn = accept_and_place_triton if ids.is_cuda else accept_and_place_torch
     return fn(ids, num_drafts, argmax, start, table, page_size, num_steps)
+
+
+# ---- the next speculative step's inputs, from the last step's result, on the device ------------------------------
+# A pipelined engine launches step n + 1 before the host has read step n: its inputs (each request's last emitted
+# token and next drafts, positions, cache slots, lengths) follow from step n's result [b, S + 2 + k] = tokens (S) |
+# emitted | drafts used | next drafts (k), and from each request's budget of tokens left (`remaining`, which the
+# step spends). A row with no budget left (a padded row, a request at its max_tokens or context) is dead: token 0 at
+# positions 0..S-1 of the scratch page, no drafts, so it writes nothing another request could read.
+
+
+def advance_spec_inputs_torch(out: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                              num_drafts: torch.Tensor, remaining: torch.Tensor, seq_lens: torch.Tensor,
+                              table: torch.Tensor, page_size: int, scratch_page: int, last_pos: int) -> None:
+    """In place: out int64 [b, S + 2 + k] (the last step's result); ids / pos / slots int64 [b, S] (that step's
+    inputs, overwritten with the next's); num_drafts int64 [b]; remaining int64 [b] (tokens the request may still
+    emit); seq_lens int32 [b]; table int32 [b, P] (pages for the next step, allocated by the host). A live row
+    (remaining > 0 before the step) moves its start by its emitted count e, spends e of its budget, and, if budget
+    is left, takes its last emitted token and next drafts (at most remaining - 1 of them); positions past last_pos
+    (drafts beyond the context) are clamped there (their slots are not)."""
+    b, S = ids.shape
+    k = out.shape[1] - S - 2
+    e = out[:, S].clamp(1, S)
+    live_before = remaining > 0
+    left = torch.where(live_before, remaining - e, 0).clamp_min(0)
+    live = left > 0
+    start = torch.where(live, pos[:, 0] + e, 0)
+    last = out[:, :S].gather(1, (e - 1)[:, None])
+    j = torch.arange(S, device=ids.device)[None, :]
+    p = start[:, None] + j
+    drafts = out[:, S + 2 : S + 2 + k]
+    new_ids = torch.where(live[:, None], torch.cat([last, drafts], 1), 0)
+    page = table.long().gather(1, (p // page_size).clamp_max(table.shape[1] - 1))
+    new_slots = torch.where(live[:, None], page * page_size + p % page_size, scratch_page * page_size + j % page_size)
+    ids.copy_(new_ids)
+    pos.copy_(torch.where(live[:, None], p.clamp_max(last_pos), j))
+    slots.copy_(new_slots)
+    num_drafts.copy_(torch.where(live, (left - 1).clamp(0, k), 0))
+    remaining.copy_(left)
+    seq_lens.copy_(torch.where(live, start + S, S).to(seq_lens.dtype))
+
+
+@triton.jit
+def _advance_kernel(OUT, IDS, POS, SLOTS, ND, REM, LENS, TABLE, S, K, P, stride_out, stride_t, PAGE: tl.constexpr,
+                    SCRATCH, LAST_POS, BLOCK_S: tl.constexpr):
+    i = tl.program_id(0)
+    js = tl.arange(0, BLOCK_S)
+    in_s = js < S
+    e = tl.minimum(tl.maximum(tl.load(OUT + i * stride_out + S), 1), S)
+    rem = tl.load(REM + i)
+    left = tl.where(rem > 0, rem - e, 0)
+    left = tl.maximum(left, 0)
+    live = left > 0
+    start = tl.where(live, tl.load(POS + i * S) + e, 0)
+    last = tl.load(OUT + i * stride_out + e - 1)
+    draft = tl.load(OUT + i * stride_out + S + 2 + js - 1, mask=(js >= 1) & in_s, other=0)
+    new_id = tl.where(js == 0, last, draft)
+    new_id = tl.where(live, new_id, 0)
+    p = start + js
+    page = tl.load(TABLE + i * stride_t + tl.minimum(p // PAGE, P - 1), mask=in_s, other=0).to(tl.int64)
+    slot = tl.where(live, page * PAGE + p % PAGE, SCRATCH * PAGE + js % PAGE)
+    tl.store(IDS + i * S + js, new_id, mask=in_s)
+    tl.store(POS + i * S + js, tl.where(live, tl.minimum(p, LAST_POS), js.to(tl.int64)), mask=in_s)
+    tl.store(SLOTS + i * S + js, slot, mask=in_s)
+    tl.store(ND + i, tl.where(live, tl.minimum(tl.maximum(left - 1, 0), K), 0))
+    tl.store(REM + i, left)
+    tl.store(LENS + i, tl.where(live, start + S, S).to(tl.int32))
+
+
+def advance_spec_inputs_triton(out, ids, pos, slots, num_drafts, remaining, seq_lens, table, page_size: int,
+                               scratch_page: int, last_pos: int) -> None:
+    """Same contract as `advance_spec_inputs_torch` (every tensor contiguous)."""
+    b, S = ids.shape
+    k = out.shape[1] - S - 2
+    for name, t in (("ids", ids), ("pos", pos), ("slots", slots), ("table", table)):
+        if t.shape[0] != b or not t.is_contiguous():
+            raise ValueError(f"advance_spec_inputs: {name} must be contiguous with b = {b} rows")
+    if out.shape[0] != b or k < 0 or num_drafts.shape != (b,) or remaining.shape != (b,) or seq_lens.shape != (b,):
+        raise ValueError("advance_spec_inputs: out [b, S + 2 + k], num_drafts / remaining / seq_lens [b]")
+    if b:
+        _advance_kernel[(b,)](out, ids, pos, slots, num_drafts, remaining, seq_lens, table, S, k, table.shape[1],
+                              out.stride(0), table.stride(0), PAGE=page_size, SCRATCH=scratch_page, LAST_POS=last_pos,
+                              BLOCK_S=max(2, triton.next_power_of_2(S)), num_warps=1)
+
+
+def advance_spec_inputs(out, ids, pos, slots, num_drafts, remaining, seq_lens, table, page_size: int,
+                        scratch_page: int, last_pos: int) -> None:
+    """Triton on CUDA, the torch reference elsewhere."""
+    fn = advance_spec_inputs_triton if ids.is_cuda else advance_spec_inputs_torch
+    fn(out, ids, pos, slots, num_drafts, remaining, seq_lens, table, page_size, scratch_page, last_pos)

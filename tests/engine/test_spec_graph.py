@@ -22,13 +22,16 @@ def code_prompts(n: int) -> list[list[int]]:
     return [tok.encode(src[300 * i : 300 * i + 30 + 41 * i]) for i in range(n)]
 
 
-def with_spec_step(llm, k, max_num_seqs=16, pages=64):
-    """Gives the engine a static-buffer (eager on CPU) whole-step graph and counts its calls."""
+def with_spec_step(llm, k, max_num_seqs=16, pages=64, chained=None):
+    """Gives the engine a static-buffer (eager on CPU) whole-step graph; returns the batch sizes of its steps
+    launched from the host (and appends those of the steps it chained on the device to `chained`)."""
     runner = llm.engine.runner
-    runner.graphed_spec = GraphedSpecStep(llm.model, llm.kv_pool, max_num_seqs, pages, k, use_graphs=False)
+    g = runner.graphed_spec = GraphedSpecStep(llm.model, llm.kv_pool, max_num_seqs, pages, k, use_graphs=False)
     sizes = []
-    run = runner.graphed_spec.run
-    runner.graphed_spec.run = lambda **kw: sizes.append(len(kw["seq_lens"])) or run(**kw)
+    launch, launch_chained = g.launch, g.launch_chained
+    g.launch = lambda **kw: sizes.append(len(kw["seq_lens"])) or launch(**kw)
+    g.launch_chained = lambda tables: (chained if chained is not None else []).append(len(tables)) or \
+        launch_chained(tables)
     return sizes
 
 
@@ -106,12 +109,13 @@ def test_gpu_one_replay_step_is_lossless_under_graph_capture(batch):
               num_speculative_tokens=3)
     g = llm.engine.runner.graphed_spec
     sizes = []
-    run = g.run
-    g.run = lambda **kw: sizes.append(len(kw["seq_lens"])) or run(**kw)
+    launch, launch_chained = g.launch, g.launch_chained
+    g.launch = lambda **kw: sizes.append(len(kw["seq_lens"])) or launch(**kw)
+    g.launch_chained = lambda tables: sizes.append(len(tables)) or launch_chained(tables)
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     # every spec step was graphed: 8 × 39 tokens after prefill, at most k + 1 = 4 per request and step
-    assert len(sizes) >= 8 * 39 // (4 * batch) and g.graphs
+    assert len(sizes) >= 8 * 39 // (4 * batch) and g.graphs and g.chained
     assert llm.engine.spec_stats.mean_acceptance_length > 1.5
 
 
@@ -137,3 +141,34 @@ def test_one_draft_after_prefill_is_lossless_and_drafts_k_later(monkeypatch):
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert [s.output_ids for s in seqs] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_pipelined_steps_are_lossless_through_finishes_and_arrivals(k):
+    """Pipelined (the default), each greedy MTP step launches the one after it before its result is read, the
+    inputs derived on the device. Requests ending on max_tokens, on a stop string the device cannot see (the
+    step launched after it is dropped), requests arriving while others decode: the output equals plain greedy
+    token for token, with the same texts and finish reasons, both kinds of launch happen, and every page comes
+    back. With pipeline_decode=False nothing is chained."""
+    prompts = code_prompts(7)
+    params = [SamplingParams(max_tokens=8 + 5 * i, temperature=0, ignore_eos=bool(i % 3),
+                             stop=["\n\n", ":\n"] if i % 2 else None) for i in range(7)]
+    plain = LLM(ASSETS, device="cpu", page_size=4, num_pages=1024).generate(prompts, params)
+    for pipelined in (True, False):
+        llm = spec_llm(ASSETS, "mtp", k, pipeline_decode=pipelined)
+        chained = []
+        host = with_spec_step(llm, k, chained=chained)
+        eng = llm.engine
+        seqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+        steps = 0
+        while eng.has_unfinished():
+            eng.step()
+            steps += 1
+            if steps == 3:  # arrivals while the first four decode
+                seqs += [eng.add_request(p, sp) for p, sp in zip(prompts[4:], params[4:])]
+        outs = [eng.output_of(s) for s in seqs]
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        assert [(o.text, o.finish_reason) for o in outs] == [(o.text, o.finish_reason) for o in plain]
+        assert host and (len(chained) > len(host) if pipelined else not chained)
+        assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+    assert {o.finish_reason for o in plain} == {"stop", "length"}
