@@ -13,8 +13,9 @@ they met). A case measures
 - memory once the batches ran: device memory in use, the KV pool, and the pool against what
   gpu_memory_utilization × the device's memory leaves after everything else in use.
 
-Acceptance (issue 55): first ≤ 1.5 × again + 50 ms at every B; growth ≤ 1.1 × its repeat; start-up ≤ 90 s cold and
-≤ 25 s warm; the pool ≥ 95 % of what the memory allows (where memory, not max_num_seqs × max_model_len, caps it).
+Acceptance (issue 55): first ≤ 1.5 × again + 50 ms at every B; growth ≤ 1.1 × its repeat; start-up ≤ 90 s cold
+and ≤ 25 s warm; the pool ≥ 95 % of what the memory allows (where memory, not max_num_seqs × max_model_len, caps
+it).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_startup.py --checkpoint-dir /tmp/v2lite27 --out DIR
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_startup.py --embedded --speculative mtp --out DIR

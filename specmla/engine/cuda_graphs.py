@@ -3,8 +3,9 @@
 A decode step (one new token per request) launches hundreds of small kernels; replaying a captured
 graph removes their launch cost. One graph is captured per padded batch size (1, 2, 4, 8, then
 multiples of 16) by the engine's warm-up (`capture`), over static input buffers: a batch of B
-requests is copied into the buffers, padded to the next captured size, and the graph is replayed. Padded rows read and write only a
-scratch page that no request owns, with length 1, so they cannot disturb real requests.
+requests is copied into the buffers, padded to the next captured size, and the graph is replayed.
+Padded rows read and write only a scratch page that no request owns, with length 1, so they cannot
+disturb real requests.
 
 With `use_graphs=False` (CPU) the same static-buffer path runs eagerly, which lets the padding logic
 be tested without a GPU.
@@ -31,10 +32,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class BatchGraphs:
     """What every static-buffer step shares: padded batch sizes, one CUDA graph per padded size
-    (captured by `capture` at warm-up, or on first use; replayed; run eagerly on CPU), and the step's integer inputs in two flat
-    device buffers (int64 and int32) uploaded from pinned host twins: two copies per step. The twins
-    come in two sets used in turn, so filling step n + 1's waits only for step n - 1's copies (a
-    pipelined engine launches step n + 1 while step n's upload may still sit behind queued work)."""
+    (captured by `capture` at warm-up, or on first use; replayed; run eagerly on CPU), and the step's
+    integer inputs in two flat device buffers (int64 and int32) uploaded from pinned host twins: two
+    copies per step. The twins come in two sets used in turn, so filling step n + 1's waits only for
+    step n - 1's copies (a pipelined engine launches step n + 1 while step n's upload may still sit
+    behind queued work)."""
 
     def __init__(self, pool: KVPool, max_num_seqs: int, use_graphs: bool, n_long: int, n_int: int):
         """n_long / n_int: the buffers' lengths per request of the largest padded size."""

@@ -202,7 +202,8 @@ class LLM:
                 groups = [g for g in every if warmup.pages_needed([g], page_size, look) <= pool.num_pages]
                 if len(groups) < len(every):
                     log.warning("the KV pool (%d pages) cannot hold %d of the %d warm-up request groups: some eager "
-                                "kernels may compile on first use", pool.num_pages, len(every) - len(groups), len(every))
+                                "kernels may compile on first use", pool.num_pages, len(every) - len(groups),
+                                len(every))
             report = warmup.warm_up(self.engine, groups, progress=progress or None)
             tensors = itertools.chain(self.model.parameters(), self.model.buffers())
             weights = sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
@@ -213,8 +214,8 @@ class LLM:
                                 graph_bytes=report.graph_bytes, activation_bytes=report.activation_bytes,
                                 reserved_bytes=reserved, weight_bytes=weights, kv_bytes=kv, kv_pages=pool.num_pages)
             log.info("%s; memory: weights %.2f GiB, KV pool %.2f GiB (%d pages, %d tokens); ready in %.1f s "
-                     "(load %.1f s)", report.line(), weights / GIB, kv / GIB, pool.num_pages, pool.num_pages * page_size,
-                     self.startup["ready_s"], self.startup["load_s"])
+                     "(load %.1f s)", report.line(), weights / GIB, kv / GIB, pool.num_pages,
+                     pool.num_pages * page_size, self.startup["ready_s"], self.startup["load_s"])
             compile_guard.arm()
         if self._workers:
             self.engine = TPEngine(self.engine, self._channel)
@@ -317,9 +318,7 @@ class LLM:
     def _release_graphs(self) -> None:
         """Drop the CUDA graphs before the group goes: torch's destroy_process_group waits forever on NCCL work
         captured in graphs that are still alive (pytorch/pytorch#115388)."""
-        runner = self.engine.runner
-        runner.graphed = runner.graphed_verify = runner.graphed_mtp = runner.graphed_spec = None
-        runner.prefill_graphs = None
+        warmup.release(self.engine)
         gc.collect()
         if self.kv_pool.device.type == "cuda":
             torch.cuda.synchronize(self.kv_pool.device)

@@ -3,9 +3,9 @@
 A prefill forward is cut at each layer's attention: piece 0 is the embedding and layer 0's projections
 (q, the normed latent, the roped k_pe, the cache write); piece l runs layer l-1's o_proj, residual norm
 and MLP, then layer l's projections; the last piece ends with the final norm. Each piece depends only on
-the step's token count, so it is captured once per padded size (a bucket; every bucket at warm-up) and replayed; attention, whose
-work depends on the batch's lengths and cached prefixes, runs eagerly between the pieces on the real
-rows. Padded rows take token 0 at position 0 and write their cache rows into the pool's scratch page.
+the step's token count, so it is captured once per padded size (a bucket; every bucket at warm-up) and
+replayed; attention, whose work depends on the batch's lengths and cached prefixes, runs eagerly between the
+pieces on the real rows. Padded rows take token 0 at position 0 and write their cache rows into the pool's scratch page.
 
 The pieces read and write static buffers sized for the largest bucket (token ids, positions, slots, the
 residual stream, q, the latent, k_pe, attention's output, the final hidden states), so graphs of every

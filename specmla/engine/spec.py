@@ -151,7 +151,7 @@ class MtpProposer:
     (`ModelRunner.mtp_catch_up_and_draft`), and the drafts wait on the request for its next step."""
 
     uses_mtp = True
-    whole_step_graph = True  # greedy steps may run as one graph (ModelRunner.greedy_mtp_step)
+    whole_step_graph = True  # greedy steps may run as one graph (ModelRunner.launch_greedy_mtp_step)
 
     def __init__(self, num_speculative_tokens: int):
         if num_speculative_tokens < 1:

@@ -15,7 +15,8 @@ from specmla.ops.sampling import SamplingTensors, apply_top_k_top_p, sample
 from specmla.ops.spec_accept import accept_and_place, advance_spec_inputs, greedy_verify
 
 __all__ = [
-    "RouteSpec", "SamplingTensors", "accept_and_place", "advance_spec_inputs", "apply_rope", "apply_rope_", "apply_rope_qk_",
+    "RouteSpec", "SamplingTensors", "accept_and_place", "advance_spec_inputs", "apply_rope", "apply_rope_",
+    "apply_rope_qk_",
     "apply_top_k_top_p",
     "decode_rows", "fp8_block_linear", "fused_moe", "fused_moe_torch", "gather_kv_cache", "greedy_verify",
     "mla_decode", "mla_prefill",

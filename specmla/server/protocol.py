@@ -4,8 +4,8 @@ Types are strict, as OpenAI's API: a boolean is not an integer, a string is not 
 is a number). A body is parsed by `parse_body`, off the event loop, with limits that stop the work early: a body
 may hold at most `BodyLimits.max_numbers` numbers and `max_objects` JSON objects (a token-id prompt far past the
 context stops being read once it passes them), and about `max_strings` strings and as many values as all three
-(both counted on the raw bytes before anything is built); what passes is then validated by the models. The length of a text prompt is checked against
-the context before it is tokenised (`prompt_bound`)."""
+(both counted on the raw bytes before anything is built); what passes is then validated by the models. The length
+of a text prompt is checked against the context before it is tokenised (`prompt_bound`)."""
 
 from __future__ import annotations
 
