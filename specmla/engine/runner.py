@@ -325,16 +325,16 @@ class ModelRunner:
             next_ids = torch.tensor(next_list, dtype=torch.long, device=self.device)
             h_mtp = model.mtp_forward(0, next_ids, prev, meta, pool.caches)
         last = torch.tensor(q_lens, device=self.device).cumsum(0) - 1
-        drafting = [i for i, s in enumerate(seqs) if s.num_cached == s.total_len - 1 and not s.is_finished
-                    and starts[i] + q_lens[i] == s.total_len - 1
-                    and pool.can_allocate(s.seq_id, s.total_len + k)]
-        for s in seqs:
+        drafting = []  # the decoding requests whose draft rows the pool holds, pages taken in order
+        for i, s in enumerate(seqs):
             s.drafts = []
+            if (s.num_cached == s.total_len - 1 and not s.is_finished and starts[i] + q_lens[i] == s.total_len - 1
+                    and pool.can_allocate(s.seq_id, s.total_len + k)):
+                pool.allocate(s.seq_id, s.total_len + k)
+                drafting.append(i)
         if not drafting:
             return
         dseqs = [seqs[i] for i in drafting]
-        for s in dseqs:
-            pool.allocate(s.seq_id, s.total_len + k)
         h = h_mtp[last[drafting]]
         tok = model.mtp_logits(0, h).argmax(-1)
         out = [tok]

@@ -274,3 +274,23 @@ def test_first_token_and_finish_times_count_the_whole_step(tiny_model_dir, monke
     for o in outs:
         assert o.metrics["ttft_s"] >= pause  # the prefill step's catch-up is inside TTFT
         assert o.metrics["e2e_s"] >= o.metrics["ttft_s"] and len(o.token_ids) == 6
+
+
+@pytest.mark.parametrize("mode", ["mtp", "auto"])
+def test_mtp_drafts_on_a_full_pool_take_only_the_pages_left(tiny_model_dir, mode):
+    """A pool far smaller than the requests want (the scheduler preempts): after each verify the MTP module drafts
+    only for the requests whose draft rows still fit, one after the other; no step fails, every request ends
+    normally and every page comes back."""
+    llm = LLM(tiny_model_dir, device="cpu", num_pages=16, page_size=16, max_num_seqs=64, speculative=mode)
+    eng = llm.engine
+    rng = random.Random(38)
+    for r in range(3):
+        seqs = [eng.add_request([rng.randrange(3, 250) for _ in range(rng.randint(1, 40))],
+                                SamplingParams(max_tokens=rng.randint(4, 24), temperature=rng.choice([0, 0.8]),
+                                               seed=r * 100 + i))
+                for i in range(24)]
+        while eng.has_unfinished():
+            eng.step()
+        assert all(s.finish_reason in ("length", "stop") for s in seqs), [s.error for s in seqs]
+    assert eng.num_failed_steps == 0 and eng.scheduler.num_preemptions > 0
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
