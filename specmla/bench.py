@@ -153,6 +153,9 @@ def run_spec_sweep(make_llm, prompts: list, output_len: int, modes: list[str], k
 def _timed_generate(llm, prompts, params) -> dict:
     """One timed pass over the prompts: output tok/s, per-request decode tok/s, acceptance, tokens."""
     llm.engine.spec_stats.__init__()
+    policy = llm.engine.policy
+    if policy is not None:
+        policy.steps.clear()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -160,7 +163,8 @@ def _timed_generate(llm, prompts, params) -> dict:
     n = sum(len(o.token_ids) for o in outs)
     return {"output_tok_per_s": n / wall,
             "decode_tok_per_s_per_request": (params.max_tokens - 1) / decode_s if decode_s > 0 else None,
-            "spec": llm.engine.spec_stats.as_dict(), "token_ids": [o.token_ids for o in outs]}
+            "spec": llm.engine.spec_stats.as_dict(), "token_ids": [o.token_ids for o in outs],
+            "policy": policy.as_dict() if policy is not None else None}
 
 
 def _spec_row(mode, k, batch, n_prompts, runs: list[dict]) -> dict:
@@ -169,16 +173,23 @@ def _spec_row(mode, k, batch, n_prompts, runs: list[dict]) -> dict:
     row = {"mode": mode, "k": k, "batch": batch, "prompts": n_prompts,
            "output_tok_per_s": statistics.median(r["output_tok_per_s"] for r in runs),
            "decode_tok_per_s_per_request": statistics.median(dec) if dec else None,
-           "spec": runs[-1]["spec"], "token_ids": runs[0]["token_ids"]}
+           "spec": runs[-1]["spec"], "token_ids": runs[0]["token_ids"], "policy": runs[-1]["policy"]}
     if len(runs) > 1:
         row["runs"] = [{key: r[key] for key in ("output_tok_per_s", "decode_tok_per_s_per_request")} for r in runs]
         row["same_across_runs"] = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
     return row
 
 
+def _chosen_k(policy: dict | None) -> str:
+    if not policy or policy["speculative_fraction"] is None:
+        return ""
+    return (f"  [auto: k={policy['k_max']} on {policy['speculative_fraction']:.0%} of decode steps, "
+            f"k=0 on the rest]")
+
+
 def format_spec_rows(rows: list[dict]) -> str:
     """One line per mode and k: output tok/s and its speedup over no-spec (whole requests), the decode-only
-    speedup (first tokens excluded), acceptance."""
+    speedup (first tokens excluded), acceptance, and (auto) the share of decode steps that speculated with k_max."""
     lines = [f"{'mode':7s} {'k':>2s} {'B':>4s} {'tok/s':>9s} {'speedup':>8s} {'decode':>7s} {'mean acc len':>12s}"
              "  accepted per position"]
     for r in rows:
@@ -188,5 +199,6 @@ def format_spec_rows(rows: list[dict]) -> str:
         lines.append(f"{r['mode']:7s} {r['k']:>2d} {r['batch']:>4d} {r['output_tok_per_s']:>9.1f} "
                      f"{r.get('speedup', 1.0):>7.2f}x {r.get('decode_speedup', 1.0):>6.2f}x "
                      f"{sp['mean_acceptance_length']:>12.2f}  {' '.join(rate)}"
+                     + _chosen_k(r.get("policy"))
                      + ("" if r.get("same_output", True) else "  (OUTPUT DIFFERS)"))
     return "\n".join(lines)

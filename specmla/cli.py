@@ -128,9 +128,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_int(2, None, ">= 2"), default=None)
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_int(1, 1024, ">= 1"), default=1,
                    help="tensor-parallel ranks (spawned here, or the ranks of a torchrun launch)")
-    p.add_argument("--speculative", choices=["ngram", "mtp", "hybrid"], default=None,
-                   help="speculative decoding proposer (default: none)")
-    p.add_argument("--num-speculative-tokens", type=_int(1, 64, "1 to 64"), default=3)
+    p.add_argument("--speculative", choices=["auto", "none", "ngram", "mtp", "hybrid"], default=None,
+                   help="speculative decoding proposer; auto: MTP where the model has MTP layers (n-gram otherwise), "
+                        "each step speculating or not, whichever is faster (default: auto for `generate` and "
+                        "`serve` on a model with MTP layers, none otherwise)")
+    p.add_argument("--num-speculative-tokens", type=_int(1, 64, "1 to 64"), default=3,
+                   help="draft tokens per step (with --speculative auto: the most)")
     p.add_argument("--ngram-min", type=_int(1, 1024, "1 to 1024"), default=1)
     p.add_argument("--ngram-max", type=_int(1, 1024, "1 to 1024"), default=3)
     p.add_argument("--enforce-eager", action="store_true",
@@ -176,16 +179,32 @@ def preflight_model(model, need_tokenizer: bool, speculative: str | None = None,
         raise FileNotFoundError(f"no tokenizer.json in {path}")
     if need_tokenizer:  # a tokenizer that would fail every request stops the start, not each request
         Tokenizer(path).check(cfg.vocab_size)
-    if speculative in ("mtp", "hybrid"):
-        mtp = cfg.num_nextn_predict_layers and (names is None or any(
-            n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in names))
-        if not mtp:
-            raise ValueError(f"--speculative {speculative} needs a model with MTP layers; {path} has none")
+    if speculative in ("mtp", "hybrid") and not _has_mtp(cfg, names):
+        raise ValueError(f"--speculative {speculative} needs a model with MTP layers; {path} has none")
+
+
+def _has_mtp(cfg: ModelConfig, names) -> bool:
+    """Whether the model has MTP layers: in config.json and, where the checkpoint's tensor names are known, there."""
+    return bool(cfg.num_nextn_predict_layers) and (names is None or any(
+        n.startswith(f"model.layers.{cfg.num_hidden_layers}.") for n in names))
+
+
+def resolve_speculative(args: argparse.Namespace, model) -> None:
+    """`generate` and `serve`: --speculative left out means auto on a model with MTP layers and none otherwise;
+    `none` means none. Call after `preflight_model`."""
+    if args.speculative == "none":
+        args.speculative = None
+    elif args.speculative is None:
+        path = Path(model) if model is not None else default_model_path()
+        names = _checkpoint_files(path) if args.load_format == "safetensors" else None
+        if _has_mtp(ModelConfig.from_file(path), names):
+            args.speculative = "auto"
 
 
 def _spec_kwargs(args: argparse.Namespace) -> dict:
     """Speculative-decoding, tensor-parallel and graph options shared by the commands that build an LLM."""
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+    speculative = None if args.speculative == "none" else args.speculative
+    return dict(speculative=speculative, num_speculative_tokens=args.num_speculative_tokens,
                 ngram_min=args.ngram_min, ngram_max=args.ngram_max, tensor_parallel_size=args.tp,
                 enforce_eager=args.enforce_eager)
 
@@ -211,6 +230,7 @@ def _stream(llm: LLM, prompt: str, params: SamplingParams):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     preflight_model(args.model, need_tokenizer=True, speculative=args.speculative, load_format=args.load_format)
+    resolve_speculative(args, args.model)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or None, ignore_eos=args.ignore_eos,
@@ -248,7 +268,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.speculative:
         sp = m["spec"]
-        print(f"[specmla] speculative {args.speculative}: {sp['num_accepted_tokens']}/{sp['num_draft_tokens']} draft "
+        name = f"auto ({llm.speculative})" if args.speculative == "auto" else args.speculative
+        print(f"[specmla] speculative {name}: {sp['num_accepted_tokens']}/{sp['num_draft_tokens']} draft "
               f"tokens accepted, mean acceptance length {sp['mean_acceptance_length']:.2f}", file=sys.stderr)
     return 0
 
@@ -324,6 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     model = args.model_pos or args.model
     preflight_model(model, need_tokenizer=True, speculative=args.speculative, load_format=args.load_format)
+    resolve_speculative(args, model)
     name = args.served_model_name or (str(model) if model else "specmla-default")
     failure: list[BaseException] = []
     loaded = threading.Event()  # the loader thread is done (returned or raised)
@@ -419,10 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", type=_output_file, default=None, help="write the results here")
     t.set_defaults(func=cmd_bench_throughput)
 
-    sp = bench.add_parser("spec", help="speculative decoding sweep: none / mtp / ngram / hybrid × k × batch")
+    sp = bench.add_parser("spec", help="speculative decoding sweep: none / mtp / ngram / hybrid / auto × k × batch")
     _add_model_args(sp)
-    sp.add_argument("--modes", nargs="+", default=["none", "mtp", "ngram", "hybrid"],
-                    choices=["none", "mtp", "ngram", "hybrid"])
+    sp.add_argument("--modes", nargs="+", default=["none", "mtp", "ngram", "hybrid", "auto"],
+                    choices=["none", "mtp", "ngram", "hybrid", "auto"],
+                    help="auto: --speculative auto with k_max = each --k")
     sp.add_argument("--k", type=_int(1, 64, "1 to 64"), nargs="+", default=[1, 2, 3, 4], help="draft lengths")
     sp.add_argument("--batch", type=_int(1, None, ">= 1"), nargs="+", default=[1, 32])
     sp.add_argument("--input-len", type=_int(1, None, ">= 1"), default=128)

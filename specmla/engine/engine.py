@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specmla.engine.detokenizer import IncrementalDetokenizer
+from specmla.engine.draft_policy import DraftPolicy
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.runner import ModelRunner, to_device_ints
 from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS, ScheduledBatch, Scheduler
@@ -122,6 +123,7 @@ class LLMEngine:
         proposer=None,
         fault_hook: Callable[[list[Sequence]], None] | None = None,
         pipeline_decode: bool = True,
+        policy: DraftPolicy | None = None,
     ):
         """`fault_hook` (tests): called with the requests about to be sampled in every model call; an
         exception it raises is handled like any failure inside a step.
@@ -132,10 +134,14 @@ class LLMEngine:
         The host's bookkeeping and the next graph's launch then overlap the GPU's work instead of leaving it idle
         between steps. A request that finishes on a token the host has not seen yet
         (EOS, a stop string) had one extra token computed, which is dropped; its cache write lands on its own
-        pages, beyond its computed tokens."""
+        pages, beyond its computed tokens.
+
+        `policy` (with a proposer): the `auto` draft length; each decode step speculates or runs plainly (and then
+        pipelined) as it chooses. None: every decode step speculates."""
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.runner = ModelRunner(model, pool)
         self.proposer = proposer  # speculative decoding when set
+        self.policy = policy if proposer is not None else None
         self.spec_stats = SpecStats()
         self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens,
                                    lookahead=proposer.k if proposer else 0)
@@ -153,6 +159,7 @@ class LLMEngine:
         self.pipeline_decode = pipeline_decode
         self._ahead: _Ahead | None = None  # the decode step launched ahead, if any
         self._spec_ahead: _SpecAhead | None = None  # the greedy MTP step launched ahead, if any
+        self._step_speculated: bool | None = None  # the policy's choice for this step's decodes (None: no choice)
 
     @property
     def max_total_tokens(self) -> int:
@@ -241,9 +248,12 @@ class LLMEngine:
             self._fail(seq, why, "kv_capacity")
         members = batch.decode + [s for s, _ in batch.prefill]
         snaps = {s.seq_id: _Snapshot.of(s) for s in members}
+        self._step_speculated = None
         try:
             ready = self._run(batch)
             out = batch.decode + ready
+            if self.policy is not None and self._step_speculated is not None and not batch.prefill:
+                self.policy.record(self._step_speculated, len(batch.decode), time.perf_counter() - step_start)
         except Exception:
             log.exception("an engine step over %d requests failed; retrying them one by one", len(members))
             self._ahead = self._spec_ahead = None
@@ -255,12 +265,13 @@ class LLMEngine:
 
     def _run(self, batch: ScheduledBatch, pipelined: bool = True) -> list[Sequence]:
         """One model pass over the batch's decodes and prefill chunks; returns the requests sampled."""
-        if pipelined and self._pipelines(batch):
+        speculate = self._speculates(batch)
+        if pipelined and self._pipelines(batch, speculate):
             return self._run_pipelined(batch)
         self._ahead = None
         ready: list[Sequence] = []
         logits = []
-        if batch.decode and self.proposer is not None:
+        if batch.decode and speculate:
             self._speculative_decode(batch.decode, pipelined)
         elif batch.decode:
             dec = self.runner.forward_logits(batch.decode, [1] * len(batch.decode), naive_context=self.naive_decode)
@@ -319,9 +330,29 @@ class LLMEngine:
             out.append(seq)
         return out
 
-    def _pipelines(self, batch: ScheduledBatch) -> bool:
-        """Whether this step runs pipelined (see `pipeline_decode`)."""
-        return (self.pipeline_decode and self.proposer is None and not self.naive_decode
+    def _speculates(self, batch: ScheduledBatch) -> bool:
+        """Whether this step's decodes speculate: always with a proposer and no policy; else the policy's choice
+        (a step without decodes counts as speculative: it runs as before, not pipelined). A plain step under an MTP
+        proposer leaves its requests without the MTP module's rows of that position: they draft no more."""
+        if self.proposer is None:
+            return False
+        if self.policy is None or not batch.decode:
+            return True
+        spec = self.policy.choose([s.seq_id for s in batch.decode])
+        self._step_speculated = spec
+        if not spec:
+            self._spec_ahead = None
+            if self.proposer.uses_mtp:
+                for s in batch.decode:
+                    self.policy.stale.add(s.seq_id)
+                    s.drafts = []
+        return spec
+
+    def _pipelines(self, batch: ScheduledBatch, speculate: bool) -> bool:
+        """Whether this step runs pipelined (see `pipeline_decode`): a plain step, without logprobs, and without a
+        prefill chunk whose prompt the MTP module must catch up on."""
+        mtp_prefill = self.proposer is not None and self.proposer.uses_mtp and batch.prefill
+        return (self.pipeline_decode and not speculate and not mtp_prefill and not self.naive_decode
                 and all(s.params.logprobs is None for s in batch.decode)
                 and all(s.params.logprobs is None for s, _ in batch.prefill))
 
@@ -415,7 +446,9 @@ class LLMEngine:
         if self.fault_hook is not None:
             self.fault_hook(seqs)
         k = self.proposer.k
-        caps = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.total_len - 1))
+        stale = self.policy.stale if self.policy is not None else ()
+        caps = [0 if s.seq_id in stale else
+                max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.total_len - 1))
                 for s in seqs]
         all_greedy = all(s.params.temperature < 1e-5 for s in seqs)  # then no sampling tensors (host → device copies)
         want_lp = any(s.params.logprobs is not None for s in seqs)
@@ -495,6 +528,8 @@ class LLMEngine:
             accepted = emitted_l[i] - 1
             s.spec_stats.add(num_l[i], accepted)
             self.spec_stats.add(num_l[i], accepted)
+            if self.policy is not None:
+                self.policy.observe(s.seq_id, num_l[i], accepted)
             s.num_cached = s.total_len + accepted  # the last token and the accepted drafts are cached
             for j in range(emitted_l[i]):
                 entry = None
@@ -567,6 +602,8 @@ class LLMEngine:
         s.status, s.finish_reason, s.finish_time = Status.FINISHED, reason, time.perf_counter()
         self._unfinished.pop(s.seq_id, None)
         self.scheduler.remove(s)
+        if self.policy is not None:
+            self.policy.forget(s.seq_id)
 
     def _fail(self, s: Sequence, why: str, reason: str) -> None:
         """Finish `s` with finish_reason "error": `why` (client-safe) in `error` and `text`, `reason` a
@@ -592,6 +629,8 @@ class LLMEngine:
             raise RuntimeError("forget_history needs an idle engine")
         self._ahead = self._spec_ahead = None
         self.spec_stats = SpecStats()
+        if self.policy is not None:
+            self.policy.forget_history()
         self.failures.clear()
         self.num_failed_steps = 0
         self.scheduler.num_preemptions = 0

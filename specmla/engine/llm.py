@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from specmla.distributed import destroy_group, init_group, launched_by_torchrun, local_rank
 from specmla.engine import compile_guard, warmup
+from specmla.engine.draft_policy import DraftPolicy
 from specmla.engine.engine import LLMEngine, RequestOutput, default_num_pages
 from specmla.engine.kv_pool import KVPool
 from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -97,8 +98,8 @@ class LLM:
             on_phase("loading")
         if weights not in WEIGHTS:
             raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
-        if speculative not in (None, "ngram", "mtp", "hybrid"):
-            raise ValueError(f"speculative={speculative!r}: expected None, 'ngram', 'mtp' or 'hybrid'")
+        if speculative not in (None, "auto", "ngram", "mtp", "hybrid"):
+            raise ValueError(f"speculative={speculative!r}: expected None, 'auto', 'ngram', 'mtp' or 'hybrid'")
         if tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
         if max_model_len is not None and max_model_len < 2:
@@ -136,6 +137,10 @@ class LLM:
             cache_dtype = _DTYPES[kv_cache_dtype]
         max_len = self.model.max_positions
         proposer = None
+        auto = speculative == "auto"
+        if auto:  # the model's own MTP module where it has one; the tokens so far otherwise
+            speculative = "mtp" if len(self.model.mtp) else "ngram"
+        self.speculative = speculative
         if speculative == "ngram":
             proposer = NgramProposer(num_speculative_tokens, ngram_min, ngram_max)
         elif speculative in ("mtp", "hybrid"):
@@ -146,21 +151,33 @@ class LLM:
                         else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
         use_graphs = device.type == "cuda" and not enforce_eager
 
+        tp = tensor_parallel_size > 1 or _tp_rank is not None
+
+        def make_policy() -> DraftPolicy | None:
+            # ranks of a tensor-parallel group must take the same steps, which timings measured per rank cannot
+            # promise: there `auto` keeps k drafts every step
+            if not auto or tp:
+                return None
+            # exploring the plain side would cost an MTP request its drafts for good (see DraftPolicy): the MTP
+            # policy decides on the warm-up's costs alone
+            return DraftPolicy(num_speculative_tokens, online=not proposer.uses_mtp)
+
         def make_engine(pages: int) -> LLMEngine:
             pool = KVPool(self.model.num_cache_layers, pages, page_size, self.model.config.latent_dim, cache_dtype,
                           device, enable_prefix_caching=enable_prefix_caching, scratch_page=True, kv_format=kv_format,
                           kv_lora_rank=self.model.config.kv_lora_rank)
             engine = LLMEngine(self.model, self.tokenizer, pool, max_num_seqs=max_num_seqs, max_model_len=max_len,
                                max_num_batched_tokens=max_num_batched_tokens, proposer=proposer,
-                               pipeline_decode=pipeline_decode)
+                               pipeline_decode=pipeline_decode, policy=make_policy())
             if use_graphs:
                 warmup.attach_graphs(engine)
+                if engine.policy is not None:
+                    engine.policy.padded = engine.runner.graphed.padded_size
             return engine
 
         loaded = time.perf_counter()
         if on_phase is not None and use_graphs:
             on_phase("warming up")
-        tp = tensor_parallel_size > 1 or _tp_rank is not None
         # one GPU: a warm-up on a small pool measures what the graphs and activations take before the pool is
         # sized (ranks of a tensor-parallel group size theirs as rank 0 did, before they exist)
         profiled = num_pages is None and use_graphs and not tp

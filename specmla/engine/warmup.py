@@ -61,8 +61,9 @@ def attach_graphs(engine: LLMEngine, use_graphs: bool = True) -> None:
     seqs = engine.scheduler.max_num_seqs
     P = -(-(engine.max_model_len + 2 * engine.scheduler.lookahead) // pool.page_size)
     runner.prefill_graphs = PiecewisePrefill(model, pool, engine.scheduler.max_num_batched_tokens, use_graphs)
-    if proposer is None:
+    if proposer is None or engine.policy is not None:  # the `auto` draft length decodes plainly too
         runner.graphed = GraphedDecoder(model, pool, seqs, P, use_graphs)
+    if proposer is None:
         return
     # every decode step is a verify step with S = 1 + k query tokens
     runner.graphed_verify = GraphedDecoder(model, pool, seqs, P, use_graphs, query_len=1 + proposer.k)
@@ -221,10 +222,60 @@ def warm_up(engine: LLMEngine, groups: list | None = None, progress: bool | None
             bar.update()
             engine.forget_history()
         free2 = _free(dev)
+        if engine.policy is not None and runner.graphed is not None and runner.graphed.use_graphs:
+            measure_step_costs(engine)
     bar.close()
     report.seconds = time.perf_counter() - start
     report.graph_bytes, report.activation_bytes = max(0, free0 - free1), max(0, free1 - free2)
     return report
+
+
+COST_STEPS = 6  # timed decode steps per side and padded size
+
+
+@torch.inference_mode()
+def measure_step_costs(engine: LLMEngine, steps: int = COST_STEPS, seed: int = 0) -> bool:
+    """Give the `auto` draft length's policy the seconds a decode step takes, plain and speculative, at every padded
+    batch size: that many greedy requests decode through the engine's own steps (host work, pipelining and the
+    graphs as a user's requests meet them), each side forced in turn, and `steps` steady steps are timed after the
+    first two. False (nothing measured) where the pool cannot hold the largest batch."""
+    policy, pool, runner = engine.policy, engine.pool, engine.runner
+    sizes = runner.graphed.sizes
+    look = engine.scheduler.lookahead
+    prompt_len, new = 8, steps + 4
+    per_seq = -(-(prompt_len + new * (look + 1) + 2 * look + 1) // pool.page_size) + 1
+    if per_seq * sizes[-1] > pool.num_free_pages():
+        return False
+    rng = random.Random(seed)
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    try:
+        for b in sizes:
+            for speculative in (False, True):
+                policy.force = speculative
+                seqs = [engine.add_request([rng.randrange(vocab) for _ in range(prompt_len)], params)
+                        for _ in range(b)]
+                while any(s.num_cached < s.total_len - 1 for s in seqs):  # the prompts' prefill
+                    engine.step()
+                for _ in range(2):
+                    engine.step()
+                _sync(pool.device)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                _sync(pool.device)
+                policy.seed(speculative, b, (time.perf_counter() - t0) / steps)
+                while engine.has_unfinished():
+                    engine.step()
+    finally:
+        policy.force = None
+    engine.forget_history()
+    return True
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def measure(make_engine, device: torch.device, groups: list, page_size: int, lookahead: int,

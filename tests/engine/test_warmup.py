@@ -223,8 +223,9 @@ def test_guard_mode_is_checked(guard_off, monkeypatch):
 # ---- GPU --------------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("kw", [{}, dict(speculative="mtp", num_speculative_tokens=3),
-                                dict(speculative="ngram", num_speculative_tokens=2), dict(kv_cache_dtype="fp8")],
-                         ids=["plain", "mtp", "ngram", "fp8-kv"])
+                                dict(speculative="ngram", num_speculative_tokens=2), dict(kv_cache_dtype="fp8"),
+                                dict(speculative="auto", num_speculative_tokens=3)],
+                         ids=["plain", "mtp", "ngram", "fp8-kv", "auto"])
 def test_gpu_nothing_compiles_or_captures_after_warm_up(kw):
     """Batch sizes 1..max_num_seqs in random order, prompts sharing cached prefixes, greedy / sampled / logprobs
     mixed, contexts growing to max_model_len: under the guard in "raise" mode nothing compiles or captures."""
@@ -234,6 +235,11 @@ def test_gpu_nothing_compiles_or_captures_after_warm_up(kw):
     st = llm.startup
     assert st["graphs"] == len(warmup.plan(llm.engine)) > 0 and st["kv_pages"] == llm.kv_pool.num_pages
     assert st["graph_bytes"] > 0 and st["reserved_bytes"] > 0
+    policy = llm.engine.policy
+    if kw.get("speculative") == "auto":  # both sides' step costs measured at every padded size, none guessed
+        sizes = llm.engine.runner.graphed.sizes
+        assert set(policy.costs) == {(spec, b) for spec in (True, False) for b in sizes}
+        assert all(0 < t < 1 for t in policy.costs.values())
     rng = random.Random(0)
     vocab = llm.model.config.vocab_size
     prefixes = [[rng.randrange(vocab) for _ in range(rng.randrange(64, 300))] for _ in range(4)]
@@ -259,6 +265,8 @@ def test_gpu_nothing_compiles_or_captures_after_warm_up(kw):
         assert outs[0].finish_reason == "length"
         assert len(outs[0].prompt_token_ids) + len(outs[0].token_ids) == max_len
     assert events == []
+    if policy is not None:
+        print("auto: steps", dict(policy.steps))
     # the guard sees a compile on this Triton: a norm of a new width after warm-up
     from specmla.ops.norm import rms_norm
 
