@@ -453,7 +453,7 @@ class LLMEngine:
         all_greedy = all(s.params.temperature < 1e-5 for s in seqs)  # then no sampling tensors (host → device copies)
         want_lp = any(s.params.logprobs is not None for s in seqs)
         host_accept = all_greedy and not want_lp
-        if host_accept and self.proposer.whole_step_graph and self._whole_spec_step(seqs, caps, pipelined):
+        if host_accept and self._all_mtp(seqs) and self._whole_spec_step(seqs, caps, pipelined):
             return  # verify, accept and next drafts: one replay (and the next step launched before this one's read)
         drafts, num = self.proposer.propose_for(seqs, caps, self.pool.device)
         if host_accept:  # read the (already computed) drafts before the verify pass, so this waits on nothing
@@ -477,6 +477,12 @@ class LLMEngine:
             self.runner.mtp_draft_after_verify(seqs, starts, emitted_l, verify_hidden, k, launched,
                                                self.proposer.num_mtp_drafts)
 
+    def _all_mtp(self, seqs: list[Sequence]) -> bool:
+        """Whether every request's drafts this step come from the MTP module and the proposer runs such steps as one
+        replay (the hybrid proposer: when each request prefers its MTP drafts)."""
+        prefers = getattr(self.proposer, "prefers_mtp", None)
+        return self.proposer.whole_step_graph and (prefers is None or all(prefers(s) for s in seqs))
+
     def _whole_spec_step(self, seqs: list[Sequence], caps: list[int], pipelined: bool = True) -> bool:
         """A greedy MTP step as one replay of `graphed_spec`; False (nothing done) where the graph does not take
         the batch. Pipelined (`pipeline_decode`): the step after it is launched before this one's result is read,
@@ -487,6 +493,8 @@ class LLMEngine:
         runner, k = self.runner, self.proposer.k
         ahead, self._spec_ahead = self._spec_ahead, None
         out = ahead.take(seqs) if ahead is not None else None
+        if hasattr(self.proposer, "candidates"):  # the hybrid scores the n-gram drafts it did not use
+            self.proposer.candidates(seqs, caps)
         remaining = [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.total_len) for s in seqs]
         if out is None:
             out = runner.launch_greedy_mtp_step(seqs, [s.drafts[:cap] for s, cap in zip(seqs, caps)], remaining)
@@ -499,7 +507,7 @@ class LLMEngine:
             copied = torch.cuda.Event()
             copied.record()
         nxt = None
-        if pipelined and self.pipeline_decode and min(remaining) > k + 1:
+        if pipelined and self.pipeline_decode and min(remaining) > k + 1 and self._all_mtp(seqs):
             nxt = runner.launch_chained_mtp_step(seqs)
         if copied is not None:
             copied.synchronize()
@@ -530,6 +538,8 @@ class LLMEngine:
             self.spec_stats.add(num_l[i], accepted)
             if self.policy is not None:
                 self.policy.observe(s.seq_id, num_l[i], accepted)
+            if hasattr(self.proposer, "observe"):
+                self.proposer.observe(s, tokens_l[i][: emitted_l[i]])
             s.num_cached = s.total_len + accepted  # the last token and the accepted drafts are cached
             for j in range(emitted_l[i]):
                 entry = None
@@ -604,6 +614,8 @@ class LLMEngine:
         self.scheduler.remove(s)
         if self.policy is not None:
             self.policy.forget(s.seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(s.seq_id)
 
     def _fail(self, s: Sequence, why: str, reason: str) -> None:
         """Finish `s` with finish_reason "error": `why` (client-safe) in `error` and `text`, `reason` a

@@ -148,7 +148,7 @@ class LLM:
                 raise ValueError(f"speculative={speculative!r} needs a model with MTP layers "
                                  "(num_nextn_predict_layers)")
             proposer = (MtpProposer(num_speculative_tokens) if speculative == "mtp"
-                        else HybridProposer(num_speculative_tokens, 1, ngram_min, ngram_max))
+                        else HybridProposer(num_speculative_tokens, ngram_min, ngram_max))
         use_graphs = device.type == "cuda" and not enforce_eager
 
         tp = tensor_parallel_size > 1 or _tp_rank is not None

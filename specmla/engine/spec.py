@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specmla.ops.ngram import ngram_propose
+from specmla.engine.ngram_index import NgramIndex
 from specmla.ops.spec_accept import greedy_verify
 from specmla.ops.sampling import GREEDY_EPS, SamplingTensors, apply_top_k_top_p, uniform_noise
 
@@ -122,7 +122,8 @@ class SpecStats:
 
 
 class NgramProposer:
-    """Drafts from the request's own prompt and output (ops.ngram_propose, on the device)."""
+    """Drafts from the request's own prompt and output: `ops.ngram_propose`'s drafts, from an n-gram index each
+    request keeps on the host (`NgramIndex`), grown by the tokens appended since its last step."""
 
     uses_mtp = False
     whole_step_graph = False  # its drafts come from host-side token lists
@@ -131,19 +132,30 @@ class NgramProposer:
         if num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.k, self.ngram_min, self.ngram_max = num_speculative_tokens, ngram_min, ngram_max
+        self._index: dict[int, NgramIndex] = {}  # seq_id → its index, until it finishes
+
+    def draft(self, seq, cap: int) -> list[int]:
+        """Up to min(cap, k) drafts for the request after its tokens so far."""
+        idx = self._index.get(seq.seq_id)
+        if idx is None:
+            idx = self._index[seq.seq_id] = NgramIndex(self.ngram_min, self.ngram_max)
+        idx.sync(seq.all_ids)
+        return idx.draft(min(cap, self.k))
 
     def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.propose([s.all_ids for s in seqs], caps, device)
+        return _as_tensors([self.draft(s, cap) for s, cap in zip(seqs, caps)], self.k, device)
 
-    def propose(self, token_rows: list[list[int]], caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        L = max(len(r) for r in token_rows)
-        tokens = torch.zeros(len(token_rows), L, dtype=torch.long)
-        for i, r in enumerate(token_rows):
-            tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        lens = torch.tensor([len(r) for r in token_rows], dtype=torch.int32)
-        caps_t = torch.tensor(caps, dtype=torch.int32)
-        return ngram_propose(tokens.to(device), lens.to(device), max_ngram=self.ngram_max, min_ngram=self.ngram_min,
-                             num_draft=caps_t.to(device), max_num_draft=self.k)
+    def forget(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
+
+
+def _as_tensors(drafts: list[list[int]], k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts per request → (int64 [B, k] zero-padded, int32 [B] counts) on `device`."""
+    out = torch.zeros(len(drafts), k, dtype=torch.long)
+    for i, d in enumerate(drafts):
+        if d:
+            out[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+    return out.to(device), torch.tensor([len(d) for d in drafts], dtype=torch.int32, device=device)
 
 
 class MtpProposer:
@@ -164,39 +176,55 @@ class MtpProposer:
         return self.k
 
     def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        drafts = torch.zeros(len(seqs), self.k, dtype=torch.long)
-        num = []
-        for i, (s, cap) in enumerate(zip(seqs, caps)):
-            d = s.drafts[: min(cap, self.k)]
-            drafts[i, : len(d)] = torch.tensor(d, dtype=torch.long)
-            num.append(len(d))
-        return drafts.to(device), torch.tensor(num, dtype=torch.int32, device=device)
+        return _as_tensors([s.drafts[: min(cap, self.k)] for s, cap in zip(seqs, caps)], self.k, device)
+
+    def forget(self, seq_id: int) -> None:
+        pass
 
 
 class HybridProposer(MtpProposer):
-    """FastDeploy's hybrid_mtp_ngram: the MTP module drafts the first `mtp_tokens`, then the n-gram
-    proposer extends the draft up to k, matching over the tokens including the MTP drafts."""
+    """Per request and step, the drafts of the source that has been getting more of them accepted: the MTP module's
+    k drafts or the n-gram match over the request's tokens, so hybrid does at least as well as the better of the
+    two on each request. Both sources are scored after every step: the one used by its accepted drafts, the other by
+    how many of its drafts equal the tokens the step emitted (checked as far as those reach). A batch whose every
+    request takes the MTP drafts runs as the MTP proposer's (the one-replay step where greedy)."""
 
-    whole_step_graph = False  # the n-gram extension runs between the MTP drafts and the verify
-
-    def __init__(self, num_speculative_tokens: int, mtp_tokens: int = 1, ngram_min: int = 1, ngram_max: int = 3):
+    def __init__(self, num_speculative_tokens: int, ngram_min: int = 1, ngram_max: int = 3, decay: float = 0.8):
         super().__init__(num_speculative_tokens)
-        self.mtp_tokens = max(1, min(mtp_tokens, num_speculative_tokens))
         self.ngram = NgramProposer(num_speculative_tokens, ngram_min, ngram_max)
+        self.decay = decay
+        self._gain: dict[int, list[float]] = {}  # seq_id → running accepted drafts a step: [MTP, n-gram]
+        self._pending: dict[int, tuple[list[int], list[int]]] = {}  # seq_id → this step's candidates
 
-    @property
-    def num_mtp_drafts(self) -> int:
-        return self.mtp_tokens  # the n-gram proposer extends the rest: no MTP work spent on it
+    def prefers_mtp(self, seq) -> bool:
+        g = self._gain.get(seq.seq_id)
+        return g is None or g[0] >= g[1]
+
+    def candidates(self, seqs, caps: list[int]) -> list[list[int]]:
+        """Record both sources' drafts for this step and return the preferred one's per request."""
+        out = []
+        for s, cap in zip(seqs, caps):
+            pair = (s.drafts[: min(cap, self.k)], self.ngram.draft(s, cap))
+            self._pending[s.seq_id] = pair
+            out.append(pair[0] if self.prefers_mtp(s) else pair[1])
+        return out
 
     def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        mtp = [s.drafts[: min(cap, self.mtp_tokens)] for s, cap in zip(seqs, caps)]
-        rows = [s.all_ids + d for s, d in zip(seqs, mtp)]
-        rest = [max(0, cap - len(d)) if len(d) == min(cap, self.mtp_tokens) else 0 for cap, d in zip(caps, mtp)]
-        ext, n_ext = self.ngram.propose(rows, rest, "cpu")
-        drafts = torch.zeros(len(seqs), self.k, dtype=torch.long)
-        num = []
-        for i, d in enumerate(mtp):
-            full = d + ext[i, : int(n_ext[i])].tolist()
-            drafts[i, : len(full)] = torch.tensor(full, dtype=torch.long)
-            num.append(len(full))
-        return drafts.to(device), torch.tensor(num, dtype=torch.int32, device=device)
+        return _as_tensors(self.candidates(seqs, caps), self.k, device)
+
+    def observe(self, seq, emitted: list[int]) -> None:
+        """The step's emitted tokens for the request: score both of its candidates."""
+        pair = self._pending.pop(seq.seq_id, None)
+        if pair is None:
+            return
+        g = self._gain.setdefault(seq.seq_id, [0.0, 0.0])
+        for src, d in enumerate(pair):
+            m = 0
+            while m < len(d) and m < len(emitted) and d[m] == emitted[m]:
+                m += 1
+            g[src] = g[src] * self.decay + m * (1 - self.decay)
+
+    def forget(self, seq_id: int) -> None:
+        self._gain.pop(seq_id, None)
+        self._pending.pop(seq_id, None)
+        self.ngram.forget(seq_id)

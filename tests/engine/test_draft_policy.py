@@ -197,3 +197,54 @@ def test_warm_up_measures_both_sides_with_the_engines_own_steps():
     small = LLM(ASSETS, device="cpu", page_size=4, num_pages=20, max_num_seqs=5, speculative="auto")
     small.engine.runner.graphed = GraphedDecoder(small.model, small.kv_pool, 5, 64, use_graphs=False)
     assert not warmup.measure_step_costs(small.engine) and not small.engine.policy.costs  # no room: nothing
+
+
+class _Req:
+    def __init__(self, seq_id, ids, drafts):
+        self.seq_id, self.all_ids, self.drafts = seq_id, ids, drafts
+
+
+def test_hybrid_scores_both_sources_and_takes_the_better_per_request():
+    """Request 1 repeats itself (its n-gram drafts come true, its MTP drafts do not); request 2 the other way: after a
+    few steps each takes the other source, scored on the tokens each step emitted."""
+    from specmla.engine.spec import HybridProposer
+
+    hp = HybridProposer(3, 1, 2)
+    loop = [11, 12, 13, 14]
+    r1, r2 = _Req(1, loop * 3, [90, 91, 92]), _Req(2, [5, 6, 7, 8], [40, 41, 42])
+    assert hp.prefers_mtp(r1) and hp.prefers_mtp(r2)  # nothing seen: the MTP drafts
+    for _ in range(4):
+        hp.candidates([r1, r2], [3, 3])
+        hp.observe(r1, loop[:4])  # continues the loop: n-gram [11, 12, 13] all match, MTP none
+        hp.observe(r2, [40, 41, 3])  # two MTP drafts come true; no n-gram draft (nothing recurs)
+    assert not hp.prefers_mtp(r1) and hp.prefers_mtp(r2)
+    assert hp.candidates([r1, r2], [2, 3]) == [[11, 12], [40, 41, 42]]
+    hp.observe(_Req(9, [], []), [1])  # no candidates recorded: nothing to score
+    hp.forget(1)
+    assert hp.prefers_mtp(r1) and 1 not in hp.ngram._index
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_hybrid_mixing_sources_per_request_is_lossless(k):
+    """The embedded model, the hybrid proposer with its preference forced to change per request and step: batches
+    where every request takes MTP drafts run the one-replay step (chained ahead), the others the verify path with
+    n-gram drafts for some; the output equals plain greedy and every page comes back."""
+    prompts = code_prompts(6)
+    params = [SamplingParams(max_tokens=8 + 4 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    ref = LLM(ASSETS, device="cpu", page_size=4, num_pages=1024).generate(prompts, params)
+    llm = LLM(ASSETS, device="cpu", page_size=4, num_pages=1024, max_num_seqs=16, speculative="hybrid",
+              num_speculative_tokens=k)
+    chained = []
+    whole = with_spec_step(llm, k, chained=chained)
+    hp = llm.engine.proposer
+    calls = [0]
+
+    def prefers(seq):
+        calls[0] += 1
+        return calls[0] // 13 % 2 == 0 or seq.seq_id % 2 == 0  # phases: all MTP, then mixed
+
+    hp.prefers_mtp = prefers
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert whole and calls[0] > 26 and llm.engine.spec_stats.num_accepted_tokens > 0  # both phases ran
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
