@@ -37,6 +37,7 @@ class DraftPolicy:
         self.costs: dict[tuple[bool, int], float] = {}  # (speculative, padded size) → seconds a step
         self._counts: dict[int, list[float]] = {}  # seq_id → [accepted, rejections] (decayed)
         self._engine = [0.0, 0.0]  # every request's counts, decayed: a new request's starting rate
+        self._expected: dict[int, float] = {}  # seq_id → expected tokens at k, as of its last step
         self.stale: set[int] = set()
         self._last: dict[int, bool] = {}  # padded size → the mode chosen last there
         self._since: Counter[int] = Counter()  # padded size → steps since the other mode ran there
@@ -52,6 +53,8 @@ class DraftPolicy:
         for c in (self._counts.setdefault(seq_id, [0.0, 0.0]), self._engine):
             c[0] = c[0] * self.decay + num_accepted
             c[1] = c[1] * self.decay + miss
+        if seq_id not in self.stale:
+            self._expected[seq_id] = self._geometric(self.alpha(seq_id), self.k)
 
     def alpha(self, seq_id: int) -> float:
         """Running probability that a draft of request seq_id is accepted, given the drafts before it were."""
@@ -64,16 +67,31 @@ class DraftPolicy:
         """Tokens a speculative step with k drafts is expected to emit for the request (1 when stale)."""
         if seq_id in self.stale:
             return 1.0
-        a, k = min(self.alpha(seq_id), 0.999999), self.k if k is None else k
+        if k is None or k == self.k:
+            e = self._expected.get(seq_id)
+            if e is not None:
+                return e
+        return self._geometric(self.alpha(seq_id), self.k if k is None else k)
+
+    @staticmethod
+    def _geometric(a: float, k: int) -> float:
+        a = min(a, 0.999999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def mark_stale(self, seq_id: int) -> None:
+        """The request drafts no more (decoded plainly under an MTP proposer)."""
+        self.stale.add(seq_id)
+        self._expected.pop(seq_id, None)
 
     def forget(self, seq_id: int) -> None:
         self._counts.pop(seq_id, None)
+        self._expected.pop(seq_id, None)
         self.stale.discard(seq_id)
 
     def forget_history(self) -> None:
         """Drop what requests taught it (acceptance, stale requests, step counts); the costs stay."""
         self._counts.clear()
+        self._expected.clear()
         self._engine = [0.0, 0.0]
         self.stale.clear()
         self._last.clear()
@@ -103,7 +121,8 @@ class DraftPolicy:
         if t_spec is None or t_plain is None:  # an unmeasured side: take it (online) or speculate
             spec = True if not self.online or t_spec is None else False
         else:
-            gain = sum(self.expected_tokens(s) for s in seq_ids) / t_spec
+            expected = self._expected
+            gain = sum(expected.get(s) or self.expected_tokens(s) for s in seq_ids) / t_spec
             plain = len(seq_ids) / t_plain
             last = self._last.get(size, True)
             spec = gain >= plain * (1 + self.margin) if not last else gain * (1 + self.margin) >= plain

@@ -344,7 +344,7 @@ class LLMEngine:
             self._spec_ahead = None
             if self.proposer.uses_mtp:
                 for s in batch.decode:
-                    self.policy.stale.add(s.seq_id)
+                    self.policy.mark_stale(s.seq_id)
                     s.drafts = []
         return spec
 

@@ -36,7 +36,7 @@ def test_running_acceptance_follows_a_geometric_run_and_its_changes():
     assert pol.expected_tokens(1) == pytest.approx(1 + a + a * a + a ** 3 + a ** 4)
     pol.observe(1, 0, 0)  # a step without drafts teaches nothing
     assert pol.alpha(1) == a
-    pol.stale.add(1)
+    pol.mark_stale(1)
     assert pol.expected_tokens(1) == 1.0
     pol.forget(1)
     assert 1 not in pol.stale
