@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from specmla import serving_bench
 from specmla.bench import (format_report, format_spec_rows, load_prompts, run_spec_sweep, run_throughput,
                            run_transformers)
 from specmla.distributed import launched_by_torchrun
@@ -458,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time every configuration this many times, interleaved, and report medians")
     sp.add_argument("--json", type=_output_file, default=None)
     sp.set_defaults(func=cmd_bench_spec, speculative=None)
+
+    bs = bench.add_parser("serve", help="a request stream against an OpenAI-compatible server: TTFT, TPOT, ITL, "
+                                        "throughput (specmla/serving_bench.py, also a standalone script)")
+    serving_bench.add_arguments(bs)
+    bs.set_defaults(func=serving_bench.run)
     return parser
 
 
