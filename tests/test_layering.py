@@ -19,7 +19,7 @@ LAYERS = {
     "ops": 0, "distributed": 0, "config": 0, "sampling_params": 0, "tokenizer": 0,
     "model": 1,  # the network, its loader and its tensor-parallel sharding
     "engine": 2,  # scheduling, KV pool, speculative decoding, CUDA graphs, the LLM entry point, TP workers
-    "server": 3, "bench": 3,
+    "server": 3, "bench": 3, "serving_bench": 3,  # serving_bench: a standalone client, importing nothing here
     "cli": 4,
     "": 5,  # specmla/__init__.py, the package's front door: nothing inside the package imports it
 }
