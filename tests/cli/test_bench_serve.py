@@ -15,7 +15,7 @@ import pytest
 from specmla import serving_bench
 from specmla.serving_bench import Request, arrival_gaps, run_stream, summarize
 
-TTFT, ITL = 0.3, 0.05  # the fake server's injected delays (s)
+TTFT, ITL = 0.5, 0.08  # the fake server's injected delays (s)
 HELPERS = Path(__file__).parent.parent / "helpers"
 
 
