@@ -618,15 +618,6 @@ def _libc():
         return None
 
 
-def return_large_frees() -> None:
-    """glibc serves large allocations from mmap and returns them at free, but raises that threshold to the largest
-    block freed so far, after which request bodies of megabytes come from the heap and stay in the process. Fixing
-    it at 1 MiB keeps a burst of oversized requests from leaving the server gigabytes larger (no-op elsewhere)."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
 def trim_heap() -> None:
     """Give the heap's free pages back to the system (glibc's malloc_trim over every arena): a large body arrives
     in chunks of tens of kilobytes, which come from the worker threads' arenas and stay there once freed."""
@@ -734,6 +725,5 @@ def build_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_le
     # keep-alive connection closes after KEEP_ALIVE_S, one whose request headers have not come after read_timeout_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=KEEP_ALIVE_S,
                             timeout_graceful_shutdown=shutdown_timeout + 2, http=_header_deadline(read_timeout_s))
-    return_large_frees()
     warn_if_exposed(host, getattr(app.state, "api_key", None))
     return Server(config)
