@@ -26,11 +26,14 @@ def fake_server():
     proc = subprocess.Popen([sys.executable, str(HELPERS / "fake_openai_server.py"), str(port), str(TTFT), str(ITL)])
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60
-    while time.time() < deadline:
+    while True:
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 break
         except httpx.HTTPError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("the fake server did not start")
             time.sleep(0.05)
     yield base
     proc.terminate()
