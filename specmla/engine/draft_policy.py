@@ -10,10 +10,12 @@ E_b = 1 + α_b + … + α_b^k the tokens request b is expected to emit when each
   accepted drafts plus rejections), counts decayed by `decay` every step so it follows the request; a new
   request starts at the engine's running rate.
 - t(mode, B): seconds a step of each mode takes at each padded batch size, seeded at warm-up (`seed`: the engine's
-  own decode steps, `warmup.measure_step_costs`) and, when `online`, followed by an exponential average of the engine's decode-only steps (`record`),
-  with the mode not chosen retried every `explore_every` steps at that size so its cost stays measured.
+  own decode steps, `warmup.measure_step_costs`) and, when `online`, followed by an exponential average of the
+  engine's decode-only steps (`record`), with the mode not chosen retried every `explore_every` steps at that size
+  so its cost stays measured.
 - A request decoded plainly under an MTP proposer misses the MTP module's cache rows of those positions, so it
-  drafts no more (`stale`): those requests count E = 1 and take no drafts.
+  drafts no more (`stale`): it counts E = 1 and the engine gives it no drafts (a step chained on the device still
+  verifies the drafts it derived there, which costs nothing more and stays lossless).
 """
 
 from __future__ import annotations
@@ -63,15 +65,12 @@ class DraftPolicy:
         a, r = self._counts.get(seq_id, (0.0, 0.0))
         return (a + base * self.prior_weight) / (a + r + self.prior_weight)
 
-    def expected_tokens(self, seq_id: int, k: int | None = None) -> float:
+    def expected_tokens(self, seq_id: int) -> float:
         """Tokens a speculative step with k drafts is expected to emit for the request (1 when stale)."""
         if seq_id in self.stale:
             return 1.0
-        if k is None or k == self.k:
-            e = self._expected.get(seq_id)
-            if e is not None:
-                return e
-        return self._geometric(self.alpha(seq_id), self.k if k is None else k)
+        e = self._expected.get(seq_id)
+        return self._geometric(self.alpha(seq_id), self.k) if e is None else e
 
     @staticmethod
     def _geometric(a: float, k: int) -> float:
@@ -121,8 +120,7 @@ class DraftPolicy:
         if t_spec is None or t_plain is None:  # an unmeasured side: take it (online) or speculate
             spec = True if not self.online or t_spec is None else False
         else:
-            expected = self._expected
-            gain = sum(expected.get(s) or self.expected_tokens(s) for s in seq_ids) / t_spec
+            gain = sum(self.expected_tokens(s) for s in seq_ids) / t_spec
             plain = len(seq_ids) / t_plain
             last = self._last.get(size, True)
             spec = gain >= plain * (1 + self.margin) if not last else gain * (1 + self.margin) >= plain

@@ -480,8 +480,7 @@ class LLMEngine:
     def _all_mtp(self, seqs: list[Sequence]) -> bool:
         """Whether every request's drafts this step come from the MTP module and the proposer runs such steps as one
         replay (the hybrid proposer: when each request prefers its MTP drafts)."""
-        prefers = getattr(self.proposer, "prefers_mtp", None)
-        return self.proposer.whole_step_graph and (prefers is None or all(prefers(s) for s in seqs))
+        return self.proposer.whole_step_graph and all(self.proposer.prefers_mtp(s) for s in seqs)
 
     def _whole_spec_step(self, seqs: list[Sequence], caps: list[int], pipelined: bool = True) -> bool:
         """A greedy MTP step as one replay of `graphed_spec`; False (nothing done) where the graph does not take
@@ -493,11 +492,10 @@ class LLMEngine:
         runner, k = self.runner, self.proposer.k
         ahead, self._spec_ahead = self._spec_ahead, None
         out = ahead.take(seqs) if ahead is not None else None
-        if hasattr(self.proposer, "candidates"):  # the hybrid scores the n-gram drafts it did not use
-            self.proposer.candidates(seqs, caps)
+        drafts = self.proposer.candidates(seqs, caps)  # also what the hybrid scores its unused n-gram drafts by
         remaining = [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.total_len) for s in seqs]
         if out is None:
-            out = runner.launch_greedy_mtp_step(seqs, [s.drafts[:cap] for s, cap in zip(seqs, caps)], remaining)
+            out = runner.launch_greedy_mtp_step(seqs, drafts, remaining)
             if out is None:
                 return False
         # queued before the next step's launch, which overwrites the result buffer (a copy on CPU too)
@@ -538,8 +536,7 @@ class LLMEngine:
             self.spec_stats.add(num_l[i], accepted)
             if self.policy is not None:
                 self.policy.observe(s.seq_id, num_l[i], accepted)
-            if hasattr(self.proposer, "observe"):
-                self.proposer.observe(s, tokens_l[i][: emitted_l[i]])
+            self.proposer.observe(s, tokens_l[i][: emitted_l[i]])
             s.num_cached = s.total_len + accepted  # the last token and the accepted drafts are cached
             for j in range(emitted_l[i]):
                 entry = None

@@ -145,6 +145,9 @@ class NgramProposer:
     def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
         return _as_tensors([self.draft(s, cap) for s, cap in zip(seqs, caps)], self.k, device)
 
+    def observe(self, seq, emitted: list[int]) -> None:
+        """The tokens a step emitted for the request (the proposers that learn from them override this)."""
+
     def forget(self, seq_id: int) -> None:
         self._index.pop(seq_id, None)
 
@@ -175,8 +178,19 @@ class MtpProposer:
         """Tokens the MTP module drafts per step (all k here)."""
         return self.k
 
+    def prefers_mtp(self, seq) -> bool:
+        """Whether the request's drafts this step are its MTP drafts (always here)."""
+        return True
+
+    def candidates(self, seqs, caps: list[int]) -> list[list[int]]:
+        """Each request's drafts this step, at most min(cap, k)."""
+        return [s.drafts[: min(cap, self.k)] for s, cap in zip(seqs, caps)]
+
     def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        return _as_tensors([s.drafts[: min(cap, self.k)] for s, cap in zip(seqs, caps)], self.k, device)
+        return _as_tensors(self.candidates(seqs, caps), self.k, device)
+
+    def observe(self, seq, emitted: list[int]) -> None:
+        """The tokens a step emitted for the request (the proposers that learn from them override this)."""
 
     def forget(self, seq_id: int) -> None:
         pass
@@ -208,9 +222,6 @@ class HybridProposer(MtpProposer):
             self._pending[s.seq_id] = pair
             out.append(pair[0] if self.prefers_mtp(s) else pair[1])
         return out
-
-    def propose_for(self, seqs, caps: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-        return _as_tensors(self.candidates(seqs, caps), self.k, device)
 
     def observe(self, seq, emitted: list[int]) -> None:
         """The step's emitted tokens for the request: score both of its candidates."""

@@ -152,6 +152,12 @@ def test_speculative_sampling_follows_the_target_distribution_end_to_end(tiny_mo
                 drafts.append([best[key]])
             return torch.tensor(drafts), torch.tensor([min(1, c) for c in caps], dtype=torch.int32)
 
+        def observe(self, seq, emitted):
+            pass
+
+        def forget(self, seq_id):
+            pass
+
     llm.engine.proposer = TargetArgmaxProposer()
     params = [SamplingParams(max_tokens=3, temperature=temp, top_k=k_top, seed=s, ignore_eos=True) for s in range(N)]
     outs = llm.generate([prompt] * N, params)
