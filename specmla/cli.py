@@ -30,6 +30,8 @@ from specmla.tokenizer import Tokenizer
 DTYPES = ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8_ds_mla", "fp8", "tbq4")
 MAX_PAGE_SIZE = 1024
+SERVE_GPU_MAX_NUM_SEQS = 512  # `serve` on a GPU: a request stream's batches (docs/benchmarks.md, serving)
+SERVE_GPU_MAX_NUM_BATCHED_TOKENS = 8192
 INT64_MAX = 2**63 - 1
 
 
@@ -409,9 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_int(1, 65535, "1 to 65535"), default=8000)
     sv.add_argument("--api-key", type=_nonempty, default=None)
     sv.add_argument("--served-model-name", type=_nonempty, default=None)
-    sv.add_argument("--max-num-seqs", type=_int(1, None, ">= 1"), default=64)
-    sv.add_argument("--max-num-batched-tokens", type=_int(1, None, ">= 1"),
-                    default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    sv.add_argument("--max-num-seqs", type=_int(1, None, ">= 1"), default=None,
+                    help=f"requests decoding at once (default: {SERVE_GPU_MAX_NUM_SEQS} on a GPU, 64 on the CPU)")
+    sv.add_argument("--max-num-batched-tokens", type=_int(1, None, ">= 1"), default=None,
+                    help=f"tokens a step (default: {SERVE_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, "
+                         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS} on the CPU)")
     sv.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     sv.add_argument("--log-level", default="warning",
                     choices=["critical", "error", "warning", "info", "debug", "trace"])
@@ -467,6 +471,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resolve_serve_batching(args: argparse.Namespace) -> None:
+    """`serve`'s --max-num-seqs / --max-num-batched-tokens left out: a server's request stream fills large batches,
+    so on a GPU it batches as vLLM's server does on a large GPU (memory caps the KV pool, not these); the CPU keeps
+    the offline defaults."""
+    if getattr(args, "command", None) != "serve":
+        return
+    on_gpu = args.device.startswith("cuda") if args.device else _cuda_available()
+    if args.max_num_seqs is None:
+        args.max_num_seqs = SERVE_GPU_MAX_NUM_SEQS if on_gpu else 64
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = SERVE_GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _torchrun_worker(args: argparse.Namespace) -> int | None:
     """Under torchrun, ranks > 0 do not run the command: they build the engine rank 0's command builds, on their
     shard, and follow rank 0's request stream."""
@@ -490,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    resolve_serve_batching(args)
     if not logging.getLogger().handlers:  # the engine's start-up lines (warm-up time, memory split) on stderr
         logging.basicConfig(level=logging.WARNING, format="[specmla] %(message)s", stream=sys.stderr)
     logging.getLogger("specmla.engine").setLevel(logging.INFO)
