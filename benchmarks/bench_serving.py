@@ -10,7 +10,7 @@ streamed as a real tokenizer's would be.
 Per `--speculative` mode: `LLM(path, max_num_seqs=C).generate` on the prompts (tokens a step as the server's) (output tok/s, the engine alone), then
 `specmla serve` launched on a free port: the same prompts streamed at concurrency C (the server's cost is the ratio
 of the two), then one run per `--rates` entry (Poisson arrivals; inf = all at once) with its TTFT / TPOT / ITL / E2E
-percentiles. Writes `bench_serving.json` (summaries; per-request records in `bench_serving_records.json`) and
+percentiles. Writes `bench_serving.json`, the servers' logs `serve_MODE.log` (summaries; per-request records in `bench_serving_records.json`) and
 `bench_serving.png` (TTFT and TPOT p50 / p99 against output throughput, one line per mode).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_serving.py --checkpoint-dir /tmp/v2lite27mtp --out DIR  (H200)
@@ -216,7 +216,8 @@ def main() -> None:
             res["offline"] = offline(path, args, mode, requests[: args.compare_prompts])
             print(f"[{mode}] LLM.generate, {args.compare_prompts} prompts, max_num_seqs {args.concurrency}: "
                   f"{res['offline']['output_throughput']:.0f} output tok/s", flush=True)
-        proc, base, startup = sb.launch_server(serve_args(path, args, mode))
+        proc, base, startup = sb.launch_server(serve_args(path, args, mode),
+                                              log_path=os.path.join(args.out, f"serve_{mode}.log"))
         res["server_startup_s"] = startup
         print(f"[{mode}] server ready in {startup:.1f} s", flush=True)
         try:

@@ -24,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -300,17 +301,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_server(args_line: str, timeout_s: float = 1800.0) -> tuple[subprocess.Popen, str, float]:
+def launch_server(args_line: str, timeout_s: float = 1800.0, log_path: str | None = None
+                  ) -> tuple[subprocess.Popen, str, float]:
     """Start `specmla serve ARGS` on a free loopback port; returns (process, base url, seconds until /health said
-    ready). A server that exits first raises with its last output."""
+    ready). Its output goes to `log_path` (default: a temporary file), never to an undrained pipe that a chatty
+    server would fill and block on; a server that exits first raises with the log's end."""
     port = free_port()
     cmd = [sys.executable, "-m", "specmla.cli", "serve", *args_line.split(), "--host", "127.0.0.1", "--port", str(port)]
+    log = open(log_path, "w+") if log_path else tempfile.TemporaryFile("w+")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log  # closed by stop_server
     base = f"http://127.0.0.1:{port}"
     while time.perf_counter() - t0 < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"the server exited ({proc.returncode}): {log.read()[-2000:]}")
         try:
             if httpx.get(base + "/health", timeout=2).status_code == 200:
                 return proc, base, time.perf_counter() - t0
@@ -327,6 +333,8 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+    if getattr(proc, "log", None) is not None:
+        proc.log.close()
 
 
 # ---- command line ------------------------------------------------------------------------------------------------
@@ -352,6 +360,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None, help="the server (default: http://127.0.0.1:8000, or --launch's)")
     p.add_argument("--launch", default=None, metavar="ARGS",
                    help="start `specmla serve ARGS` on a free loopback port, run, stop it; reports its start-up")
+    p.add_argument("--server-log", default=None, help="with --launch: the server's output goes here")
     p.add_argument("--model", default=None, help="the model name the server serves (default: its first)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -389,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
     proc, startup = None, None
     base = args.base_url or "http://127.0.0.1:8000"
     if args.launch is not None:
-        proc, base, startup = launch_server(args.launch)
+        proc, base, startup = launch_server(args.launch, log_path=args.server_log)
         print(f"server ready in {startup:.1f} s at {base}")
     try:
         model = args.model

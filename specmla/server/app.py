@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import hmac
 import ipaddress
 import json
@@ -343,6 +344,8 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
             state.update(check_model_dir(llm))
             state["engine"] = AsyncEngine(llm.engine, on_finish=metrics.finished)
             state["llm"] = llm
+            gc.collect()  # the start-up heap (modules, graphs, kernels) leaves the collector's view: a full
+            gc.freeze()  # collection over it would stall every stream at once
         except Exception as e:  # /health reports that it failed; the reason (which may name paths) is reported
             on_load_error(e)
             state["error"] = "the model failed to load; see the server log"

@@ -88,14 +88,17 @@ def test_a_rate_sweep_against_the_real_server(tiny_model_dir, tmp_path):
     """`--launch` starts the server on the tiny model; two rates; every record is consistent: TTFT ≤ E2E, output
     tokens = the server's usage = max_tokens (ignore_eos), p50 ≤ p90 ≤ p99, no failure; the JSON and plot land."""
     out, png = tmp_path / "serve.json", tmp_path / "sweep.png"
+    log = tmp_path / "server.log"
     rc = serving_bench.main([
-        "--launch", f"{tiny_model_dir} --device cpu --num-pages 256 --page-size 4 --max-num-seqs 16",
+        "--launch", f"{tiny_model_dir} --device cpu --num-pages 256 --page-size 4 --max-num-seqs 16 --log-level info",
+        "--server-log", str(log),
         "--sweep-rates", "8,inf", "--num-prompts", "6", "--input-len", "12", "--output-len", "6", "--range-ratio",
         "0.5", "--random-vocab", "250", "--json", str(out), "--plot", str(png), "--no-progress",
         "--slo", "ttft_ms=60000,tpot_ms=60000"])
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["server_startup_s"] > 0 and len(data["runs"]) == 2 and png.stat().st_size > 1000
+    assert "POST /v1/completions" in log.read_text()  # the server's own log, kept
     for run in data["runs"]:
         s = run["summary"]
         assert s["failed"] == 0 and s["completed"] == 6 and s["goodput"] == pytest.approx(s["request_throughput"])
@@ -106,3 +109,13 @@ def test_a_rate_sweep_against_the_real_server(tiny_model_dir, tmp_path):
             assert r["output_tokens"] == r["max_tokens"] and 3 <= r["max_tokens"] <= 9
             assert 6 <= r["prompt_tokens"] <= 18
         assert s["output_tokens"] == sum(r["output_tokens"] for r in run["records"])
+
+
+def test_a_server_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
+    """`--launch` on a model directory that does not exist: the launch raises with the server's own error line,
+    which its log also keeps."""
+    log = tmp_path / "server.log"
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(RuntimeError, match="does not exist"):
+        serving_bench.launch_server(f"{missing} --device cpu", timeout_s=120, log_path=str(log))
+    assert str(missing) in log.read_text()

@@ -110,3 +110,24 @@ def test_generate_with_dummy_weights_needs_config_and_tokenizer_only(tiny_model_
     assert r.stdout.startswith("abc") and "4 tokens" in r.stderr
     r = run_cli(*args)
     assert r.returncode == 2 and "neither model.safetensors nor" in r.stderr
+
+
+def test_serve_batches_for_its_device_unless_told(monkeypatch):
+    """`serve` without --max-num-seqs / --max-num-batched-tokens batches as a large GPU's server on a GPU and keeps
+    the offline defaults on the CPU; given values stay; other commands keep theirs."""
+    from specmla import cli
+    from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def resolved(argv, gpu):
+        monkeypatch.setattr(cli, "_cuda_available", lambda: gpu)
+        args = cli.build_parser().parse_args(argv)
+        cli.resolve_serve_batching(args)
+        return args.max_num_seqs, args.max_num_batched_tokens
+
+    gpu_defaults = (cli.SERVE_GPU_MAX_NUM_SEQS, cli.SERVE_GPU_MAX_NUM_BATCHED_TOKENS)
+    assert resolved(["serve"], gpu=True) == gpu_defaults
+    assert resolved(["serve"], gpu=False) == (64, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    assert resolved(["serve", "--device", "cpu"], gpu=True) == (64, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    assert resolved(["serve", "--max-num-seqs", "7"], gpu=True) == (7, gpu_defaults[1])
+    assert resolved(["serve", "--max-num-batched-tokens", "100"], gpu=False) == (64, 100)
+    assert resolved(["bench", "throughput"], gpu=True) == (64, DEFAULT_MAX_NUM_BATCHED_TOKENS)

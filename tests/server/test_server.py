@@ -270,3 +270,36 @@ def test_health_is_503_while_the_model_loads_and_requests_wait(tiny_model_dir):
             time.sleep(0.05)
         assert c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
     assert phases == ["warming up", "loading"]  # the CPU LLM reported its load; it has nothing to warm up
+
+
+def test_the_start_up_heap_is_frozen_once_ready(tiny_model_dir):
+    """Once the model is loaded, the server moves the start-up heap out of the collector's view (gc.freeze): the
+    oldest generation's collections then walk only what requests allocate, instead of every object of the model,
+    its graphs and kernels while every stream waits."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from specmla import LLM
+    from specmla.server.app import create_app
+
+    loaded = []
+
+    def load():
+        loaded.append(LLM(tiny_model_dir, device="cpu"))
+        return loaded[0]
+
+    gc.unfreeze()
+    try:
+        with TestClient(create_app(load, MODEL)) as c:
+            deadline = time.time() + 60
+            while c.get("/health").status_code != 200 and time.time() < deadline:
+                time.sleep(0.05)
+            assert gc.get_freeze_count() > 0
+            engine = loaded[0].engine
+            assert not any(o is engine for o in gc.get_objects())  # tracked, but frozen
+            assert gc.is_tracked(engine)
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        gc.unfreeze()
