@@ -15,7 +15,9 @@ E_b = 1 + α_b + … + α_b^k the tokens request b is expected to emit when each
   so its cost stays measured.
 - A request decoded plainly under an MTP proposer misses the MTP module's cache rows of those positions, so it
   drafts no more (`stale`): it counts E = 1 and the engine gives it no drafts (a step chained on the device still
-  verifies the drafts it derived there, which costs nothing more and stays lossless).
+  verifies the drafts it derived there, which costs nothing more and stays lossless). A new request starts stale
+  where a request at the engine's running rate would not make a speculative step pay (`admit`): the MTP module
+  then skips its prompt, and its prefill steps run pipelined.
 """
 
 from __future__ import annotations
@@ -58,10 +60,14 @@ class DraftPolicy:
         if seq_id not in self.stale:
             self._expected[seq_id] = self._geometric(self.alpha(seq_id), self.k)
 
+    def engine_alpha(self) -> float:
+        """The engine's running acceptance (every request's counts, with the prior): a new request's rate."""
+        e = self._engine
+        return (e[0] + self.prior * self.prior_weight) / (e[0] + e[1] + self.prior_weight)
+
     def alpha(self, seq_id: int) -> float:
         """Running probability that a draft of request seq_id is accepted, given the drafts before it were."""
-        e = self._engine
-        base = (e[0] + self.prior * self.prior_weight) / (e[0] + e[1] + self.prior_weight)
+        base = self.engine_alpha()
         a, r = self._counts.get(seq_id, (0.0, 0.0))
         return (a + base * self.prior_weight) / (a + r + self.prior_weight)
 
@@ -76,6 +82,20 @@ class DraftPolicy:
     def _geometric(a: float, k: int) -> float:
         a = min(a, 0.999999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def admit(self, batch: int) -> bool:
+        """Whether a new request, decoding among `batch` requests, gets the MTP module's catch-up over its prompt: only
+        where a request at the engine's running acceptance makes a speculative step pay at that size (with the
+        margin on its side). Else it would decode plainly at once, and the catch-up, which also keeps its prefill
+        steps from running pipelined, would be spent for nothing. Unmeasured costs: yes; a forced side: that side."""
+        if self.force is not None:
+            return self.force
+        size = self.padded(max(1, batch))
+        t_spec, t_plain = self.costs.get((True, size)), self.costs.get((False, size))
+        if t_spec is None or t_plain is None:
+            return True
+        fresh = self._geometric(self.engine_alpha(), self.k)
+        return fresh * (1 + self.margin) / t_spec >= 1.0 / t_plain
 
     def mark_stale(self, seq_id: int) -> None:
         """The request drafts no more (decoded plainly under an MTP proposer)."""

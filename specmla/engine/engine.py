@@ -160,6 +160,7 @@ class LLMEngine:
         self._ahead: _Ahead | None = None  # the decode step launched ahead, if any
         self._spec_ahead: _SpecAhead | None = None  # the greedy MTP step launched ahead, if any
         self._step_speculated: bool | None = None  # the policy's choice for this step's decodes (None: no choice)
+        self._prompt_seen: set[int] = set()  # requests whose prompt's MTP catch-up the policy has decided
 
     @property
     def max_total_tokens(self) -> int:
@@ -265,6 +266,7 @@ class LLMEngine:
 
     def _run(self, batch: ScheduledBatch, pipelined: bool = True) -> list[Sequence]:
         """One model pass over the batch's decodes and prefill chunks; returns the requests sampled."""
+        self._decide_prompt_catch_up(batch)
         speculate = self._speculates(batch)
         if pipelined and self._pipelines(batch, speculate):
             return self._run_pipelined(batch)
@@ -293,7 +295,9 @@ class LLMEngine:
         if prefill_hidden is not None and self.proposer is not None and self.proposer.uses_mtp:
             hidden, starts, q_lens = prefill_hidden
             rows = hidden.split(q_lens)
-            items = [(s, st, h) for (s, _), st, h in zip(batch.prefill, starts, rows) if not s.is_finished]
+            stale = self.policy.stale if self.policy is not None else ()
+            items = [(s, st, h) for (s, _), st, h in zip(batch.prefill, starts, rows)
+                     if not s.is_finished and s.seq_id not in stale]
             if items:
                 self.runner.mtp_catch_up_and_draft(items, self._drafts_after_prefill())
         return ready
@@ -348,10 +352,24 @@ class LLMEngine:
                     s.drafts = []
         return spec
 
+    def _decide_prompt_catch_up(self, batch: ScheduledBatch) -> None:
+        """Under an MTP proposer with a policy: at a request's first prefill chunk, whether the MTP module catches up
+        on its prompt (`DraftPolicy.admit`). A request refused is stale from its start: it decodes plainly, its
+        prefill chunks skip the MTP pass and no longer keep the step from running pipelined."""
+        if self.policy is None or not self.proposer.uses_mtp:
+            return
+        for s, _ in batch.prefill:
+            if s.seq_id not in self._prompt_seen:
+                self._prompt_seen.add(s.seq_id)
+                if not self.policy.admit(len(self.scheduler.running)):
+                    self.policy.mark_stale(s.seq_id)
+
     def _pipelines(self, batch: ScheduledBatch, speculate: bool) -> bool:
         """Whether this step runs pipelined (see `pipeline_decode`): a plain step, without logprobs, and without a
         prefill chunk whose prompt the MTP module must catch up on."""
-        mtp_prefill = self.proposer is not None and self.proposer.uses_mtp and batch.prefill
+        stale = self.policy.stale if self.policy is not None else ()
+        mtp_prefill = (self.proposer is not None and self.proposer.uses_mtp
+                       and any(s.seq_id not in stale for s, _ in batch.prefill))
         return (self.pipeline_decode and not speculate and not mtp_prefill and not self.naive_decode
                 and all(s.params.logprobs is None for s in batch.decode)
                 and all(s.params.logprobs is None for s, _ in batch.prefill))
@@ -613,6 +631,7 @@ class LLMEngine:
             self.policy.forget(s.seq_id)
         if self.proposer is not None:
             self.proposer.forget(s.seq_id)
+        self._prompt_seen.discard(s.seq_id)
 
     def _fail(self, s: Sequence, why: str, reason: str) -> None:
         """Finish `s` with finish_reason "error": `why` (client-safe) in `error` and `text`, `reason` a

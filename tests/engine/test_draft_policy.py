@@ -84,6 +84,67 @@ def test_online_costs_follow_measured_steps_and_the_other_side_is_retried():
     assert pol.choose([1]) is True
 
 
+def test_a_new_request_gets_the_prompt_catch_up_only_where_speculation_would_pay():
+    """`admit`: a request at the engine's running rate must make a speculative step pay at the batch it joins; the
+    prior admits, a run of rejected drafts stops it, a size where speculation is cheap still admits; unmeasured
+    sizes admit."""
+    pol = DraftPolicy(3, online=False)
+    for b in (1, 2):
+        pol.seed(True, b, 2.0)
+        pol.seed(False, b, 1.0)
+    pol.seed(True, 4, 1.0)
+    pol.seed(False, 4, 1.0)
+    assert pol.admit(1) and pol.admit(2)  # prior 0.6: E = 2.18 tokens / 2 s against 1 / 1 s
+    for s in range(4):
+        for _ in range(30):
+            pol.observe(s, 3, 0)
+    assert pol.engine_alpha() < 0.11  # the prior alone is left: E ≈ 1.1
+    assert not pol.admit(1) and not pol.admit(0) and not pol.admit(2)  # E ≈ 1.1 / 2 s: plain, so no catch-up
+    assert pol.admit(4)  # equal costs: a draft that may be accepted is free
+    assert pol.admit(3)  # unmeasured
+    for s in range(4):
+        for _ in range(60):
+            pol.observe(s, 3, 3)
+    assert pol.admit(1)  # acceptance came back (requests already admitted taught it)
+
+
+def test_requests_refused_the_catch_up_decode_plainly_and_pipelined_losslessly():
+    """MTP auto on the embedded model: three requests speculate; then plain steps win at every size and the
+    engine's rate falls to nothing, so requests arriving start stale: the MTP module never sees their prompts and
+    their prefill steps run pipelined. Greedy output equals plain decoding and every page comes back."""
+    prompts = code_prompts(8)
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0, ignore_eos=True) for i in range(8)]
+    ref = LLM(ASSETS, device="cpu", page_size=4, num_pages=1024).generate(prompts, params)
+    llm = LLM(ASSETS, device="cpu", page_size=4, num_pages=1024, max_num_seqs=16, speculative="auto",
+              num_speculative_tokens=3)
+    runner = llm.engine.runner
+    runner.graphed = GraphedDecoder(llm.model, llm.kv_pool, 16, 64, use_graphs=False)
+    pol = _switching(llm)  # speculation pays at every size
+    eng = llm.engine
+    caught_up, catch_up = [], runner.mtp_catch_up_and_draft
+    runner.mtp_catch_up_and_draft = lambda items, k: caught_up.extend(
+        s.seq_id for s, start, _ in items if start < len(s.prompt_ids) - 1) or catch_up(items, k)
+    pipelined_prefill, run_pipelined = [], eng._run_pipelined
+    eng._run_pipelined = lambda batch: pipelined_prefill.extend(s.seq_id for s, _ in batch.prefill) or run_pipelined(
+        batch)
+    seqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+    for _ in range(3):
+        eng.step()
+    _switching(llm, plain_sizes=set(range(1, 33)))  # from here plain steps win at every size
+    for _ in range(40):
+        pol.observe(-1, 3, 0)  # and the engine's rate falls to nothing (a request seen by no other)
+    seqs += [eng.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
+    while eng.has_unfinished():
+        eng.step()
+    early, late = {s.seq_id for s in seqs[:3]}, {s.seq_id for s in seqs[3:]}
+    assert early <= set(caught_up) and not late & set(caught_up)  # the late prompts never reached the MTP module
+    assert late <= set(pipelined_prefill)  # and their prefill ran in pipelined steps
+    assert pol.steps[True] > 0 and pol.steps[False] > 0
+    outs = [eng.output_of(s) for s in seqs]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages and not pol.stale
+
+
 def test_bad_policy_arguments_are_refused():
     with pytest.raises(ValueError, match="k_max"):
         DraftPolicy(0)
