@@ -95,11 +95,22 @@ class AsyncEngine:
         self._wake.set()
 
     # ---- engine thread -----------------------------------------------------------------------------
-    def _push(self, req: _Request, update: Update) -> None:
+    def _push(self, req: _Request, update: Update, batch: dict | None = None) -> None:
+        """Hand `update` to its client; with `batch` ({event loop: [(queue, update)]}), collect it for `_deliver`."""
         if update.finished:
             req.done = True
             self._active.pop(req.rid, None)
-        req.loop.call_soon_threadsafe(req.out.put_nowait, update)
+        if batch is None:
+            req.loop.call_soon_threadsafe(req.out.put_nowait, update)
+        else:
+            batch.setdefault(req.loop, []).append((req.out, update))
+
+    @staticmethod
+    def _deliver(batch: dict) -> None:
+        """One wake-up of each client event loop per step (not one per request: each is a write to the loop's
+        self-pipe, under the interpreter lock the engine thread steps with)."""
+        for loop, items in batch.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _drain_commands(self) -> None:
         while True:
@@ -134,6 +145,7 @@ class AsyncEngine:
         self._push(req, Update(finished=True, finish_reason="abort", error=message, status=status))
 
     def _publish(self) -> None:
+        batch: dict = {}
         for req in list(self._active.values()):
             s = req.seq
             holdback = 0 if s.is_finished else max((len(x) for x in s.params.stop), default=1) - 1
@@ -154,7 +166,8 @@ class AsyncEngine:
             req.sent_text, req.sent_tokens = safe, n_tok
             if s.is_finished and self._on_finish:
                 self._on_finish(s, s.finish_reason)
-            self._push(req, update)
+            self._push(req, update, batch)
+        self._deliver(batch)
 
     def _run(self) -> None:
         while not self._stop:
@@ -179,6 +192,11 @@ class AsyncEngine:
             self._publish()
         for req in list(self._active.values()):
             self._push(req, Update(finished=True, finish_reason="abort", error="server shutting down"))
+
+
+def _put_all(items: list) -> None:
+    for out, update in items:
+        out.put_nowait(update)
 
 
 def now() -> int:
