@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import TINY, V2_LITE, ensure_checkpoint
+from bench_engine import TINY, V2_LITE, ensure_checkpoint, step_read_bytes
+from limits import copy_bandwidth
 from specmla import LLM, SamplingParams
 from specmla import serving_bench as sb
 from specmla.cli import SERVE_GPU_MAX_NUM_BATCHED_TOKENS
@@ -119,11 +120,13 @@ def offline(path: Path, args, mode: str, requests: list[sb.Request]) -> dict:
     outs = llm.generate([r.prompt for r in requests], params)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
+    floor_bytes = step_read_bytes(llm.model, 1)  # the weights a batch-1 decode step reads
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"output_tokens": tokens, "duration_s": wall, "output_throughput": tokens / wall}
+    return {"output_tokens": tokens, "duration_s": wall, "output_throughput": tokens / wall,
+            "b1_step_read_bytes": floor_bytes}
 
 
 def _spec(mode: str) -> str | None:
@@ -208,7 +211,9 @@ def main() -> None:
     requests = sb.random_requests(max(args.num_prompts, args.compare_prompts, *at.values(), 1), args.input_len,
                                   args.output_len, args.range_ratio, 0, False, vocab)
     device = "cpu" if args.tiny else torch.cuda.get_device_name(0)
-    report = {"device": device, "dir": str(path), "load_format": args.load_format, "args": vars(args), "modes": {}}
+    copy = None if args.tiny else copy_bandwidth()
+    report = {"device": device, "dir": str(path), "load_format": args.load_format, "args": vars(args),
+              "copy_GBps": copy / 1e9 if copy else None, "modes": {}}
     records = {}
     for mode in args.speculative:
         res: dict = {}
@@ -216,6 +221,10 @@ def main() -> None:
             res["offline"] = offline(path, args, mode, requests[: args.compare_prompts])
             print(f"[{mode}] LLM.generate, {args.compare_prompts} prompts, max_num_seqs {args.concurrency}: "
                   f"{res['offline']['output_throughput']:.0f} output tok/s", flush=True)
+            if copy:
+                res["b1_step_floor_ms"] = res["offline"]["b1_step_read_bytes"] / copy * 1e3
+                print(f"[{mode}] batch-1 decode step floor (weights it reads / copy {copy / 1e9:.0f} GB/s): "
+                      f"{res['b1_step_floor_ms']:.2f} ms", flush=True)
         proc, base, startup = sb.launch_server(serve_args(path, args, mode),
                                               log_path=os.path.join(args.out, f"serve_{mode}.log"))
         res["server_startup_s"] = startup
@@ -233,7 +242,7 @@ def main() -> None:
                 n = at.get(rate, args.num_prompts)
                 s, recs = stream(base, model, requests[:n], rate, None, 1 + i)
                 res["rates"].append({"rate": rate, "num_prompts": n, "summary": s})
-                records[f"{mode}@{rate:g}"] = [asdict(r) for r in recs]
+                records[f"{mode}@{rate:g}#{i}"] = [asdict(r) for r in recs]
                 print(f"[{mode}] " + sb.format_summary(rate, s), flush=True)
         finally:
             sb.stop_server(proc)
