@@ -387,6 +387,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from specmla import tuning_check
+
+    if not args.check:
+        print("specmla: error: tune: only --check is available (the measuring runs are "
+              "benchmarks/bench_mla_decode.py --routes and benchmarks/tune_moe.py)", file=sys.stderr)
+        return 2
+    name = args.device_name
+    if name is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA GPU here: the ops run their portable kernels and references, which take no tables "
+                  "(--device-name NAME checks a GPU's tables by its CUDA name)")
+            return 0
+        name = torch.cuda.get_device_name(0)
+    model = args.model or default_model_path()
+    cfg = ModelConfig.from_file(Path(model))
+    query = [1] + ([1 + args.num_speculative_tokens] if args.num_speculative_tokens else [])
+    print(tuning_check.format_check(name, tuning_check.check(name, cfg, args.kv_formats, query)))
+    return 0
+
+
+def _formats(text: str) -> list[str]:
+    out = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in out if f not in ("bf16", "fp16", "fp8", "fp8_ds_mla", "tbq4")]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"formats from bf16, fp16, fp8, fp8_ds_mla, tbq4 (comma-separated), got {text!r}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specmla", description="MLA inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -427,6 +458,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a request's headers, then its body, must arrive within this many seconds: a connection "
                          "that sends no headers is closed, a body late gets a 408 (default 20)")
     sv.set_defaults(func=cmd_serve)
+
+    tu = sub.add_parser("tune", help="kernel configurations on this GPU: --check lists the model's shapes that run "
+                                     "untuned (on the rules)")
+    tu.add_argument("--check", action="store_true", help="list, do not measure")
+    tu.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    tu.add_argument("--device-name", default=None, help="check this CUDA device name's tables (default: GPU 0)")
+    tu.add_argument("--kv-formats", type=_formats, default=["bf16"], help="cache formats served (comma-separated)")
+    tu.add_argument("--num-speculative-tokens", type=_int(0, 64, "0 to 64"), default=0,
+                    help="k: the verify step's 1 + k query tokens are checked too")
+    tu.set_defaults(func=cmd_tune)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     t = bench.add_parser("throughput", help="offline throughput of N prompts: tok/s, TTFT, TPOT")

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -131,3 +132,33 @@ def test_serve_batches_for_its_device_unless_told(monkeypatch):
     assert resolved(["serve", "--max-num-seqs", "7"], gpu=True) == (7, gpu_defaults[1])
     assert resolved(["serve", "--max-num-batched-tokens", "100"], gpu=False) == (64, 100)
     assert resolved(["bench", "throughput"], gpu=True) == (64, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
+
+def test_tune_check_lists_the_shapes_that_run_untuned(tmp_path):
+    """`specmla tune --check` for a named GPU: with no tables the model's decode keys and MoE shapes all run on the
+    rules; a user's table covering them moves them to measured; without --check it measures nothing and says so."""
+    from specmla.ops import tuned
+
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = {"model_type": "deepseek_v2", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+           "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 64,
+           "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "first_k_dense_replace": 1}
+    (model / "config.json").write_text(json.dumps(cfg))
+    env = {"SPECMLA_TUNED": str(tmp_path / "tuned"), "SPECMLA_TUNING": "auto"}
+    args = ("tune", "--check", "--device-name", "Fake GPU-9", "--model", str(model), "--kv-formats", "bf16,fp8",
+            "--num-speculative-tokens", "3")
+    r = run_cli(*args, env_extra=env)
+    assert r.returncode == 0, r.stderr
+    assert "decode_routes: rules" in r.stdout and "moe: rules" in r.stdout
+    assert "bf16,1,4, bf16,4,4, fp8,1,4, fp8,4,4" in r.stdout and "up,8,32,64, down,8,64,32" in r.stdout
+    assert "6 shape(s) run on the rules" in r.stdout
+    folder = tmp_path / "tuned"
+    tuned.write("moe", "Fake_GPU_9", {"up,8,32,64": [[8, {"block_m": 16, "block_n": 32, "block_k": 32}]],
+                                      "down,8,64,32": [[8, {"block_m": 16, "block_n": 32, "block_k": 32}]]},
+                folder=folder / "moe")
+    r = run_cli(*args, env_extra=env)
+    assert "measured: up,8,32,64, down,8,64,32" in r.stdout and "4 shape(s) run on the rules" in r.stdout
+    r = run_cli("tune", "--device-name", "Fake GPU-9", env_extra=env)
+    assert r.returncode == 2 and "only --check" in r.stderr

@@ -12,6 +12,7 @@ import importlib
 
 import torch
 
+from specmla.ops import tuned
 from specmla.ops.decode import dispatch
 from specmla.ops.decode.hopper import common as hopper_common
 from specmla.ops.decode.reference import check_args, mla_decode_torch
@@ -44,9 +45,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _routes(device: torch.device) -> dict:
     """The device's measured routes (`dispatch.load_routes`; none off CUDA)."""
-    if device.type != "cuda":
-        return {}
-    return dispatch.load_routes(torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_"))
+    return dispatch.load_routes(tuned.cuda_device_key(device))
 
 
 def route(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, *, kv_format: str = "bf16",

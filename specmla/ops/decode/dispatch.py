@@ -14,7 +14,8 @@ Kernels (module names under `specmla.ops.decode`):
 The split count comes from shapes only (B, S, H, SM count, the block table's capacity), never from the
 device-side lengths: no host synchronisation, a fixed workspace, and graph-capturable launches.
 
-Measured routes: `routes/<device>.json` (written by `benchmarks/bench_mla_decode.py --routes`) holds, per
+Measured routes: the "decode_routes" table of `ops.tuned` (the user's file from `specmla tune`, else the shipped
+`routes/<device>.json`, written by `benchmarks/bench_mla_decode.py --routes`) holds, per
 (format, S, H), the kernel that ran fastest at each measured (B, T); an automatic call takes the kernel of the
 nearest measured point (in log B and log T) where its format, S and H were measured, and the rules below
 elsewhere.
@@ -23,18 +24,15 @@ elsewhere.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
-from pathlib import Path
 from typing import Callable, Mapping
 
 from triton import cdiv, next_power_of_2
 
+from specmla.ops import tuned
 from specmla.ops.kv_cache.layout import QUANTIZED
 
 KERNELS = ("triton", "bf16", "bf16_seesaw", "dequant", "dequant_seesaw", "fp8", "tbq4")
-ROUTES_DIR = Path(__file__).with_name("routes")
 E4M3_KERNEL = {"fp8": "fp8", "fp8_ds_mla": "fp8", "tbq4": "tbq4"}  # the 16-row Hopper kernel of each format
 E4M3_ROWS = 16
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
@@ -131,11 +129,10 @@ def measured_kernel(routes: Mapping[str, list] | None, kv_format: str, B: int, S
     return None if point is None else point[2]
 
 
-@functools.lru_cache(maxsize=None)
-def load_routes(device_key: str) -> dict:
-    """The measured routes of a device (`routes/<device_key>.json`: its "routes" entry), {} without a file."""
-    path = ROUTES_DIR / f"{device_key}.json"
-    return json.loads(path.read_text()).get("routes", {}) if path.exists() else {}
+def load_routes(device_key: str | None) -> dict:
+    """The measured routes of a device (the "routes" entry of its "decode_routes" table: the user's file, else the
+    shipped `routes/<device_key>.json`; see `ops.tuned`), {} where the rules apply."""
+    return tuned.load("decode_routes", device_key).get("routes", {})
 
 
 def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: bool, sm_count: int, max_seq: int,

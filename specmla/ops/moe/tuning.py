@@ -1,6 +1,7 @@
 """Tile configurations of the fused-MoE GEMMs, shipped as data per device.
 
-`configs/<device>.json` (written by benchmarks/tune_moe.py) maps "up|down,E,N,K" to a list of
+The device's "moe" table (`ops.tuned`: the user's file from `specmla tune`, else the shipped
+`configs/<device>.json`, written by benchmarks/tune_moe.py) maps "up|down,E,N,K" to a list of
 [max_tokens, config] rows in increasing max_tokens; a call takes the first row whose max_tokens
 covers its token count. Shapes or devices without a file fall back to `default_config`, which
 follows the same buckets: narrow row blocks and deep pipelines while the GEMMs stream weights,
@@ -12,13 +13,14 @@ the intermediate per program) and fall back to `default_fp8_config`.
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-CONFIG_DIR = Path(__file__).with_name("configs")
+from specmla.ops import tuned
+
+CONFIG_DIR = tuned.SHIPPED["moe"]
 
 
 @dataclass(frozen=True)
@@ -95,15 +97,19 @@ def fit_fp8(cfg: Config, b_tiles: int, limit: int = SHARED_MEMORY) -> Config:
 
 def device_key(device: torch.device) -> str:
     """File stem of a device's configurations, e.g. "NVIDIA_H100_80GB_HBM3"."""
-    return torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_")
+    return tuned.device_key(torch.cuda.get_device_name(device))
 
 
-@functools.lru_cache(maxsize=None)
-def _table(stem: str) -> dict:
-    path = CONFIG_DIR / f"{stem}.json"
-    if not path.exists():
-        return {}
-    return {key: [(int(m), Config(**cfg)) for m, cfg in rows] for key, rows in json.loads(path.read_text()).items()}
+def _table(stem: str | None) -> dict:
+    """The device's "moe" table (`ops.tuned`: the user's file, else the shipped one), as Configs."""
+    path = tuned.source("moe", stem)
+    return _as_configs(str(path), tuned.stamp(path)) if path is not None else {}
+
+
+@functools.lru_cache(maxsize=16)
+def _as_configs(path: str, mtime_ns: int) -> dict:
+    return {key: [(int(m), Config(**cfg)) for m, cfg in rows]
+            for key, rows in tuned.load_file(Path(path)).items()}
 
 
 def shape_key(kind: str, E: int, N: int, K: int) -> str:
@@ -112,7 +118,7 @@ def shape_key(kind: str, E: int, N: int, K: int) -> str:
 
 def lookup(kind: str, E: int, N: int, K: int, tokens: int, device: torch.device, top_k: int = 8) -> Config:
     """The configuration for `kind` GEMMs of E experts, N output columns and K reduction, at `tokens`."""
-    rows = _table(device_key(device)).get(shape_key(kind, E, N, K)) if device.type == "cuda" else None
+    rows = _table(tuned.cuda_device_key(device)).get(shape_key(kind, E, N, K))
     if rows:
         for max_tokens, cfg in rows:
             if tokens <= max_tokens:
