@@ -63,9 +63,16 @@ def mode() -> str:
 
 
 def source(table: str, key: str | None) -> Path | None:
-    """The file a table of this device is read from (None: the rules)."""
+    """The file a table of this device is read from (None: the rules). Looked up once per table, device and
+    environment: a file another process writes is seen after `clear_cache()` (or a restart)."""
     if key is None:
         return None
+    env = os.environ
+    return _source(table, key, env.get("SPECMLA_TUNING"), env.get("SPECMLA_TUNED"), env.get("SPECMLA_CACHE"))
+
+
+@functools.lru_cache(maxsize=None)
+def _source(table: str, key: str, *environment) -> Path | None:
     m = mode()
     for path, used in ((user_file(table, key), m == "auto"), (shipped_file(table, key), m != "rules")):
         if used and path.is_file():
@@ -79,25 +86,28 @@ def load(table: str, key: str | None) -> dict:
     return load_file(path) if path is not None else {}
 
 
+@functools.lru_cache(maxsize=None)
 def load_file(path: Path) -> dict:
-    """A table file's contents, read again only when the file changes."""
-    return _read(str(path), stamp(path))
-
-
-def stamp(path: Path) -> int:
-    """The file's modification time (ns): a cache key that a rewritten file changes."""
-    try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return -1
-
-
-@functools.lru_cache(maxsize=64)
-def _read(path: str, mtime_ns: int) -> dict:
+    """A table file's contents, read once (until `clear_cache()`)."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"tuned table {path} cannot be read ({e}); delete it or run `specmla tune` again") from e
+
+
+_generation = [0]
+
+
+def generation() -> int:
+    """Changes whenever the tables may have: caches built on them key on it."""
+    return _generation[0]
+
+
+def clear_cache() -> None:
+    """Forget which files were found and what they held (`write` calls it)."""
+    _source.cache_clear()
+    load_file.cache_clear()
+    _generation[0] += 1
 
 
 def write(table: str, key: str, data: dict, folder: Path | None = None) -> Path:
@@ -107,6 +117,7 @@ def write(table: str, key: str, data: dict, folder: Path | None = None) -> Path:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)  # readers see the old file or the new one, never half of one
+    clear_cache()
     return path
 
 

@@ -3,7 +3,6 @@ sources; a rewritten file is read again; a broken one is a clear error; a table 
 kernels, never results (the fused MoE under the interpreter, driven by a user's table, equals its oracle)."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -21,12 +20,14 @@ KEY = "FAKE_GPU_80GB"
 @pytest.fixture
 def folders(tmp_path, monkeypatch):
     """A user folder and a shipped folder of our own (the package's stay untouched)."""
+    tuned.clear_cache()
     user, shipped = tmp_path / "user", tmp_path / "shipped"
     monkeypatch.setenv("SPECMLA_TUNED", str(user))
     monkeypatch.delenv("SPECMLA_TUNING", raising=False)
     monkeypatch.setitem(tuned.SHIPPED, "moe", shipped / "moe")
     monkeypatch.setitem(tuned.SHIPPED, "decode_routes", shipped / "decode_routes")
-    return user, shipped
+    yield user, shipped
+    tuned.clear_cache()
 
 
 def _moe_table(block_m: int) -> dict:
@@ -54,12 +55,15 @@ def test_the_user_file_then_the_shipped_file_then_the_rules(folders, monkeypatch
 
 
 def test_a_rewritten_file_is_read_again_and_a_broken_one_is_a_clear_error(folders):
+    """`write` makes the process read the table again; a file changed behind its back is read after
+    `clear_cache()`, and a broken one names itself."""
     path = tuned.write("moe", KEY, _moe_table(16))
     assert tuning._table(KEY)[shape_key("up", 7, 48, 64)][0][1].block_m == 16
     tuned.write("moe", KEY, _moe_table(64))
-    os.utime(path, ns=(1, 1))  # a second write within the clock's resolution still gets its own stamp
     assert tuning._table(KEY)[shape_key("up", 7, 48, 64)][0][1].block_m == 64
-    path.write_text("{not json")
+    path.write_text("{not json")  # written behind the process's back: seen once the caches are cleared
+    assert tuning._table(KEY)[shape_key("up", 7, 48, 64)][0][1].block_m == 64
+    tuned.clear_cache()
     with pytest.raises(ValueError, match=str(path)):
         tuning._table(KEY)
 
@@ -82,8 +86,6 @@ def test_a_users_moe_table_changes_the_tiles_not_the_result(folders, monkeypatch
     monkeypatch.setattr("specmla.ops.moe.triton.lookup", lambda *a, **k: seen.append(lookup(*a, **k)) or seen[-1])
     for block_m in (16, 32, 64):
         tuned.write("moe", KEY, _moe_table(block_m))
-        path = tuned.user_file("moe", KEY)
-        os.utime(path, ns=(block_m, block_m))
         got = fused_moe_triton(*case.args, shared=case.shared)
         assert seen[-1].block_m == block_m and seen[-2].block_m == block_m
         assert rel_err(got, oracle) <= 1e-5

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
@@ -102,14 +101,12 @@ def device_key(device: torch.device) -> str:
 
 def _table(stem: str | None) -> dict:
     """The device's "moe" table (`ops.tuned`: the user's file, else the shipped one), as Configs."""
-    path = tuned.source("moe", stem)
-    return _as_configs(str(path), tuned.stamp(path)) if path is not None else {}
+    return _as_configs(stem, tuned.generation())
 
 
 @functools.lru_cache(maxsize=16)
-def _as_configs(path: str, mtime_ns: int) -> dict:
-    return {key: [(int(m), Config(**cfg)) for m, cfg in rows]
-            for key, rows in tuned.load_file(Path(path)).items()}
+def _as_configs(stem: str | None, generation: int) -> dict:
+    return {key: [(int(m), Config(**cfg)) for m, cfg in rows] for key, rows in tuned.load("moe", stem).items()}
 
 
 def shape_key(kind: str, E: int, N: int, K: int) -> str:
