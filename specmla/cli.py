@@ -388,26 +388,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from specmla import tuning_check
+    from specmla import tune
 
-    if not args.check:
-        print("specmla: error: tune: only --check is available (the measuring runs are "
-              "benchmarks/bench_mla_decode.py --routes and benchmarks/tune_moe.py)", file=sys.stderr)
-        return 2
-    name = args.device_name
-    if name is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            print("no CUDA GPU here: the ops run their portable kernels and references, which take no tables "
-                  "(--device-name NAME checks a GPU's tables by its CUDA name)")
-            return 0
-        name = torch.cuda.get_device_name(0)
     model = args.model or default_model_path()
     cfg = ModelConfig.from_file(Path(model))
-    query = [1] + ([1 + args.num_speculative_tokens] if args.num_speculative_tokens else [])
-    print(tuning_check.format_check(name, tuning_check.check(name, cfg, args.kv_formats, query)))
+    if args.check:
+        name = args.device_name
+        if name is None:
+            import torch
+
+            if not torch.cuda.is_available():
+                print("no CUDA GPU here: the ops run their portable kernels and references, which take no tables "
+                      "(--device-name NAME checks a GPU's tables by its CUDA name)")
+                return 0
+            name = torch.cuda.get_device_name(0)
+        query = [1] + ([1 + args.num_speculative_tokens] if args.num_speculative_tokens else [])
+        print(tune.format_check(name, tune.check(name, cfg, args.kv_formats, query)))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("specmla: error: tune measures on a CUDA GPU and none is visible here (--check works anywhere)",
+              file=sys.stderr)
+        return 2
+    for path in tune.tune_moe(cfg, torch.device("cuda"), args.budget, args.out):
+        print(f"wrote {path}")
     return 0
+
+
+def _output_dir(text: str) -> str:
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
 
 
 def _formats(text: str) -> list[str]:
@@ -459,9 +471,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "that sends no headers is closed, a body late gets a 408 (default 20)")
     sv.set_defaults(func=cmd_serve)
 
-    tu = sub.add_parser("tune", help="kernel configurations on this GPU: --check lists the model's shapes that run "
-                                     "untuned (on the rules)")
+    tu = sub.add_parser("tune", help="measure the fused MoE's tile configurations for a model on this GPU into the "
+                                     "user's tables; --check lists the model's shapes that run untuned (on the rules)")
     tu.add_argument("--check", action="store_true", help="list, do not measure")
+    tu.add_argument("--budget", type=_float(1.0, 86400.0, "seconds from 1 to 86400"), default=420.0,
+                    help="seconds the search may take (default 420)")
+    tu.add_argument("--out", type=_output_dir, default=None,
+                    help="also write the tables here (<table>/<device>.json, the package's layout for shipping)")
     tu.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
     tu.add_argument("--device-name", default=None, help="check this CUDA device name's tables (default: GPU 0)")
     tu.add_argument("--kv-formats", type=_formats, default=["bf16"], help="cache formats served (comma-separated)")

@@ -20,7 +20,7 @@ LAYERS = {
     "model": 1,  # the network, its loader and its tensor-parallel sharding
     "engine": 2,  # scheduling, KV pool, speculative decoding, CUDA graphs, the LLM entry point, TP workers
     "server": 3, "bench": 3, "serving_bench": 3,  # serving_bench: a standalone client, importing nothing here
-    "tuning_check": 3,  # `specmla tune --check`: the tables of ops against a model config
+    "tune": 3,  # `specmla tune`: the tables of ops against a model config, the MoE search into them
     "cli": 4,
     "": 5,  # specmla/__init__.py, the package's front door: nothing inside the package imports it
 }

@@ -1,5 +1,6 @@
-"""`specmla tune --check`: which of a model's kernel shapes run on measured configurations on a GPU, and which on the
-rules (an untuned GPU, or shapes its tables do not hold).
+"""`specmla tune`: measures a model's fused-MoE tile configurations on this GPU into the user's "moe" table; with
+`--check`, which of a model's kernel shapes run on measured configurations on a GPU, and which on the rules (an
+untuned GPU, or shapes its tables do not hold).
 
 For the device's "decode_routes" and "moe" tables (`ops.tuned`: the user's file, else the shipped one) it lists
 the source and, for the model at one rank (no tensor or expert parallelism), the route keys (format, query
@@ -9,6 +10,7 @@ tokens, heads) and the fused-MoE GEMM shapes the tables cover and those left to 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specmla.config import ModelConfig
 from specmla.ops import tuned
@@ -66,3 +68,37 @@ def format_check(device_name: str, results: list[TableCheck]) -> str:
     untuned = sum(len(r.untuned) for r in results)
     lines.append("every shape measured" if not untuned else f"{untuned} shape(s) run on the rules on this device")
     return "\n".join(lines)
+
+
+def moe_shape(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
+    """(E, k, H, I, Is) of a model's MoE layers at one rank: Is = the shared experts' width (0: none)."""
+    I = cfg.moe_intermediate_size
+    return cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, I, (cfg.n_shared_experts or 0) * I
+
+
+def tune_moe(cfg: ModelConfig, device, budget_s: float, out: str | None = None, key: str | None = None,
+             timer_factory=None) -> list[Path]:
+    """Search the model's bf16 fused-MoE configurations on `device` (`ops.moe.tune`) and merge them into the user's
+    "moe" table of this device (`key`, default the device's), which starts as a copy of the shipped one, so the
+    shapes it held keep their rows; also into `out`/moe/. Returns the files written."""
+    from tqdm import tqdm
+
+    from specmla.ops.moe.tune import BUCKETS, merge_rows, tune_shape
+
+    if not cfg.n_routed_experts:
+        raise ValueError("the model has no routed experts: nothing to tune")
+    if cfg.quantization == "fp8":
+        raise ValueError("the model's experts are FP8: their kernels' configurations are not searched yet")
+    key = key or tuned.cuda_device_key(device)
+    with tqdm(total=len(BUCKETS), desc="moe buckets", unit="bucket") as bar:
+        rows, _ = tune_shape(*moe_shape(cfg), BUCKETS, budget_s, device, timer_factory=timer_factory,
+                             on_bucket=lambda row: bar.update(1))
+    user, shipped = tuned.user_file("moe", key), tuned.shipped_file("moe", key)
+    base = user if user.is_file() else shipped if shipped.is_file() else None
+    table = dict(tuned.load_file(base)) if base is not None else {}
+    for name, key_rows in rows.items():
+        merge_rows(table, name, key_rows)
+    written = [tuned.write("moe", key, table)]
+    if out is not None:
+        written.append(tuned.write("moe", key, table, folder=Path(out) / "moe"))
+    return written

@@ -1,0 +1,284 @@
+"""The fused MoE's tile search on the GPU it runs on: per GEMM shape and token bucket, the up and down
+configurations that run `fused_moe_triton` fastest (`specmla tune`, `benchmarks/tune_moe.py`).
+
+For each token bucket max_tokens (a call with T tokens takes the first row with max_tokens ≥ T) the whole op runs
+at T = max_tokens on random uniform routings, with the shape's shared experts, once per candidate configuration:
+
+1. block_m candidates by the mean rows per expert m = T·k/E: 16 only at T = 1 (each pair is its own block there);
+   else 16..128 up to max(16, 8·m), without 16 and 32 once m ≥ 128; tried nearest first to tuning.default_config's;
+2. per block_m, the gate‖up GEMM is tuned with the down GEMM fixed, then the down GEMM with the best up: coarse over
+   block_n ∈ {32, 64, 128, 256} × block_k ∈ {64, 128, 256} (group_m, num_warps, num_stages by rule of thumb), then
+   fine around the two best: num_warps ∈ {4, 8} × num_stages ∈ {2, 3, 4, 5}, then group_m ∈ {1, 8}.
+   Configurations whose pipeline buffers exceed the shared memory or whose accumulators exceed 128 fp32 registers
+   per thread are skipped; compile or launch errors skip the configuration;
+3. up and down share block_m (the op aligns pairs once): the block_m whose best up + best down runs fastest wins.
+
+A candidate's time: a CUDA graph of n calls (n = 8 at small T, fewer at large T), each on its own random routing so
+that weights are not re-read from L2, replayed; median of the replays per call. A time budget bounds the search:
+each bucket gets an equal share of what is left, and a search out of time keeps its best so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+import time
+
+import torch
+
+from specmla.ops.moe.tuning import SHARED_MEMORY, Config, default_config, shape_key
+
+log = logging.getLogger("specmla.tune")
+BUCKETS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
+BLOCK_M = (16, 32, 64, 128)
+BLOCK_N = (32, 64, 128, 256)
+BLOCK_K = (64, 128, 256)
+WARPS = (4, 8)
+STAGES = (2, 3, 4, 5)
+SMEM_BYTES = SHARED_MEMORY
+MAX_ACC_REGS = 128  # fp32 accumulator registers per thread
+SPIN_CYCLES = 200_000
+# ---- the search space (pure python) --------------------------------------------------------------------
+def smem_bytes(kind: str, c: Config, elem: int = 2) -> int:
+    """Shared memory of the pipeline buffers: per stage an A tile [bm, bk] and one (down) or two (up, gate
+    and up) B tiles [bk, bn]."""
+    b_tiles = 2 if kind == "up" else 1
+    return c.num_stages * (c.block_m * c.block_k + b_tiles * c.block_k * c.block_n) * elem
+
+
+def acc_regs(kind: str, c: Config) -> float:
+    """fp32 accumulator registers per thread (up holds gate and up accumulators)."""
+    return (2 if kind == "up" else 1) * c.block_m * c.block_n / (32 * c.num_warps)
+
+
+def feasible(kind: str, c: Config) -> bool:
+    return smem_bytes(kind, c) <= SMEM_BYTES and acc_regs(kind, c) <= MAX_ACC_REGS
+
+
+def block_m_candidates(T: int, k: int, E: int) -> list[int]:
+    """Row-block sizes worth trying at T tokens: 16 alone at T = 1; else up to max(16, 8·T·k/E), without the
+    narrow ones once the GEMMs are compute-bound (T·k/E ≥ 128 rows per expert)."""
+    if T <= 1:
+        return [16]
+    rows = T * k / E
+    out = [bm for bm in BLOCK_M if bm <= max(16, 8 * rows)]
+    if rows >= 128:
+        out = [bm for bm in out if bm >= 64]
+    first = default_config("up", rows).block_m  # the likeliest first: a search cut short keeps a sound one
+    return sorted(out, key=lambda bm: (abs(math.log2(bm / first)), bm))
+
+
+def rule_of_thumb(kind: str, T: int, bm: int, bn: int, bk: int) -> Config | None:
+    """The coarse stage's configuration for a tile: group_m 8 once there are several row blocks per expert
+    (else 1), 8 warps for large accumulators, the deepest pipeline (≤ 4 stages) that fits; None if none fits."""
+    group_m = 8 if T >= 128 else 1
+    acc = (2 if kind == "up" else 1) * bm * bn
+    warps = 8 if acc >= 2 * 128 * 128 else 4
+    for stages in (4, 3, 2):
+        c = Config(bm, bn, bk, group_m, warps, stages)
+        if feasible(kind, c):
+            return c
+    c = Config(bm, bn, bk, group_m, 8, 2)
+    return c if feasible(kind, c) else None
+
+
+def coarse_space(kind: str, T: int, bm: int, rows: float) -> list[Config]:
+    """Every (block_n, block_k) tile at block_m = bm by rule of thumb, after tuning.default_config's own (with bm)."""
+    d = default_config(kind, rows)
+    tiles = [(d.block_n, d.block_k)] + [(n, k) for n in BLOCK_N for k in BLOCK_K if (n, k) != (d.block_n, d.block_k)]
+    first = dataclasses.replace(d, block_m=bm)
+    out = [first] if feasible(kind, first) else []
+    for bn, bk in tiles:
+        c = rule_of_thumb(kind, T, bm, bn, bk)
+        if c is not None and c not in out:
+            out.append(c)
+    return out
+
+
+def fine_space(kind: str, c: Config) -> list[Config]:
+    """num_warps × num_stages around a tile (the tile's own configuration excluded)."""
+    out = []
+    for w in WARPS:
+        for s in STAGES:
+            d = dataclasses.replace(c, num_warps=w, num_stages=s)
+            if d != c and feasible(kind, d):
+                out.append(d)
+    return out
+
+
+def fixed_other(kind: str, T: int, k: int, E: int, bm: int) -> Config:
+    """The configuration the other GEMM keeps while `kind` is searched: tuning's default with block_m = bm."""
+    other = "down" if kind == "up" else "up"
+    c = dataclasses.replace(default_config(other, T * k / E), block_m=bm)
+    if not feasible(other, c):
+        c = rule_of_thumb(other, T, bm, 64, 64)
+    return c
+
+
+class Search:
+    """The search of one (shape, bucket): `timer(up, down)` gives seconds per call, or None for a
+    configuration that fails; `deadline` (time.monotonic()) stops it, keeping the best so far."""
+
+    def __init__(self, timer, T: int, k: int, E: int, deadline: float, on_step=None):
+        self.timer, self.T, self.k, self.E, self.deadline = timer, T, k, E, deadline
+        self.on_step = on_step or (lambda: None)
+        self.cache: dict[tuple[Config, Config], float | None] = {}
+        self.timed = 0
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def time(self, up: Config, down: Config) -> float | None:
+        key = (up, down)
+        if key not in self.cache:
+            self.cache[key] = self.timer(up, down)
+            self.timed += 1
+            self.on_step()
+        return self.cache[key]
+
+    def _best(self, kind: str, candidates: list[Config], other: Config, best=None):
+        """(seconds, config) of the fastest candidate, starting from `best`; stops when out of time."""
+        for c in candidates:
+            if best is not None and self.out_of_time():
+                break
+            t = self.time(c, other) if kind == "up" else self.time(other, c)
+            if t is not None and (best is None or t < best[0]):
+                best = (t, c)
+        return best
+
+    def tune_kind(self, kind: str, bm: int, other: Config):
+        """(seconds, config) of the best `kind` configuration with block_m = bm, the other GEMM at `other`."""
+        timed = []
+        for c in coarse_space(kind, self.T, bm, self.T * self.k / self.E):
+            if timed and self.out_of_time():
+                break
+            t = self.time(c, other) if kind == "up" else self.time(other, c)
+            if t is not None:
+                timed.append((t, c))
+        if not timed:
+            return None
+        timed.sort(key=lambda tc: tc[0])
+        best = timed[0]
+        for _, c in timed[:2]:
+            best = self._best(kind, fine_space(kind, c), other, best)
+        if self.T >= 128:  # group_m only matters with several row blocks per expert
+            flip = dataclasses.replace(best[1], group_m=1 if best[1].group_m > 1 else 8)
+            best = self._best(kind, [flip], other, best)
+        return best
+
+    def run(self) -> dict:
+        """{"block_m", "up", "down", "seconds", "per_block_m": {bm: seconds}, "timed"} of this bucket."""
+        results = {}
+        for bm in block_m_candidates(self.T, self.k, self.E):
+            if results and self.out_of_time():
+                break
+            up = self.tune_kind("up", bm, fixed_other("up", self.T, self.k, self.E, bm))
+            if up is None:
+                continue
+            down = self.tune_kind("down", bm, up[1])
+            if down is None:
+                continue
+            t = self.time(up[1], down[1])
+            if t is not None:
+                results[bm] = (t, up[1], down[1])
+        if not results:
+            raise RuntimeError(f"no configuration ran at T={self.T}")
+        bm = min(results, key=lambda b: results[b][0])
+        t, up, down = results[bm]
+        return {"block_m": bm, "up": up, "down": down, "seconds": t,
+                "per_block_m": {b: r[0] for b, r in results.items()}, "timed": self.timed}
+
+
+def merge_rows(table: dict, key: str, rows: list[tuple[int, Config]]) -> None:
+    """Put rows [max_tokens, config] into table[key], replacing rows of the same max_tokens, sorted."""
+    merged = {int(m): cfg for m, cfg in table.get(key, [])}
+    merged.update({m: c.to_dict() for m, c in rows})
+    table[key] = [[m, merged[m]] for m in sorted(merged)]
+
+
+# ---- timing on the GPU ---------------------------------------------------------------------------------
+class OpTimer:
+    """Times `fused_moe_triton` for one shape at T tokens with given up / down configurations."""
+
+    def __init__(self, E, k, H, I, Is, T, dev, weights, reps: int = 5, seed: int = 0):
+        from specmla.ops.moe.triton import fused_moe_triton
+
+        self.op = fused_moe_triton
+        g = torch.Generator(device=dev).manual_seed(seed + T)
+        self.w_gate_up, self.w_down, self.shared = weights
+        self.n = 8 if T <= 512 else (4 if T <= 2048 else 2 if T <= 8192 else 1)
+        self.reps = reps if T <= 2048 else 3
+        self.x = torch.empty(T, H, dtype=torch.bfloat16, device=dev).normal_(0.0, 1.0, generator=g)
+        self.routings = [(torch.randn(T, k, device=dev, generator=g).softmax(-1),
+                          torch.rand(T, E, device=dev, generator=g).topk(k, dim=1).indices) for _ in range(self.n)]
+
+    def _call(self, i, up, down):
+        w, ids = self.routings[i]
+        return self.op(self.x, self.w_gate_up, self.w_down, w, ids, shared=self.shared, up_config=up,
+                       down_config=down)
+
+    def __call__(self, up: Config, down: Config) -> float | None:
+        try:
+            self._call(0, up, down)  # compiles; raises OutOfResources and the like outside any capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(self.n):
+                    self._call(i, up, down)
+            graph.replay()
+            times = []
+            for _ in range(self.reps):
+                torch.cuda._sleep(SPIN_CYCLES)
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                graph.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) / 1e3 / self.n)
+            del graph
+            return statistics.median(times)
+        except Exception as e:  # this configuration does not compile or launch here
+            if "illegal" in str(e).lower():  # the CUDA context is gone: nothing further can run
+                raise
+            log.debug("skip up=%s down=%s: %s: %s", fmt(up), fmt(down), type(e).__name__, str(e).splitlines()[0])
+            torch.cuda.synchronize()
+            return None
+
+
+def fmt(c: Config) -> str:
+    return f"{c.block_m}x{c.block_n}x{c.block_k} g{c.group_m} w{c.num_warps} s{c.num_stages}"
+
+
+def tune_shape(E: int, k: int, H: int, I: int, Is: int, buckets: list[int], budget_s: float,
+               device: torch.device, reps: int = 5, timer_factory=None, on_bucket=None) -> tuple[dict, list[dict]]:
+    """The search of one MoE shape (E experts of top-k, hidden H, expert width I, shared width Is, 0 for none) over
+    `buckets`, in about `budget_s` seconds: ({table key: [(max_tokens, Config)]} for "up" and "down", a report row
+    per bucket). `timer_factory(T)` gives a bucket's `timer(up, down)` (default: `OpTimer` on `device`);
+    `on_bucket(report_row)` is called after each bucket."""
+    buckets = sorted(set(buckets))
+    if timer_factory is None:
+        g = torch.Generator(device=device).manual_seed(0)
+        weights = (torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=g),
+                   torch.empty(E, H, I, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=g),
+                   (torch.empty(2 * Is, H, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=g),
+                    torch.empty(H, Is, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=g))
+                   if Is else None)
+        timer_factory = lambda T: OpTimer(E, k, H, I, Is, T, device, weights, reps=reps)  # noqa: E731
+    end = time.monotonic() + budget_s
+    up_rows, down_rows, report = [], [], []
+    for i, T in enumerate(buckets):
+        share = max(0.0, end - time.monotonic()) / (len(buckets) - i)
+        r = Search(timer_factory(T), T, k, E, deadline=time.monotonic() + share).run()
+        up_rows.append((T, r["up"]))
+        down_rows.append((T, r["down"]))
+        row = {"E": E, "k": k, "H": H, "I": I, "Is": Is, "T": T, "us": r["seconds"] * 1e6, "up": r["up"].to_dict(),
+               "down": r["down"].to_dict(), "timed": r["timed"],
+               "per_block_m_us": {str(b): t * 1e6 for b, t in r["per_block_m"].items()}}
+        report.append(row)
+        if on_bucket is not None:
+            on_bucket(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {shape_key("up", E, I, H): up_rows, shape_key("down", E, H, I): down_rows}, report
