@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 from limits import copy_bandwidth, gemm_rate
@@ -35,7 +34,8 @@ from specmla.ops import mla_decode
 from specmla.ops.decode import dispatch, kernel_module, mla_decode_torch, route
 from specmla.ops.decode import triton as triton_kernel
 from specmla.ops.decode.dispatch import decode_bytes, decode_flops
-from specmla.ops.kv_cache import QUANTIZED, row_spec, write_kv_cache
+from specmla.ops.decode.tune import PAGE, ROUTE_CANDIDATES, SCALE, copies_for, make_problem, row_bytes, time_fn
+from specmla.ops.kv_cache import QUANTIZED
 
 CASES = [  # (H, B, T, S)
     (16, 128, 4096, 1), (16, 32, 32768, 1), (16, 1, 8192, 1), (16, 4, 81920, 1),
@@ -44,79 +44,12 @@ CASES = [  # (H, B, T, S)
     (16, 4, 81920, 4), (16, 32, 32768, 4),
 ]
 FORMATS = ("bf16",) + QUANTIZED
-ROUTE_CANDIDATES = {  # the kernels `--routes` times per format (each where it takes the call)
-    "bf16": ("bf16", "bf16_seesaw", "triton"), "fp16": ("bf16", "bf16_seesaw", "triton"),
-    "fp8": ("fp8", "dequant_seesaw", "triton"), "fp8_ds_mla": ("fp8", "dequant", "dequant_seesaw", "triton"),
-    "tbq4": ("tbq4", "dequant", "dequant_seesaw", "triton"),
-}
-PAGE = 64
-SCALE = 0.1352
 SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-
-
-def row_bytes(kv: str) -> int:
-    """Bytes of one cached token: 1152 (bf16), 608 (fp8), 656 (fp8_ds_mla), 400 (tbq4)."""
-    width, dtype = row_spec(kv, 512, 64, torch.bfloat16)
-    return width * dtype.itemsize
 
 
 def kv_decode_bytes(kv: str, seq_lens_sum: int, B: int, S: int, H: int) -> int:
     """decode_bytes with the cache counted at its real row size (equal to it for bf16)."""
     return seq_lens_sum * row_bytes(kv) + B * S * H * (576 + 512) * 2
-
-
-def make_cache(kv: str, latent: torch.Tensor) -> torch.Tensor:
-    """bf16 latents [num_pages, PAGE, 576] → the cache in format kv (the latents themselves for bf16)."""
-    if kv == "bf16":
-        return latent
-    n = latent.shape[0] * latent.shape[1]
-    flat = latent.view(n, 576)
-    cache = torch.empty(*latent.shape[:2], row_bytes(kv), dtype=torch.uint8, device=latent.device)
-    write_kv_cache(cache, flat[:, :512], flat[:, 512:], torch.arange(n, device=latent.device), kv)
-    return cache
-
-
-def make_problem(H, B, T, S, copies, kv="bf16", device="cuda"):
-    pages_per = T // PAGE
-    num_pages = B * pages_per
-    caches = [make_cache(kv, torch.randn(num_pages, PAGE, 576, device=device, dtype=torch.bfloat16))
-              for _ in range(copies)]
-    table = torch.randperm(num_pages, device=device, dtype=torch.int32).view(B, pages_per)
-    seq = torch.full((B,), T, dtype=torch.int32, device=device)
-    qs = [torch.randn(B, S, H, 576, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-    return caches, table, seq, qs
-
-
-def time_fn(fn, copies: int, iters: int = 30, warmup: int = 5, graph: bool = False) -> float:
-    """Median seconds per fn(i) call over rotating inputs.
-
-    graph=True: `calls` invocations (cycling over the copies) are captured in ONE CUDA graph and a
-    replay is timed and divided by `calls` — the GPU time per call as it runs inside a decode-step
-    graph. (Timing a single small kernel's replay would measure the host's graph-launch latency.)"""
-    for i in range(warmup):
-        fn(i % copies)
-    torch.cuda.synchronize()
-    calls = 1
-    run = fn
-    if graph:
-        calls = max(copies, 16)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(calls):
-                fn(i % copies)
-        run = lambda i: g.replay()  # noqa: E731
-        run(0)
-        torch.cuda.synchronize()
-        iters = max(5, iters // 3)
-    times = []
-    for i in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run(i % copies)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3 / calls)
-    return statistics.median(times)
 
 
 def flashmla_time(qs, caches, table, seq, copies: int) -> float:
@@ -132,8 +65,7 @@ def flashmla_time(qs, caches, table, seq, copies: int) -> float:
 
 def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], kv: str = "bf16",
              max_variants: int | None = None, routes: bool = False, flashmla: bool = False):
-    kv_bytes = B * T * row_bytes(kv)
-    copies = max(1, min(8, -(-4 * l2_bytes // kv_bytes)))
+    copies = copies_for(kv, B, T, l2_bytes)
     caches, table, seq, qs = make_problem(H, B, T, S, copies, kv)
     nbytes, flops = kv_decode_bytes(kv, B * T, B, S, H), decode_flops(B * T, S, H)
     assert kv != "bf16" or nbytes == decode_bytes(B * T, B, S, H)

@@ -411,7 +411,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print("specmla: error: tune measures on a CUDA GPU and none is visible here (--check works anywhere)",
               file=sys.stderr)
         return 2
-    for path in tune.tune_moe(cfg, torch.device("cuda"), args.budget, args.out):
+    device, written = torch.device("cuda"), []
+    budget = args.budget / len(args.ops)
+    query = [1] + ([1 + args.num_speculative_tokens] if args.num_speculative_tokens else [])
+    if "decode" in args.ops:
+        written += tune.tune_decode(cfg, device, args.kv_formats, query, budget, args.out)
+    if "moe" in args.ops and cfg.n_routed_experts:
+        written += tune.tune_moe(cfg, device, budget, args.out)
+    for path in written:
         print(f"wrote {path}")
     return 0
 
@@ -420,6 +427,13 @@ def _output_dir(text: str) -> str:
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
     return text
+
+
+def _ops(text: str) -> list[str]:
+    out = [o.strip() for o in text.split(",") if o.strip()]
+    if not out or any(o not in ("decode", "moe") for o in out):
+        raise argparse.ArgumentTypeError(f"ops from decode, moe (comma-separated), got {text!r}")
+    return out
 
 
 def _formats(text: str) -> list[str]:
@@ -471,11 +485,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "that sends no headers is closed, a body late gets a 408 (default 20)")
     sv.set_defaults(func=cmd_serve)
 
-    tu = sub.add_parser("tune", help="measure the fused MoE's tile configurations for a model on this GPU into the "
-                                     "user's tables; --check lists the model's shapes that run untuned (on the rules)")
+    tu = sub.add_parser("tune", help="measure a model's decode routes and fused-MoE tiles on this GPU into the user's "
+                                     "tables; --check lists the model's shapes that run untuned (on the rules)")
     tu.add_argument("--check", action="store_true", help="list, do not measure")
+    tu.add_argument("--ops", type=_ops, default=["decode", "moe"], help="what to measure: decode,moe (default both)")
     tu.add_argument("--budget", type=_float(1.0, 86400.0, "seconds from 1 to 86400"), default=420.0,
-                    help="seconds the search may take (default 420)")
+                    help="seconds the measurement may take, shared by the ops (default 420)")
     tu.add_argument("--out", type=_output_dir, default=None,
                     help="also write the tables here (<table>/<device>.json, the package's layout for shipping)")
     tu.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")

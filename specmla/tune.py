@@ -1,6 +1,7 @@
-"""`specmla tune`: measures a model's fused-MoE tile configurations on this GPU into the user's "moe" table; with
-`--check`, which of a model's kernel shapes run on measured configurations on a GPU, and which on the rules (an
-untuned GPU, or shapes its tables do not hold).
+"""`specmla tune`: measures a model's decode routes (per cache format and query tokens, `ops.decode.tune`) and
+fused-MoE tile configurations (`ops.moe.tune`) on this GPU into the user's tables; with `--check`, which of a
+model's kernel shapes run on measured configurations on a GPU, and which on the rules (an untuned GPU, or shapes
+its tables do not hold). Shapes are the model's at one rank (no tensor or expert parallelism).
 
 For the device's "decode_routes" and "moe" tables (`ops.tuned`: the user's file, else the shipped one) it lists
 the source and, for the model at one rank (no tensor or expert parallelism), the route keys (format, query
@@ -101,4 +102,33 @@ def tune_moe(cfg: ModelConfig, device, budget_s: float, out: str | None = None, 
     written = [tuned.write("moe", key, table)]
     if out is not None:
         written.append(tuned.write("moe", key, table, folder=Path(out) / "moe"))
+    return written
+
+
+def tune_decode(cfg: ModelConfig, device, formats: list[str], query_tokens: list[int], budget_s: float,
+                out: str | None = None, key: str | None = None, measure=None, points=None) -> list[Path]:
+    """Measure the model's decode routes on `device` (`ops.decode.tune.tune_routes`) and merge them into the user's
+    "decode_routes" table of this device (`key`, default the device's; it starts as a copy of the shipped one, and
+    each measured (format, S, H) replaces its rows); also into `out`/decode_routes/. Returns the files written."""
+    import datetime
+
+    import torch
+    from tqdm import tqdm
+
+    from specmla.ops.decode.tune import tune_routes
+
+    device = torch.device(device)
+    key = key or tuned.cuda_device_key(device)
+    with tqdm(desc="decode points", unit="point") as bar:
+        new = tune_routes(cfg.num_attention_heads, formats, query_tokens, device, budget_s, measure=measure,
+                          on_point=bar.update, points=points)
+    user, shipped = tuned.user_file("decode_routes", key), tuned.shipped_file("decode_routes", key)
+    base = user if user.is_file() else shipped if shipped.is_file() else None
+    old = tuned.load_file(base) if base is not None else {}
+    data = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else key,
+            "date": datetime.date.today().isoformat(), "command": "specmla tune",
+            "routes": {**old.get("routes", {}), **new["routes"]}, "us": {**old.get("us", {}), **new["us"]}}
+    written = [tuned.write("decode_routes", key, data)]
+    if out is not None:
+        written.append(tuned.write("decode_routes", key, data, folder=Path(out) / "decode_routes"))
     return written

@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_mla_decode as bm  # noqa: E402
 
+from specmla.ops.decode import tune as decode_tune  # noqa: E402
 from specmla.ops.kv_cache import decode_rows  # noqa: E402
 from specmla.ops.decode.dispatch import decode_bytes  # noqa: E402
 
@@ -51,13 +52,13 @@ def test_byte_counts():
 
 @pytest.mark.parametrize("kv,tol", [("bf16", 0.0), ("fp8", 0.05), ("fp8_ds_mla", 0.05), ("tbq4", 0.15)])
 def test_cache_round_trip(kv, tol):
-    caches, table, seq, qs = bm.make_problem(H=2, B=2, T=2 * bm.PAGE, S=1, copies=1, kv=kv, device="cpu")
+    caches, table, seq, qs = decode_tune.make_problem(H=2, B=2, T=2 * bm.PAGE, S=1, copies=1, kv=kv, device="cpu")
     cache = caches[0]
     assert cache.shape == (4, bm.PAGE, 576 if kv == "bf16" else bm.row_bytes(kv))
     assert table.shape == (2, 2) and seq.tolist() == [128, 128] and qs[0].shape == (2, 1, 2, 576)
     torch.manual_seed(0)
     latent = torch.randn(3, bm.PAGE, 576, dtype=torch.bfloat16)
-    back = decode_rows(kv, bm.make_cache(kv, latent), 512, 64)
+    back = decode_rows(kv, decode_tune.make_cache(kv, latent), 512, 64)
     assert rel_err(back[..., :512], latent[..., :512].float()) <= tol
     if kv == "fp8":  # the rope in int8 with one scale per 8 values: within 1 %
         assert rel_err(back[..., 512:], latent[..., 512:].float()) <= 0.01

@@ -1,0 +1,53 @@
+"""`specmla tune`'s measurements on the GPU: the decode kernels' times at a point, a short MoE search, and the tables
+they write change kernels and tiles, never results (against the torch references)."""
+
+import pytest
+import torch
+from helpers.moe_cases import fro_err, make_moe_case
+
+from specmla.ops import fused_moe_torch, mla_decode, tuned
+from specmla.ops.decode import mla_decode_torch, route
+from specmla.ops.decode.tune import ROUTE_CANDIDATES, SCALE, kernel_times, make_problem
+from specmla.ops.moe.triton import fused_moe_triton
+from specmla.ops.moe.tune import tune_shape
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def user_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMLA_TUNED", str(tmp_path))
+    monkeypatch.delenv("SPECMLA_TUNING", raising=False)
+    tuned.clear_cache()
+    yield tmp_path
+    tuned.clear_cache()
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "tbq4"])
+def test_every_kernel_a_route_may_name_gives_the_reference(kv, user_tables):
+    """Each candidate kernel that takes a call is timed; a user's table naming it routes the call to it, and its
+    output equals the fp32 reference within the format's tolerance."""
+    B, T, S, H = 4, 2048, 1, 16
+    times = kernel_times(kv, H, B, T, S, torch.device("cuda"))
+    assert times and all(t > 0 for t in times.values()) and set(times) <= set(ROUTE_CANDIDATES[kv])
+    caches, table, seq, qs = make_problem(H, B, T, S, 1, kv)
+    want = mla_decode_torch(qs[0].float(), caches[0], table, seq, SCALE, head_dim_v=512, kv_format=kv)
+    key = tuned.cuda_device_key(torch.device("cuda"))
+    for kernel in times:
+        tuned.write("decode_routes", key, {"routes": {f"{kv},{S},{H}": [[B, T, kernel]]}})
+        assert route(qs[0], caches[0], table, kv_format=kv, head_dim_v=512).kernel == kernel
+        got = mla_decode(qs[0], caches[0], table, seq, SCALE, head_dim_v=512, kv_format=kv)
+        err = ((got.float() - want).norm() / want.norm()).item()
+        assert err <= (2e-2 if kv == "bf16" else 6e-2), (kernel, err)
+
+
+def test_a_short_moe_search_gives_configurations_that_match_the_reference():
+    E, k, H, I, Is = 8, 2, 256, 128, 128
+    rows, report = tune_shape(E, k, H, I, Is, [1, 64], budget_s=20, device=torch.device("cuda"))
+    assert [r["T"] for r in report] == [1, 64] and all(r["us"] > 0 for r in report)
+    for T, ((_, up), (_, down)) in zip((1, 64), zip(rows[f"up,{E},{I},{H}"], rows[f"down,{E},{H},{I}"])):
+        case = make_moe_case(T, E, k, H, I, Is, torch.bfloat16, seed=T, device="cuda")
+        with torch.inference_mode():
+            want = fused_moe_torch(*case.args, shared=case.shared)
+            got = fused_moe_triton(*case.args, shared=case.shared, up_config=up, down_config=down)
+        assert fro_err(got, want) <= 1e-2
