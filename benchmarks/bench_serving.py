@@ -154,33 +154,6 @@ def stream(base: str, model: str, requests, rate: float, concurrency: int | None
     return sb.summarize(records, wall), records
 
 
-def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode, res in results.items():
-        runs = res["rates"]
-        x = [r["summary"]["output_throughput"] or 0 for r in runs]
-        for ax, name in zip(axes, ("ttft", "tpot")):
-            for q, style in ((50, "o-"), (99, "s--")):
-                ax.plot(x, [r["summary"][f"p{q}_{name}_ms"] for r in runs], style, label=f"{mode} p{q}")
-            for xi, r in zip(x, runs):
-                ax.annotate(f"{r['rate']:g}/s", (xi, r["summary"][f"p50_{name}_ms"] or 0), fontsize=7)
-    for ax, name in zip(axes, ("TTFT", "TPOT")):
-        ax.set_xlabel("output tokens/s")
-        ax.set_ylabel(f"{name} (ms)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("specmla serve, V2-Lite-shaped, random 512 in / 128 out (labels: request rate)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint-dir", default="/tmp/v2lite27mtp")
@@ -251,7 +224,9 @@ def main() -> None:
             json.dump(report, f, indent=1)
     with open(os.path.join(args.out, "bench_serving_records.json"), "w") as f:
         json.dump(records, f)
-    plot(report["modes"], os.path.join(args.out, "bench_serving.png"))
+    sb.plot_sweep({mode: res["rates"] for mode, res in report["modes"].items()},
+                  os.path.join(args.out, "bench_serving.png"),
+                  "specmla serve, V2-Lite-shaped, random 512 in / 128 out (labels: request rate)")
 
 
 if __name__ == "__main__":

@@ -268,8 +268,9 @@ def format_summary(rate: float, s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_sweep(results: list[dict], path: str) -> None:
-    """TTFT and TPOT (p50, p99) against output throughput, one point per rate."""
+def plot_sweep(results: list[dict] | dict[str, list[dict]], path: str, title: str | None = None) -> None:
+    """TTFT and TPOT (p50, p99) against output throughput, one point per rate (labelled with it); `results` is one
+    sweep, or {label: sweep} for several on the same axes."""
     try:
         import matplotlib
     except ImportError as e:
@@ -278,17 +279,23 @@ def plot_sweep(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    x = [r["summary"]["output_throughput"] or 0 for r in results]
-    for ax, name in zip(axes, ("ttft", "tpot")):
-        for q, style in ((50, "o-"), (99, "s--")):
-            ax.plot(x, [r["summary"][f"p{q}_{name}_ms"] for r in results], style, label=f"p{q}")
-        for xi, r in zip(x, results):
-            ax.annotate(f"{r['rate']:g}", (xi, r["summary"][f"p50_{name}_ms"] or 0), fontsize=7)
+    series = results if isinstance(results, dict) else {"": results}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, runs in series.items():
+        x = [r["summary"]["output_throughput"] or 0 for r in runs]
+        for ax, name in zip(axes, ("ttft", "tpot")):
+            for q, style in ((50, "o-"), (99, "s--")):
+                ax.plot(x, [r["summary"][f"p{q}_{name}_ms"] for r in runs], style, label=f"{label} p{q}".strip())
+            for xi, r in zip(x, runs):
+                ax.annotate(f"{r['rate']:g}/s", (xi, r["summary"][f"p50_{name}_ms"] or 0), fontsize=7)
+    for ax, name in zip(axes, ("TTFT", "TPOT")):
         ax.set_xlabel("output tokens/s")
-        ax.set_ylabel(f"{name.upper()} (ms)")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

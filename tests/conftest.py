@@ -36,3 +36,19 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
     os.environ["SPECMLA_CACHE"] = str(tmp_path_factory.mktemp("specmla_cache"))
+
+
+@pytest.fixture
+def tuned_tables(tmp_path, monkeypatch):
+    """`ops.tuned` reading a user folder and shipped folders of the test's own (the package's stay untouched):
+    returns (user folder, shipped folder); each table's shipped files go to shipped/<table>."""
+    from specmla.ops import tuned
+
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    monkeypatch.setenv("SPECMLA_TUNED", str(user))
+    monkeypatch.delenv("SPECMLA_TUNING", raising=False)
+    for table in list(tuned.SHIPPED):
+        monkeypatch.setitem(tuned.SHIPPED, table, shipped / table)
+    tuned.clear_cache()
+    yield user, shipped
+    tuned.clear_cache()

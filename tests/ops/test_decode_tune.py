@@ -52,18 +52,15 @@ def test_the_grid_leaves_out_caches_that_would_not_fit():
     assert len(grid("tbq4", l2_bytes=50 << 20)) >= len(grid("bf16", l2_bytes=50 << 20))  # smaller rows fit more
 
 
-def test_specmla_tune_merges_measured_routes_over_the_shipped_ones(tmp_path, monkeypatch):
+def test_specmla_tune_merges_measured_routes_over_the_shipped_ones(tuned_tables, tmp_path):
     from specmla.config import ModelConfig
     from specmla.ops import tuned
     from specmla.tune import tune_decode
 
-    monkeypatch.setenv("SPECMLA_TUNED", str(tmp_path / "user"))
-    monkeypatch.delenv("SPECMLA_TUNING", raising=False)
-    monkeypatch.setitem(tuned.SHIPPED, "decode_routes", tmp_path / "shipped")
-    tuned.clear_cache()
+    _, shipped_folder = tuned_tables
     key = "FAKE_GPU"
     shipped = {"routes": {"bf16,1,16": [[1, 4096, "bf16"]], "tbq4,1,128": [[8, 8192, "tbq4"]]}, "us": {}}
-    tuned.write("decode_routes", key, shipped, folder=tmp_path / "shipped")
+    tuned.write("decode_routes", key, shipped, folder=shipped_folder / "decode_routes")
     cfg = ModelConfig.from_dict({"model_type": "deepseek_v2", "vocab_size": 300, "hidden_size": 64,
                                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 16,
                                  "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16})
@@ -73,4 +70,3 @@ def test_specmla_tune_merges_measured_routes_over_the_shipped_ones(tmp_path, mon
     routes = dispatch.load_routes(key)
     assert routes["bf16,1,16"] == [[1, 2048, "triton"], [64, 8192, "bf16"]]  # measured: replaced
     assert routes["bf16,4,16"] and routes["tbq4,1,128"] == [[8, 8192, "tbq4"]]  # new, and the shipped one kept
-    tuned.clear_cache()

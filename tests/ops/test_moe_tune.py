@@ -59,14 +59,11 @@ def test_merge_rows_replaces_buckets_and_keeps_them_sorted():
     assert table["up,8,32,64"][0][1]["block_n"] == 64
 
 
-def test_specmla_tune_writes_rows_that_lookup_serves_and_keeps_the_shipped_ones(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECMLA_TUNED", str(tmp_path / "user"))
-    monkeypatch.delenv("SPECMLA_TUNING", raising=False)
-    monkeypatch.setitem(tuned.SHIPPED, "moe", tmp_path / "shipped")
-    tuned.clear_cache()
+def test_specmla_tune_writes_rows_that_lookup_serves_and_keeps_the_shipped_ones(tuned_tables, tmp_path, monkeypatch):
+    user, shipped = tuned_tables
     key = "FAKE_GPU"
     other = {shape_key("up", 256, 2048, 7168): [[1, Config(16, 128, 128, 1, 4, 4).to_dict()]]}
-    tuned.write("moe", key, other, folder=tmp_path / "shipped")
+    tuned.write("moe", key, other, folder=shipped / "moe")
     cfg = ModelConfig.from_dict({"model_type": "deepseek_v2", "vocab_size": 300, "hidden_size": 64,
                                  "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
                                  "num_attention_heads": 4, "kv_lora_rank": 64, "qk_nope_head_dim": 16,
@@ -77,14 +74,13 @@ def test_specmla_tune_writes_rows_that_lookup_serves_and_keeps_the_shipped_ones(
             for T in BUCKETS}
     written = tune_moe(cfg, torch.device("cpu"), budget_s=30, out=str(tmp_path / "ship"), key=key,
                        timer_factory=lambda T: favouring(*want[T]))
-    assert written == [tmp_path / "user" / "moe" / f"{key}.json", tmp_path / "ship" / "moe" / f"{key}.json"]
+    assert written == [user / "moe" / f"{key}.json", tmp_path / "ship" / "moe" / f"{key}.json"]
     monkeypatch.setattr(tuned, "cuda_device_key", lambda device: key)
     for T in BUCKETS:
         for kind, n, kk, cfg_want in (("up", 32, 64, want[T][0]), ("down", 64, 32, want[T][1])):
             got = tuning.lookup(kind, 8, n, kk, T, torch.device("cpu"), top_k=2)
             assert got.block_m == cfg_want.block_m, (kind, T)
     assert tuning.lookup("up", 256, 2048, 7168, 1, torch.device("cpu")) == Config(16, 128, 128, 1, 4, 4)
-    tuned.clear_cache()
 
 
 def test_tune_refuses_what_it_cannot_search():

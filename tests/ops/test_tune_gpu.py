@@ -14,17 +14,8 @@ from specmla.ops.moe.tune import tune_shape
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def user_tables(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECMLA_TUNED", str(tmp_path))
-    monkeypatch.delenv("SPECMLA_TUNING", raising=False)
-    tuned.clear_cache()
-    yield tmp_path
-    tuned.clear_cache()
-
-
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "tbq4"])
-def test_every_kernel_a_route_may_name_gives_the_reference(kv, user_tables):
+def test_every_kernel_a_route_may_name_gives_the_reference(kv, tuned_tables):
     """Each candidate kernel that takes a call is timed; a user's table naming it routes the call to it, and its
     output equals the fp32 reference within the format's tolerance."""
     B, T, S, H = 4, 2048, 1, 16

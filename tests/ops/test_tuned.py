@@ -17,26 +17,13 @@ from specmla.ops.moe.tuning import Config, shape_key
 KEY = "FAKE_GPU_80GB"
 
 
-@pytest.fixture
-def folders(tmp_path, monkeypatch):
-    """A user folder and a shipped folder of our own (the package's stay untouched)."""
-    tuned.clear_cache()
-    user, shipped = tmp_path / "user", tmp_path / "shipped"
-    monkeypatch.setenv("SPECMLA_TUNED", str(user))
-    monkeypatch.delenv("SPECMLA_TUNING", raising=False)
-    monkeypatch.setitem(tuned.SHIPPED, "moe", shipped / "moe")
-    monkeypatch.setitem(tuned.SHIPPED, "decode_routes", shipped / "decode_routes")
-    yield user, shipped
-    tuned.clear_cache()
-
-
 def _moe_table(block_m: int) -> dict:
     cfg = Config(block_m, 32, 32, 1, 4, 2).to_dict()
     return {shape_key("up", 7, 48, 64): [[1 << 20, cfg]], shape_key("down", 7, 64, 48): [[1 << 20, cfg]]}
 
 
-def test_the_user_file_then_the_shipped_file_then_the_rules(folders, monkeypatch):
-    user, shipped = folders
+def test_the_user_file_then_the_shipped_file_then_the_rules(tuned_tables, monkeypatch):
+    user, shipped = tuned_tables
     assert tuned.source("moe", KEY) is None and tuned.load("moe", KEY) == {}
     ship = tuned.write("moe", KEY, _moe_table(16), folder=shipped / "moe")
     assert tuned.source("moe", KEY) == ship
@@ -54,7 +41,7 @@ def test_the_user_file_then_the_shipped_file_then_the_rules(folders, monkeypatch
         tuned.user_file("prefill", KEY)
 
 
-def test_a_rewritten_file_is_read_again_and_a_broken_one_is_a_clear_error(folders):
+def test_a_rewritten_file_is_read_again_and_a_broken_one_is_a_clear_error(tuned_tables):
     """`write` makes the process read the table again; a file changed behind its back is read after
     `clear_cache()`, and a broken one names itself."""
     path = tuned.write("moe", KEY, _moe_table(16))
@@ -68,14 +55,14 @@ def test_a_rewritten_file_is_read_again_and_a_broken_one_is_a_clear_error(folder
         tuning._table(KEY)
 
 
-def test_decode_routes_come_from_the_users_file(folders):
+def test_decode_routes_come_from_the_users_file(tuned_tables):
     routes = {"bf16,1,16": [[4, 8192, "triton"]]}
     tuned.write("decode_routes", KEY, {"device": "fake", "routes": routes})
     assert dispatch.load_routes(KEY) == routes
     assert dispatch.load_routes(None) == {}
 
 
-def test_a_users_moe_table_changes_the_tiles_not_the_result(folders, monkeypatch):
+def test_a_users_moe_table_changes_the_tiles_not_the_result(tuned_tables, monkeypatch):
     """The fused MoE on the CPU (interpreter) with the device key faked: each table's block_m reaches the kernel
     (seen through `lookup`) and every result equals the oracle within the untuned test's tolerance."""
     case = make_moe_case(40, 7, 3, 64, 48, 56, torch.float32, seed=5)
