@@ -101,7 +101,11 @@ class ModelRunner:
         if q_lens is None:
             q_lens = [s.total_len - s.num_cached for s in seqs]
         if self._graphable(seqs, q_lens, naive_context):
-            logits = self._graphed_decode(seqs)
+            hidden, logits = self._graphed_decode(seqs)
+            # one-token chunks (a prompt's last token after a cached prefix, or a chunk the budget cut to one)
+            # replay the decode graph: their trunk states (the graph's output buffer, valid until its next
+            # replay) are what the MTP proposer catches up on, as after any other prefill
+            self.last_hidden = (hidden, [s.num_cached for s in seqs], q_lens)
         else:
             if (self.prefill_graphs is not None and not naive_context
                     and self.prefill_graphs.padded_size(sum(q_lens)) is not None):
@@ -124,7 +128,7 @@ class ModelRunner:
         each fed its token in next_ids (on the device, not appended on the host yet: its position is
         total_len) and sampled as the step after the current one; returns its tokens, on the device. Host state
         is untouched until `commit_ahead`."""
-        logits = self._replay_decode(seqs, next_ids, [s.total_len for s in seqs])
+        _, logits = self._replay_decode(seqs, next_ids, [s.total_len for s in seqs])
         return self.sample(seqs, logits, step_offset=1).tokens
 
     def commit_ahead(self, seqs: list[Sequence]) -> None:
@@ -141,14 +145,15 @@ class ModelRunner:
             and all(len(self.pool.pages_of(s.seq_id)) <= g.max_pages_per_seq for s in seqs)
         )
 
-    def _graphed_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _graphed_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         return self._replay_decode(seqs, [s.all_ids[s.num_cached] for s in seqs], [s.num_cached for s in seqs])
 
     def _replay_decode(self, seqs: list[Sequence], input_ids: list[int] | torch.Tensor, positions: list[int]
-                       ) -> torch.Tensor:
-        """Logits of one graphed decode step: each request's token input_ids[i] at positions[i]."""
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(trunk hidden states, logits) of one graphed decode step: each request's token input_ids[i] at
+        positions[i]."""
         pool = self.pool
-        _, logits = self.graphed.run(
+        return self.graphed.run(
             input_ids=input_ids,
             positions=positions,
             slots=[pool.slots(s.seq_id, p, p + 1)[0] for s, p in zip(seqs, positions)],

@@ -10,6 +10,7 @@ from specmla import LLM, SamplingParams
 from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.spec import MtpProposer
+from specmla.model.default import ASSETS
 
 
 def spec_llm(model_dir, kind, k, static_mtp=True, static_verify=True, max_num_seqs=16, mtp_pages=64, **kw):
@@ -138,3 +139,33 @@ def test_static_mtp_drafter_falls_back_to_eager_when_the_table_is_too_small(tiny
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert sizes and len(eager_calls) > 2  # both paths were taken
     assert llm.kv_pool.num_free_pages() == llm.kv_pool.num_pages
+
+
+def test_a_one_token_prefill_chunk_catches_the_mtp_module_up_on_its_own_states():
+    """A prompt whose leading pages are cached computes its last token alone, through the decode graph, in a step
+    beside another request's verify pass. The MTP module must catch up on that token's own trunk state (not the
+    verify pass's, which the step computed before it): the request then drafts exactly what the request that
+    computed the same prompt whole drafted, no step fails, and the output equals plain greedy decoding."""
+    from test_spec_graph import code_prompts
+
+    prompt = code_prompts(6)[5]
+    prompt = prompt[: (len(prompt) - 1) // 4 * 4 + 1]  # full pages and one token: a cached prefix leaves that one
+    assert len(prompt) > 12
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = LLM(ASSETS, device="cpu", page_size=4, num_pages=1024).generate([prompt], params)[0].token_ids
+    llm = spec_llm(ASSETS, "mtp", 3, static_mtp=False)
+    llm.engine.runner.graphed = GraphedDecoder(llm.model, llm.kv_pool, 16, 64, use_graphs=False)
+    eng = llm.engine
+    first = eng.add_request(prompt, params)
+    eng.step()  # the whole prompt: its drafts follow
+    drafts_whole = list(first.drafts)
+    eng.step()  # a verify step: the runner's last trunk states are now the verify pass's
+    again = eng.add_request(prompt, params)
+    eng.step()  # its cached prefix leaves one token, computed by the decode graph after the first's verify
+    assert again.num_cached == len(prompt) and again.output_ids == first.output_ids[:1]
+    assert again.drafts == drafts_whole
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_failed_steps == 0
+    assert first.output_ids == want and again.output_ids == want
+    assert llm.kv_pool.prefix_hit_tokens == len(prompt) - 1
