@@ -7,11 +7,13 @@ names (`--load-format dummy`: the same shapes and N(0, 0.02) built on the device
 synthetic byte-level BPE tokenizer of the model's 102,400 ids, so that every generated token is detokenised and
 streamed as a real tokenizer's would be.
 
-Per `--speculative` mode: `LLM(path, max_num_seqs=C).generate` on the prompts (tokens a step as the server's) (output tok/s, the engine alone), then
-`specmla serve` launched on a free port: the same prompts streamed at concurrency C (the server's cost is the ratio
-of the two), then one run per `--rates` entry (Poisson arrivals; inf = all at once) with its TTFT / TPOT / ITL / E2E
-percentiles. Writes `bench_serving.json`, the servers' logs `serve_MODE.log` (summaries; per-request records in `bench_serving_records.json`) and
-`bench_serving.png` (TTFT and TPOT p50 / p99 against output throughput, one line per mode).
+Per `--speculative` mode: `LLM(path, max_num_seqs=C).generate` on a set of prompts (tokens a step as the
+server's; output tok/s of the engine alone), then `specmla serve` launched on a free port: the same prompts
+streamed at concurrency C (the server's cost is the ratio of the two), then one run per `--rates` entry (Poisson
+arrivals; inf = all at once) on prompts of its own (no run meets another's in the prefix cache), with its TTFT /
+TPOT / ITL / E2E percentiles. Writes `bench_serving.json` (summaries), `bench_serving_records.json` (per-request
+records), the servers' logs `serve_MODE.log` and `bench_serving.png` (TTFT and TPOT p50 / p99 against output
+throughput, one line per mode).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_serving.py --checkpoint-dir /tmp/v2lite27mtp --out DIR  (H200)
     PYTHONPATH=.:benchmarks python3 benchmarks/bench_serving.py --tiny --out DIR              (CPU: a check of it)
@@ -181,8 +183,11 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
     at = {float(k): int(v) for k, _, v in (p.partition("=") for p in args.prompts_at.split(",") if p)}
     vocab = 1000 if not args.tiny else 250
-    requests = sb.random_requests(max(args.num_prompts, args.compare_prompts, *at.values(), 1), args.input_len,
-                                  args.output_len, args.range_ratio, 0, False, vocab)
+
+    def requests(n: int, seed: int) -> list[sb.Request]:
+        """Random prompts of their own per run (seed): a server's prefix cache never serves one it has seen."""
+        return sb.random_requests(n, args.input_len, args.output_len, args.range_ratio, seed, False, vocab)
+
     device = "cpu" if args.tiny else torch.cuda.get_device_name(0)
     copy = None if args.tiny else copy_bandwidth()
     report = {"device": device, "dir": str(path), "load_format": args.load_format, "args": vars(args),
@@ -191,7 +196,7 @@ def main() -> None:
     for mode in args.speculative:
         res: dict = {}
         if args.compare_prompts:
-            res["offline"] = offline(path, args, mode, requests[: args.compare_prompts])
+            res["offline"] = offline(path, args, mode, requests(args.compare_prompts, 0))
             print(f"[{mode}] LLM.generate, {args.compare_prompts} prompts, max_num_seqs {args.concurrency}: "
                   f"{res['offline']['output_throughput']:.0f} output tok/s", flush=True)
             if copy:
@@ -205,7 +210,7 @@ def main() -> None:
         try:
             model = sb.httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
             if args.compare_prompts:
-                s, _ = stream(base, model, requests[: args.compare_prompts], math.inf, args.concurrency, 0)
+                s, _ = stream(base, model, requests(args.compare_prompts, 0), math.inf, args.concurrency, 0)
                 res["http_concurrency"] = s
                 res["http_over_offline"] = s["output_throughput"] / res["offline"]["output_throughput"]
                 print(f"[{mode}] HTTP streaming at concurrency {args.concurrency}: {s['output_throughput']:.0f} "
@@ -213,7 +218,7 @@ def main() -> None:
             res["rates"] = []
             for i, rate in enumerate(rates):
                 n = at.get(rate, args.num_prompts)
-                s, recs = stream(base, model, requests[:n], rate, None, 1 + i)
+                s, recs = stream(base, model, requests(n, 1 + i), rate, None, 1 + i)
                 res["rates"].append({"rate": rate, "num_prompts": n, "summary": s})
                 records[f"{mode}@{rate:g}#{i}"] = [asdict(r) for r in recs]
                 print(f"[{mode}] " + sb.format_summary(rate, s), flush=True)

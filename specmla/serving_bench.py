@@ -5,7 +5,8 @@ vLLM's `bench serve`; `inf` sends them all at once), at most `--max-concurrency`
 request it records the time to the first token (TTFT), the gaps between streamed chunks (ITL), the time per output
 token after the first (TPOT = (E2E − TTFT) / (tokens − 1)) and the end-to-end latency, with token counts from the
 server's `usage`. The summary gives percentiles, request and token throughput and, with `--slo`, goodput (requests
-a second meeting every bound). `--sweep-rates` repeats it per rate and plots TTFT / TPOT against throughput.
+a second meeting every bound). `--sweep-rates` repeats it per rate and plots TTFT / TPOT against throughput; each
+rate draws fresh random prompts (a dataset file's prompts come again, which a server's prefix cache may serve).
 
 This file imports nothing from specmla (only httpx, tqdm and, for `--plot`, matplotlib): copy it to a client
 machine and run `python serving_bench.py --base-url http://server:8000 ...`.
@@ -172,7 +173,8 @@ async def run_stream(base_url: str, model: str, requests: list[Request], rate: f
                      ) -> tuple[list[Record], float]:
     """Send the requests as a stream; returns (records in request order, wall seconds of the whole run). `warmup`:
     first one request of the first prompt and 2 tokens, not counted (the connection and the client's first-use costs
-    stay out of the figures; a server that fails it raises RuntimeError with its answer)."""
+    stay out of the figures; a server that fails it raises RuntimeError with its answer). The warm-up sends only the
+    prompt's first 8 tokens (or characters), so no page of a prompt measured later lands in a prefix cache."""
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -190,7 +192,7 @@ async def run_stream(base_url: str, model: str, requests: list[Request], rate: f
             bar.update()
 
         if warmup and requests:
-            rec = await send(http, url, model, chat, Request(requests[0].prompt, 2), ignore_eos, headers)
+            rec = await send(http, url, model, chat, Request(requests[0].prompt[:8], 2), ignore_eos, headers)
             if not rec.ok:
                 raise RuntimeError(f"the warm-up request failed: {rec.error}")
         tasks = []
@@ -383,7 +385,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--slo", type=_slo, default=None, help="e.g. ttft_ms=200,tpot_ms=20: report goodput")
-    p.add_argument("--sweep-rates", default=None, help="comma-separated rates (inf allowed): one run each")
+    p.add_argument("--sweep-rates", default=None,
+                   help="comma-separated rates (inf allowed): one run each, on fresh random prompts")
     p.add_argument("--json", default=None, help="write the summaries and per-request records here")
     p.add_argument("--plot", default=None, help="with --sweep-rates: TTFT / TPOT against throughput (PNG)")
     p.add_argument("--no-progress", action="store_true")
@@ -397,11 +400,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--range-ratio must be in [0, 1) and --burstiness > 0")
     rates = [_rate(r) for r in args.sweep_rates.split(",")] if args.sweep_rates else [args.request_rate]
     chat = args.endpoint == "chat"
-    if args.dataset == "random":
-        reqs = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed, chat,
-                               args.random_vocab)
-    else:
-        reqs = file_requests(args.dataset, args.num_prompts, args.output_len, args.seed)
+
+    def requests_of(i: int) -> list[Request]:
+        """Rate i's requests: random ones are drawn afresh per rate (a server's prefix cache would serve a prompt
+        it has seen); a dataset's are its prompts again, in another order."""
+        if args.dataset == "random":
+            return random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed + i,
+                                   chat, args.random_vocab)
+        return file_requests(args.dataset, args.num_prompts, args.output_len, args.seed + i)
+
+    requests_of(0)  # a bad dataset fails before a server starts
     proc, startup = None, None
     base = args.base_url or "http://127.0.0.1:8000"
     if args.launch is not None:
@@ -414,9 +422,9 @@ def run(args: argparse.Namespace) -> int:
             model = httpx.get(base.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
         results = []
         for i, rate in enumerate(rates):
-            records, wall = asyncio.run(run_stream(base, model, reqs, rate, args.burstiness, args.max_concurrency,
-                                                   chat, args.ignore_eos, args.seed + i, args.api_key,
-                                                   not args.no_progress))
+            records, wall = asyncio.run(run_stream(base, model, requests_of(i), rate, args.burstiness,
+                                                   args.max_concurrency, chat, args.ignore_eos, args.seed + i,
+                                                   args.api_key, not args.no_progress))
             summary = summarize(records, wall, args.slo)
             print(format_summary(rate, summary))
             results.append({"rate": rate, "summary": summary, "records": [asdict(r) for r in records]})

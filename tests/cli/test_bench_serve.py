@@ -119,3 +119,19 @@ def test_a_server_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
     with pytest.raises(RuntimeError, match="does not exist"):
         serving_bench.launch_server(f"{missing} --device cpu", timeout_s=120, log_path=str(log))
     assert str(missing) in log.read_text()
+
+
+def test_each_rate_of_a_sweep_draws_fresh_random_prompts(monkeypatch):
+    """A server's prefix cache would serve a prompt it has seen: every rate of a random sweep gets its own
+    prompts (same lengths distribution, none repeated)."""
+    seen = []
+
+    async def fake_stream(base, model, requests, rate, *args, **kwargs):
+        seen.append([tuple(r.prompt) for r in requests])
+        return [serving_bench.Record(ok=True, ttft=0.01, e2e=0.02, output_tokens=2, max_tokens=2)] * len(requests), 1.0
+
+    monkeypatch.setattr(serving_bench, "run_stream", fake_stream)
+    rc = serving_bench.main(["--base-url", "http://127.0.0.1:9", "--model", "m", "--sweep-rates", "1,4,inf",
+                             "--num-prompts", "5", "--input-len", "70", "--no-progress"])
+    assert rc == 0 and len(seen) == 3 and all(len(s) == 5 for s in seen)
+    assert not set(seen[0]) & set(seen[1]) and not set(seen[1]) & set(seen[2])
