@@ -160,7 +160,6 @@ class ModelRunner:
             seq_lens=[p + 1 for p in positions],
             tables=[pool.pages_of(s.seq_id) for s in seqs],
         )
-        return logits
 
     @torch.inference_mode()
     def forward_verify(self, seqs: list[Sequence], drafts: torch.Tensor) -> torch.Tensor:
