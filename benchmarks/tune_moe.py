@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 from specmla.ops.moe.tune import BUCKETS, fmt, merge_rows, tune_shape
-from specmla.ops.moe.tuning import CONFIG_DIR, Config, device_key
+from specmla.ops import tuned
+from specmla.ops.moe.tuning import Config
 
 SHAPES = {  # name: (E, k, H, I, Is), as in bench_moe.py
     "v2-lite": (64, 6, 2048, 1408, 2 * 1408),
@@ -34,7 +35,7 @@ def output_path(out_json: str | None, key: str) -> Path:
     """Where the table goes: configs/<key>.json by default; out_json as a file, or <key>.json in out_json when it
     is a folder (an existing one, or any path ending in "/")."""
     if out_json is None:
-        return CONFIG_DIR / f"{key}.json"
+        return tuned.shipped_file("moe", key)
     out = Path(out_json)
     return out / f"{key}.json" if out.is_dir() or out_json.endswith("/") else out
 
@@ -64,7 +65,7 @@ def main() -> None:
     dev = torch.device("cuda")
     shapes = args.shape or [SHAPES[s] for s in args.shapes]
     buckets = sorted(set(args.buckets))
-    out = output_path(args.out_json, device_key(dev))
+    out = output_path(args.out_json, tuned.cuda_device_key(dev))
     print(f"{torch.cuda.get_device_name(dev)}: tuning {len(shapes)} shape(s) × buckets {buckets} in ≤ "
           f"{args.budget:.0f}s → {out}", flush=True)
     start = time.monotonic()

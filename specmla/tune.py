@@ -3,9 +3,9 @@ fused-MoE tile configurations (`ops.moe.tune`) on this GPU into the user's table
 model's kernel shapes run on measured configurations on a GPU, and which on the rules (an untuned GPU, or shapes
 its tables do not hold). Shapes are the model's at one rank (no tensor or expert parallelism).
 
-For the device's "decode_routes" and "moe" tables (`ops.tuned`: the user's file, else the shipped one) it lists
-the source and, for the model at one rank (no tensor or expert parallelism), the route keys (format, query
-tokens, heads) and the fused-MoE GEMM shapes the tables cover and those left to the rules.
+The check lists, for the device's "decode_routes" and "moe" tables (`ops.tuned`: the user's file, else the shipped
+one), the file read and the route keys (format, query tokens, heads) and fused-MoE GEMM shapes they cover and leave
+to the rules. A measurement merges into the user's table, which starts as a copy of the shipped one.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def check(device_name: str, cfg: ModelConfig, kv_formats: list[str], query_token
                                   lambda data: data.get("routes", {})),
                                  ("moe", moe_keys(cfg), lambda data: data)):
         path = tuned.source(table, key)
-        rows = rows_of(tuned.load_file(path)) if path is not None else {}
+        rows = rows_of(tuned.load(table, key))
         res = TableCheck(table, str(path) if path is not None else "rules")
         for k in keys:
             (res.covered if rows.get(k) else res.untuned).append(k)
@@ -94,15 +94,10 @@ def tune_moe(cfg: ModelConfig, device, budget_s: float, out: str | None = None, 
     with tqdm(total=len(BUCKETS), desc="moe buckets", unit="bucket") as bar:
         rows, _ = tune_shape(*moe_shape(cfg), BUCKETS, budget_s, device, timer_factory=timer_factory,
                              on_bucket=lambda row: bar.update(1))
-    user, shipped = tuned.user_file("moe", key), tuned.shipped_file("moe", key)
-    base = user if user.is_file() else shipped if shipped.is_file() else None
-    table = dict(tuned.load_file(base)) if base is not None else {}
+    table = _user_table("moe", key)
     for name, key_rows in rows.items():
         merge_rows(table, name, key_rows)
-    written = [tuned.write("moe", key, table)]
-    if out is not None:
-        written.append(tuned.write("moe", key, table, folder=Path(out) / "moe"))
-    return written
+    return _write("moe", key, table, out)
 
 
 def tune_decode(cfg: ModelConfig, device, formats: list[str], query_tokens: list[int], budget_s: float,
@@ -122,13 +117,25 @@ def tune_decode(cfg: ModelConfig, device, formats: list[str], query_tokens: list
     with tqdm(desc="decode points", unit="point") as bar:
         new = tune_routes(cfg.num_attention_heads, formats, query_tokens, device, budget_s, measure=measure,
                           on_point=bar.update, points=points)
-    user, shipped = tuned.user_file("decode_routes", key), tuned.shipped_file("decode_routes", key)
-    base = user if user.is_file() else shipped if shipped.is_file() else None
-    old = tuned.load_file(base) if base is not None else {}
+    old = _user_table("decode_routes", key)
     data = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else key,
             "date": datetime.date.today().isoformat(), "command": "specmla tune",
             "routes": {**old.get("routes", {}), **new["routes"]}, "us": {**old.get("us", {}), **new["us"]}}
-    written = [tuned.write("decode_routes", key, data)]
+    return _write("decode_routes", key, data, out)
+
+
+def _user_table(table: str, key: str) -> dict:
+    """A copy of the user's table of this device, else of the shipped one, else {}: what a measurement merges into,
+    whatever SPECMLA_TUNING reads."""
+    for path in (tuned.user_file(table, key), tuned.shipped_file(table, key)):
+        if path.is_file():
+            return dict(tuned.load_file(path))
+    return {}
+
+
+def _write(table: str, key: str, data: dict, out: str | None) -> list[Path]:
+    """Write the table to the user's folder and, given `out`, to out/<table>/; returns the files."""
+    written = [tuned.write(table, key, data)]
     if out is not None:
-        written.append(tuned.write("decode_routes", key, data, folder=Path(out) / "decode_routes"))
+        written.append(tuned.write(table, key, data, folder=Path(out) / table))
     return written

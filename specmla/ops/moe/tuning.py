@@ -19,8 +19,6 @@ import torch
 
 from specmla.ops import tuned
 
-CONFIG_DIR = tuned.SHIPPED["moe"]
-
 
 @dataclass(frozen=True)
 class Config:
@@ -92,11 +90,6 @@ def fit_fp8(cfg: Config, b_tiles: int, limit: int = SHARED_MEMORY) -> Config:
     while stages > 2 and stages * (cfg.block_m + b_tiles * cfg.block_n) * cfg.block_k > limit:
         stages -= 1
     return replace(cfg, num_stages=stages)
-
-
-def device_key(device: torch.device) -> str:
-    """File stem of a device's configurations, e.g. "NVIDIA_H100_80GB_HBM3"."""
-    return tuned.device_key(torch.cuda.get_device_name(device))
 
 
 def _table(stem: str | None) -> dict:
