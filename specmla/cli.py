@@ -23,6 +23,7 @@ from specmla.engine.scheduler import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from specmla.config import ModelConfig
 from specmla.model.default import default_model_path
 from specmla.model.loader import LOAD_FORMATS, CheckpointError, _checkpoint_files
+from specmla.ops.decode.tune import ROUTE_CANDIDATES
 from specmla.sampling_params import SamplingParams
 from specmla.tokenizer import Tokenizer
 
@@ -392,28 +393,26 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     model = args.model or default_model_path()
     cfg = ModelConfig.from_file(Path(model))
+    query = [1] + ([1 + args.num_speculative_tokens] if args.num_speculative_tokens else [])
+    gpu = _cuda_available()
     if args.check:
-        name = args.device_name
-        if name is None:
-            import torch
+        if args.device_name is None and not gpu:
+            print("no CUDA GPU here: the ops run their portable kernels and references, which take no tables "
+                  "(--device-name NAME checks a GPU's tables by its CUDA name)")
+            return 0
+        import torch
 
-            if not torch.cuda.is_available():
-                print("no CUDA GPU here: the ops run their portable kernels and references, which take no tables "
-                      "(--device-name NAME checks a GPU's tables by its CUDA name)")
-                return 0
-            name = torch.cuda.get_device_name(0)
-        query = [1] + ([1 + args.num_speculative_tokens] if args.num_speculative_tokens else [])
+        name = args.device_name or torch.cuda.get_device_name(0)
         print(tune.format_check(name, tune.check(name, cfg, args.kv_formats, query)))
         return 0
-    import torch
-
-    if not torch.cuda.is_available():
+    if not gpu:
         print("specmla: error: tune measures on a CUDA GPU and none is visible here (--check works anywhere)",
               file=sys.stderr)
         return 2
+    import torch
+
     device, written = torch.device("cuda"), []
     budget = args.budget / len(args.ops)
-    query = [1] + ([1 + args.num_speculative_tokens] if args.num_speculative_tokens else [])
     if "decode" in args.ops:
         written += tune.tune_decode(cfg, device, args.kv_formats, query, budget, args.out)
     if "moe" in args.ops and cfg.n_routed_experts:
@@ -429,19 +428,14 @@ def _output_dir(text: str) -> str:
     return text
 
 
-def _ops(text: str) -> list[str]:
-    out = [o.strip() for o in text.split(",") if o.strip()]
-    if not out or any(o not in ("decode", "moe") for o in out):
-        raise argparse.ArgumentTypeError(f"ops from decode, moe (comma-separated), got {text!r}")
-    return out
-
-
-def _formats(text: str) -> list[str]:
-    out = [f.strip() for f in text.split(",") if f.strip()]
-    bad = [f for f in out if f not in ("bf16", "fp16", "fp8", "fp8_ds_mla", "tbq4")]
-    if not out or bad:
-        raise argparse.ArgumentTypeError(f"formats from bf16, fp16, fp8, fp8_ds_mla, tbq4 (comma-separated), got {text!r}")
-    return out
+def _names(allowed: tuple[str, ...], what: str):
+    """A comma-separated list of some of `allowed` (at least one)."""
+    def parse(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if not out or any(x not in allowed for x in out):
+            raise argparse.ArgumentTypeError(f"{what} from {', '.join(allowed)} (comma-separated), got {text!r}")
+        return out
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -488,14 +482,14 @@ def build_parser() -> argparse.ArgumentParser:
     tu = sub.add_parser("tune", help="measure a model's decode routes and fused-MoE tiles on this GPU into the user's "
                                      "tables; --check lists the model's shapes that run untuned (on the rules)")
     tu.add_argument("--check", action="store_true", help="list, do not measure")
-    tu.add_argument("--ops", type=_ops, default=["decode", "moe"], help="what to measure: decode,moe (default both)")
+    tu.add_argument("--ops", type=_names(("decode", "moe"), "ops"), default=["decode", "moe"], help="what to measure: decode,moe (default both)")
     tu.add_argument("--budget", type=_float(1.0, 86400.0, "seconds from 1 to 86400"), default=420.0,
                     help="seconds the measurement may take, shared by the ops (default 420)")
     tu.add_argument("--out", type=_output_dir, default=None,
                     help="also write the tables here (<table>/<device>.json, the package's layout for shipping)")
     tu.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
     tu.add_argument("--device-name", default=None, help="check this CUDA device name's tables (default: GPU 0)")
-    tu.add_argument("--kv-formats", type=_formats, default=["bf16"], help="cache formats served (comma-separated)")
+    tu.add_argument("--kv-formats", type=_names(tuple(ROUTE_CANDIDATES), "formats"), default=["bf16"], help="cache formats served (comma-separated)")
     tu.add_argument("--num-speculative-tokens", type=_int(0, 64, "0 to 64"), default=0,
                     help="k: the verify step's 1 + k query tokens are checked too")
     tu.set_defaults(func=cmd_tune)
