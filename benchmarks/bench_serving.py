@@ -117,7 +117,7 @@ def offline(path: Path, args, mode: str, requests: list[sb.Request]) -> dict:
     llm = LLM(path, load_format=args.load_format, max_num_seqs=args.concurrency, speculative=_spec(mode),
               max_num_batched_tokens=tokens_a_step, **_device_kwargs(args))
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
-    llm.generate([requests[0].prompt], SamplingParams(max_tokens=2, ignore_eos=True))  # as the client's warm-up
+    llm.generate([requests[0].prompt[:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # as the client's warm-up
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in requests], params)
     wall = time.perf_counter() - t0
@@ -193,10 +193,11 @@ def main() -> None:
     report = {"device": device, "dir": str(path), "load_format": args.load_format, "args": vars(args),
               "copy_GBps": copy / 1e9 if copy else None, "modes": {}}
     records = {}
+    compare = requests(args.compare_prompts, 0)
     for mode in args.speculative:
         res: dict = {}
         if args.compare_prompts:
-            res["offline"] = offline(path, args, mode, requests(args.compare_prompts, 0))
+            res["offline"] = offline(path, args, mode, compare)
             print(f"[{mode}] LLM.generate, {args.compare_prompts} prompts, max_num_seqs {args.concurrency}: "
                   f"{res['offline']['output_throughput']:.0f} output tok/s", flush=True)
             if copy:
@@ -210,7 +211,7 @@ def main() -> None:
         try:
             model = sb.httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
             if args.compare_prompts:
-                s, _ = stream(base, model, requests(args.compare_prompts, 0), math.inf, args.concurrency, 0)
+                s, _ = stream(base, model, compare, math.inf, args.concurrency, 0)
                 res["http_concurrency"] = s
                 res["http_over_offline"] = s["output_throughput"] / res["offline"]["output_throughput"]
                 print(f"[{mode}] HTTP streaming at concurrency {args.concurrency}: {s['output_throughput']:.0f} "
