@@ -38,10 +38,10 @@ def test_queued_updates_merge_but_an_error_stays_its_own():
         got = [await first]
         async for u in stream:
             got.append(u)
+        ae.shutdown()  # while the loop is open: its "shutting down" update for the fed request lands there
         return got
 
     got = asyncio.run(main())
-    ae.shutdown()
     assert [(u.text, u.token_ids, u.completion_tokens, u.finished) for u in got] == [
         ("abc", [0, 1, 2], 3, False), ("", [], 0, True)]
     assert got[0].logprobs == [{"t": 0}, {"t": 1}, {"t": 2}] and got[1].error == "boom"
