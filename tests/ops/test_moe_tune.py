@@ -32,9 +32,9 @@ def favouring(best_up: Config, best_down: Config, seen=None):
 def test_the_search_finds_the_configuration_the_timer_favours(T):
     k, E = 6, 64
     bm = 16 if T <= 32 else 32  # at T = 32, 3 rows an expert: 16-row blocks only
-    up = next(c for c in coarse_space("up", T, bm, T * k / E) if c.block_n == 128 and c.block_k == 64)
+    up = next(c for c in coarse_space("up", T, bm, T * k) if c.block_n == 128 and c.block_k == 64)
     up = next((c for c in fine_space("up", up) if c.num_stages == 3), up)
-    down = next(c for c in coarse_space("down", T, bm, T * k / E) if c.block_n == 64 and c.block_k == 128)
+    down = next(c for c in coarse_space("down", T, bm, T * k) if c.block_n == 64 and c.block_k == 128)
     assert feasible("up", up) and feasible("down", down)
     r = Search(favouring(up, down), T, k, E, deadline=time.monotonic() + 60).run()
     assert (r["block_m"], r["up"], r["down"]) == (bm, up, down)

@@ -66,7 +66,7 @@ def block_m_candidates(T: int, k: int, E: int) -> list[int]:
     out = [bm for bm in BLOCK_M if bm <= max(16, 8 * rows)]
     if rows >= 128:
         out = [bm for bm in out if bm >= 64]
-    first = default_config("up", rows).block_m  # the likeliest first: a search cut short keeps a sound one
+    first = default_config("up", T * k).block_m  # the likeliest first: a search cut short keeps a sound one
     return sorted(out, key=lambda bm: (abs(math.log2(bm / first)), bm))
 
 
@@ -84,9 +84,9 @@ def rule_of_thumb(kind: str, T: int, bm: int, bn: int, bk: int) -> Config | None
     return c if feasible(kind, c) else None
 
 
-def coarse_space(kind: str, T: int, bm: int, rows: float) -> list[Config]:
+def coarse_space(kind: str, T: int, bm: int, pairs: int) -> list[Config]:
     """Every (block_n, block_k) tile at block_m = bm by rule of thumb, after tuning.default_config's own (with bm)."""
-    d = default_config(kind, rows)
+    d = default_config(kind, pairs)
     tiles = [(d.block_n, d.block_k)] + [(n, k) for n in BLOCK_N for k in BLOCK_K if (n, k) != (d.block_n, d.block_k)]
     first = dataclasses.replace(d, block_m=bm)
     out = [first] if feasible(kind, first) else []
@@ -111,7 +111,7 @@ def fine_space(kind: str, c: Config) -> list[Config]:
 def fixed_other(kind: str, T: int, k: int, E: int, bm: int) -> Config:
     """The configuration the other GEMM keeps while `kind` is searched: tuning's default with block_m = bm."""
     other = "down" if kind == "up" else "up"
-    c = dataclasses.replace(default_config(other, T * k / E), block_m=bm)
+    c = dataclasses.replace(default_config(other, T * k), block_m=bm)
     if not feasible(other, c):
         c = rule_of_thumb(other, T, bm, 64, 64)
     return c
@@ -151,7 +151,7 @@ class Search:
     def tune_kind(self, kind: str, bm: int, other: Config):
         """(seconds, config) of the best `kind` configuration with block_m = bm, the other GEMM at `other`."""
         timed = []
-        for c in coarse_space(kind, self.T, bm, self.T * self.k / self.E):
+        for c in coarse_space(kind, self.T, bm, self.T * self.k):
             if timed and self.out_of_time():
                 break
             t = self.time(c, other) if kind == "up" else self.time(other, c)

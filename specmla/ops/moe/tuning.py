@@ -1,7 +1,7 @@
 """Tile configurations of the fused-MoE GEMMs, shipped as data per device.
 
 The device's "moe" table (`ops.tuned`: the user's file from `specmla tune`, else the shipped
-`configs/<device>.json`, written by benchmarks/tune_moe.py) maps "up|down,E,N,K" to a list of
+`configs/<device>.json`, written by `specmla tune`) maps "up|down,E,N,K" to a list of
 [max_tokens, config] rows in increasing max_tokens; a call takes the first row whose max_tokens
 covers its token count. Shapes or devices without a file fall back to `default_config`, which
 follows the same buckets: narrow row blocks and deep pipelines while the GEMMs stream weights,
@@ -33,17 +33,18 @@ class Config:
         return asdict(self)
 
 
-def default_config(kind: str, tokens_per_expert: float) -> Config:
-    """A configuration by the mean rows per expert (kind: "up" or "down")."""
-    if tokens_per_expert <= 8:
-        return Config(16, 64, 128, 1, 4, 4)
-    if tokens_per_expert <= 48:
-        return Config(32, 64, 128, 4, 4, 4)
-    if tokens_per_expert <= 96:
-        return Config(64, 64, 64, 8, 4, 4) if kind == "up" else Config(64, 128, 64, 8, 4, 4)
-    return Config(128, 64, 64, 8, 8, 4) if kind == "up" else Config(128, 128, 64, 8, 8, 4)
-
-
+def default_config(kind: str, pairs: int) -> Config:
+    """A configuration by the (token, expert) pairs a call routes (tokens · top_k; kind "up" or "down"): the
+    tiles the measured tables (H100 and H200, V2-Lite's and V3's shapes) agree on at each size. 16-row blocks
+    while the GEMMs stream weights, 32 and 64 rows in between, 128 rows with wide tiles once they multiply."""
+    up = kind == "up"
+    if pairs <= 256:
+        return Config(16, 32, 128, 1, 4, 4) if up else Config(16, 64, 128, 1, 4, 4)
+    if pairs <= 1024:
+        return Config(32, 64, 128, 8, 4, 4) if up else Config(32, 128, 128, 8, 4, 4)
+    if pairs <= 4096:
+        return Config(64, 64, 128, 4, 4, 4) if up else Config(64, 128, 128, 8, 8, 4)
+    return Config(128, 128, 64, 8, 8, 4) if up else Config(128, 256, 64, 8, 8, 4)
 
 
 def default_fp8_config(kind: str, tokens_per_expert: float) -> Config:
@@ -116,4 +117,4 @@ def lookup(kind: str, E: int, N: int, K: int, tokens: int, device: torch.device,
         return rows[-1][1]
     if kind.endswith("_fp8"):
         return default_fp8_config(kind, tokens * top_k / E)
-    return default_config(kind, tokens * top_k / E)
+    return default_config(kind, tokens * top_k)
