@@ -194,8 +194,17 @@ def main() -> None:
               "copy_GBps": copy / 1e9 if copy else None, "modes": {}}
     records = {}
     compare = requests(args.compare_prompts, 0)
+
+    def save() -> None:
+        """The report and records so far: a run cut short (a time limit) keeps the rates it finished."""
+        with open(os.path.join(args.out, "bench_serving.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, "bench_serving_records.json"), "w") as f:
+            json.dump(records, f)
+
     for mode in args.speculative:
         res: dict = {}
+        report["modes"][mode] = res
         if args.compare_prompts:
             res["offline"] = offline(path, args, mode, compare)
             print(f"[{mode}] LLM.generate, {args.compare_prompts} prompts, max_num_seqs {args.concurrency}: "
@@ -223,14 +232,11 @@ def main() -> None:
                 res["rates"].append({"rate": rate, "num_prompts": n, "summary": s})
                 records[f"{mode}@{rate:g}#{i}"] = [asdict(r) for r in recs]
                 print(f"[{mode}] " + sb.format_summary(rate, s), flush=True)
+                save()
         finally:
             sb.stop_server(proc)
-        report["modes"][mode] = res
-        with open(os.path.join(args.out, "bench_serving.json"), "w") as f:
-            json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "bench_serving_records.json"), "w") as f:
-        json.dump(records, f)
-    sb.plot_sweep({mode: res["rates"] for mode, res in report["modes"].items()},
+        save()
+    sb.plot_sweep({mode: res.get("rates", []) for mode, res in report["modes"].items()},
                   os.path.join(args.out, "bench_serving.png"),
                   "specmla serve, V2-Lite-shaped, random 512 in / 128 out (labels: request rate)")
 
