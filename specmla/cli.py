@@ -412,11 +412,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import torch
 
     device, written = torch.device("cuda"), []
-    budget = args.budget / len(args.ops)
-    if "decode" in args.ops:
+    skip = {"moe": ("the model has no routed experts" if not cfg.n_routed_experts else
+                    "the FP8 experts' configurations are not searched yet" if cfg.quantization == "fp8" else None),
+            "fp8": None if cfg.quantization == "fp8" else "the model's weights are not FP8"}
+    ops = [op for op in args.ops if not skip.get(op)]
+    for op in args.ops:
+        if skip.get(op):
+            print(f"{op}: {skip[op]}; nothing to tune")
+    budget = args.budget / max(1, len(ops))  # shared by the ops that apply
+    if "decode" in ops:
         written += tune.tune_decode(cfg, device, args.kv_formats, query, budget, args.out)
-    if "moe" in args.ops and cfg.n_routed_experts:
+    if "moe" in ops:
         written += tune.tune_moe(cfg, device, budget, args.out)
+    if "fp8" in ops:
+        written += tune.tune_linear(cfg, device, budget, args.out)
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -482,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu = sub.add_parser("tune", help="measure a model's decode routes and fused-MoE tiles on this GPU into the user's "
                                      "tables; --check lists the model's shapes that run untuned (on the rules)")
     tu.add_argument("--check", action="store_true", help="list, do not measure")
-    tu.add_argument("--ops", type=_names(("decode", "moe"), "ops"), default=["decode", "moe"], help="what to measure: decode,moe (default both)")
+    tu.add_argument("--ops", type=_names(("decode", "moe", "fp8"), "ops"), default=["decode", "moe", "fp8"],
+                    help="what to measure: decode,moe,fp8 (default all; fp8 only for a checkpoint with FP8 weights)")
     tu.add_argument("--budget", type=_float(1.0, 86400.0, "seconds from 1 to 86400"), default=420.0,
                     help="seconds the measurement may take, shared by the ops (default 420)")
     tu.add_argument("--out", type=_output_dir, default=None,

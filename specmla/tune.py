@@ -1,11 +1,13 @@
-"""`specmla tune`: measures a model's decode routes (per cache format and query tokens, `ops.decode.tune`) and
-fused-MoE tile configurations (`ops.moe.tune`) on this GPU into the user's tables; with `--check`, which of a
-model's kernel shapes run on measured configurations on a GPU, and which on the rules (an untuned GPU, or shapes
-its tables do not hold). Shapes are the model's at one rank (no tensor or expert parallelism).
+"""`specmla tune`: measures a model's decode routes (per cache format and query tokens, `ops.decode.tune`),
+fused-MoE tile configurations (`ops.moe.tune`) and, for a checkpoint with FP8 weights, the FP8 linear's launch knobs
+(`ops.linear.tune`) on this GPU into the user's tables; with `--check`, which of a model's kernel shapes run on
+measured configurations on a GPU, and which on the rules (an untuned GPU, or shapes its tables do not hold). Shapes
+are the model's at one rank (no tensor or expert parallelism).
 
-The check lists, for the device's "decode_routes" and "moe" tables (`ops.tuned`: the user's file, else the shipped
-one), the file read and the route keys (format, query tokens, heads) and fused-MoE GEMM shapes they cover and leave
-to the rules. A measurement merges into the user's table, which starts as a copy of the shipped one.
+The check lists, for the device's "decode_routes", "moe" and "fp8_linear" tables (`ops.tuned`: the user's file, else
+the shipped one), the file read and the route keys (format, query tokens, heads), fused-MoE GEMM shapes and FP8
+linear weight shapes they cover and leave to the rules. A measurement merges into the user's table, which starts as a
+copy of the shipped one.
 """
 
 from __future__ import annotations
@@ -42,12 +44,42 @@ def moe_keys(cfg: ModelConfig) -> list[str]:
     return [shape_key("up" + suffix, E, I, H), shape_key("down" + suffix, E, H, I)]
 
 
+def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The (N, K) weight shapes of a model's FP8 linear layers (every linear layer but the head and those the loader
+    dequantises, `model.fp8.DEQUANTISED_AT_LOAD`), from the model built on the meta device; none for a checkpoint
+    without FP8 weights."""
+    if cfg.quantization != "fp8":
+        return []
+    import torch
+    from torch import nn
+
+    from specmla.model.deepseek import DeepseekForCausalLM
+    from specmla.model.fp8 import DEQUANTISED_AT_LOAD
+
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(cfg)
+    shapes = {}
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and name != "lm_head" and last not in DEQUANTISED_AT_LOAD:
+            shapes[(module.out_features, module.in_features)] = None
+    return list(shapes)
+
+
+def linear_keys(cfg: ModelConfig) -> list[str]:
+    from specmla.ops.linear.tuning import shape_key
+
+    return [shape_key(N, K) for N, K in linear_shapes(cfg)]
+
+
 def check(device_name: str, cfg: ModelConfig, kv_formats: list[str], query_tokens: list[int]) -> list[TableCheck]:
     key = tuned.device_key(device_name)
     out = []
-    for table, keys, rows_of in (("decode_routes", decode_keys(cfg, kv_formats, query_tokens),
-                                  lambda data: data.get("routes", {})),
-                                 ("moe", moe_keys(cfg), lambda data: data)):
+    tables = [("decode_routes", decode_keys(cfg, kv_formats, query_tokens), lambda data: data.get("routes", {})),
+              ("moe", moe_keys(cfg), lambda data: data)]
+    if cfg.quantization == "fp8":
+        tables.append(("fp8_linear", linear_keys(cfg), lambda data: data))
+    for table, keys, rows_of in tables:
         path = tuned.source(table, key)
         rows = rows_of(tuned.load(table, key))
         res = TableCheck(table, str(path) if path is not None else "rules")
@@ -122,6 +154,32 @@ def tune_decode(cfg: ModelConfig, device, formats: list[str], query_tokens: list
             "date": datetime.date.today().isoformat(), "command": "specmla tune",
             "routes": {**old.get("routes", {}), **new["routes"]}, "us": {**old.get("us", {}), **new["us"]}}
     return _write("decode_routes", key, data, out)
+
+
+def tune_linear(cfg: ModelConfig, device, budget_s: float, out: str | None = None, key: str | None = None,
+                timer_factory=None, sms: int | None = None) -> list[Path]:
+    """Search the launch knobs of the model's FP8 linear layers on `device` (`ops.linear.tune`) and merge them into
+    the user's "fp8_linear" table of this device (`key`, default the device's), which starts as a copy of the shipped
+    one; also into `out`/fp8_linear/. Returns the files written."""
+    import torch
+    from tqdm import tqdm
+
+    from specmla.ops.linear.tune import BUCKETS, tune_shapes
+
+    shapes = linear_shapes(cfg)
+    if not shapes:
+        raise ValueError("the model's linear weights are not FP8: the fp8 search has nothing to tune")
+    device = torch.device(device)
+    key = key or tuned.cuda_device_key(device)
+    with tqdm(total=len(shapes) * len(BUCKETS), desc="fp8 linear points", unit="point") as bar:
+        rows, _ = tune_shapes(shapes, BUCKETS, budget_s, device, timer_factory=timer_factory, sms=sms,
+                              on_bucket=lambda row: bar.update(1))
+    table = _user_table("fp8_linear", key)
+    for name, shape_rows in rows.items():
+        merged = {int(m): knobs for m, knobs in table.get(name, [])}
+        merged.update({m: knobs for m, knobs in shape_rows})
+        table[name] = [[m, merged[m]] for m in sorted(merged)]
+    return _write("fp8_linear", key, table, out)
 
 
 def _user_table(table: str, key: str) -> dict:

@@ -3,7 +3,8 @@ writes it), then the file shipped in the package, then the op's rules.
 
 Tables and their shipped folders:
 - "decode_routes": `ops/decode/routes/<device>.json`, the decode kernel per (format, S, H) and (B, T) point;
-- "moe": `ops/moe/configs/<device>.json`, the fused-MoE tile configurations per GEMM shape and token bucket.
+- "moe": `ops/moe/configs/<device>.json`, the fused-MoE tile configurations per GEMM shape and token bucket;
+- "fp8_linear": `ops/linear/configs/<device>.json`, the FP8 linear's launch knobs per weight shape and row bucket.
 
 A device's key is its CUDA name with spaces and dashes as underscores (e.g. "NVIDIA_H200"). The user's folder is
 $SPECMLA_TUNED, else $SPECMLA_CACHE/tuned, else ~/.cache/specmla/tuned, with one subfolder per table.
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 OPS = Path(__file__).parent
-SHIPPED = {"decode_routes": OPS / "decode" / "routes", "moe": OPS / "moe" / "configs"}
+SHIPPED = {"decode_routes": OPS / "decode" / "routes", "moe": OPS / "moe" / "configs",
+           "fp8_linear": OPS / "linear" / "configs"}
 SOURCES = ("auto", "shipped", "rules")
 
 

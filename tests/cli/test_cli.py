@@ -162,3 +162,32 @@ def test_tune_check_lists_the_shapes_that_run_untuned(tmp_path):
     assert "measured: up,8,32,64, down,8,64,32" in r.stdout and "4 shape(s) run on the rules" in r.stdout
     r = run_cli("tune", "--model", str(model), env_extra=env)  # measuring needs the GPU
     assert r.returncode == 2 and "CUDA GPU" in r.stderr
+
+
+def test_tune_check_lists_an_fp8_checkpoints_linear_shapes(tmp_path):
+    """For a checkpoint with FP8 weights the check also lists the FP8 linear's weight shapes (kv_b_proj, dequantised
+    at load, and the head are not among them); a user's "fp8_linear" table covering one moves it to measured."""
+    from specmla.config import FP8_QUANTIZATION
+    from specmla.ops import tuned
+
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+           "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "kv_lora_rank": 32,
+           "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+           "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+           "quantization_config": FP8_QUANTIZATION}
+    (model / "config.json").write_text(json.dumps(cfg))
+    env = {"SPECMLA_TUNED": str(tmp_path / "tuned"), "SPECMLA_TUNING": "auto"}
+    args = ("tune", "--check", "--device-name", "Fake GPU-9", "--model", str(model))
+    r = run_cli(*args, env_extra=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "fp8_linear: rules" in lines
+    untuned = lines[lines.index("fp8_linear: rules") + 1]
+    assert untuned.startswith("  untuned (rules): ")  # q_a and kv_a share 48 x 64: one shape
+    assert set(untuned.split(": ", 1)[1].split(", ")) == {"48,64", "128,48", "64,64", "96,64", "64,96"}
+    tuned.write("fp8_linear", "Fake_GPU_9", {"96,64": [[1, {"split": 1, "BLOCK_N": 32, "num_warps": 4,
+                                                            "num_stages": 3}]]}, folder=tmp_path / "tuned" / "fp8_linear")
+    r = run_cli(*args, env_extra=env)
+    assert "measured: 96,64" in r.stdout

@@ -42,3 +42,24 @@ def test_a_short_moe_search_gives_configurations_that_match_the_reference():
             want = fused_moe_torch(*case.args, shared=case.shared)
             got = fused_moe_triton(*case.args, shared=case.shared, up_config=up, down_config=down)
         assert fro_err(got, want) <= 1e-2
+
+
+def test_a_short_fp8_linear_search_gives_knobs_that_match_the_reference(tuned_tables):
+    """The search on the GPU at a split-K and a GEMM bucket; the table it makes routes calls to its knobs, whose
+    outputs equal the torch reference (and the rules' output) within the kernels' tolerance."""
+    from specmla.ops.linear import fp8_block_linear_torch, fp8_block_linear_triton, tuning, weight_quant
+    from specmla.ops.linear.tune import tune_shapes
+
+    N, K = 2112, 7168
+    dev = torch.device("cuda")
+    rows, report = tune_shapes([(N, K)], [4, 256], 20.0, dev)
+    assert [r["M"] for r in report] == [4, 256] and all(r["us"] > 0 for r in report)
+    key = tuned.cuda_device_key(dev)
+    tuned.write("fp8_linear", key, {tuning.shape_key(N, K): [[m, knobs] for m, knobs in rows[f"{N},{K}"]]})
+    w, s = weight_quant(torch.randn(N, K, device=dev) * 0.05)
+    for M in (3, 200):
+        assert tuning.lookup(N, K, M, dev) == dict(rows[f"{N},{K}"][0 if M <= 4 else 1][1])
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        got = fp8_block_linear_triton(x, w, s).float()
+        want = fp8_block_linear_torch(x.float(), w, s)
+        assert ((got - want).norm() / want.norm()).item() <= 3e-2

@@ -31,10 +31,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from specmla.ops.linear import tuning
 from specmla.ops.linear.reference import BLOCK, E4M3_MAX, check_fp8_linear_args
+from specmla.ops.linear.tuning import DECODE_MAX_M  # rows served by the split-K kernel
 from specmla.ops.scratch import zeroed_scratch
 
-DECODE_MAX_M = 64  # rows served by the split-K kernel
 SPLITK_COUNTERS = 1 << 16  # arrival counters (one per N tile) kept zeroed for the split-K kernel
 PREFETCH_BLOCKS = 4  # K blocks of its weights a decode program asks L2 for before it waits on act_quant
 
@@ -286,6 +287,10 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     if K > 0 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if split is None and config is None:
+        config = tuning.lookup(N, K, M, x.device)
+        if config is not None:
+            split = config.pop("split", None)
     if out is None:
         out = torch.empty(M, N, dtype=out_dtype, device=x.device)
     elif tuple(out.shape) != (M, N) or out.dtype != out_dtype or not out.is_contiguous():
