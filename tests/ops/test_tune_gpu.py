@@ -17,7 +17,11 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "tbq4"])
 def test_every_kernel_a_route_may_name_gives_the_reference(kv, tuned_tables):
     """Each candidate kernel that takes a call is timed; a user's table naming it routes the call to it, and its
-    output equals the fp32 reference within the format's tolerance."""
+    output equals the fp32 reference within the format's tolerance. The e4m3 tensor-core kernels ("fp8", "tbq4":
+    Q, P and the codes rounded to e4m3) are held to their design instead: their error against the reference is the
+    e4m3 emulation's (`mla_decode_e4m3`; tbq4's one-term e4m3 P gives ~6 % on these random latents)."""
+    from specmla.ops.decode.hopper.e4m3_reference import mla_decode_e4m3
+
     B, T, S, H = 4, 2048, 1, 16
     times = kernel_times(kv, H, B, T, S, torch.device("cuda"))
     assert times and all(t > 0 for t in times.values()) and set(times) <= set(ROUTE_CANDIDATES[kv])
@@ -28,8 +32,15 @@ def test_every_kernel_a_route_may_name_gives_the_reference(kv, tuned_tables):
         tuned.write("decode_routes", key, {"routes": {f"{kv},{S},{H}": [[B, T, kernel]]}})
         assert route(qs[0], caches[0], table, kv_format=kv, head_dim_v=512).kernel == kernel
         got = mla_decode(qs[0], caches[0], table, seq, SCALE, head_dim_v=512, kv_format=kv)
+        assert torch.isfinite(got).all(), kernel
         err = ((got.float() - want).norm() / want.norm()).item()
-        assert err <= (2e-2 if kv == "bf16" else 6e-2), (kernel, err)
+        if kernel in ("fp8", "tbq4"):
+            emu = mla_decode_e4m3(qs[0].cpu(), caches[0].cpu(), table.cpu(), seq.cpu(), SCALE, kv_format=kv,
+                                  head_dim_v=512)
+            e_emu = ((emu.float() - want.cpu()).norm() / want.cpu().norm()).item()
+            assert abs(err - e_emu) <= 0.25 * e_emu, (kernel, err, e_emu)
+        else:
+            assert err <= (2e-2 if kv == "bf16" else 3e-2), (kernel, err)
 
 
 def test_a_short_moe_search_gives_configurations_that_match_the_reference():
