@@ -391,8 +391,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     from specmla import tune
 
-    model = args.model or default_model_path()
-    cfg = ModelConfig.from_file(Path(model))
+    cfg = ModelConfig.from_file(Path(args.config or args.model or default_model_path()))
     query = [1] + ([1 + args.num_speculative_tokens] if args.num_speculative_tokens else [])
     gpu = _cuda_available()
     if args.check:
@@ -412,8 +411,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import torch
 
     device, written = torch.device("cuda"), []
-    skip = {"moe": ("the model has no routed experts" if not cfg.n_routed_experts else
-                    "the FP8 experts' configurations are not searched yet" if cfg.quantization == "fp8" else None),
+    skip = {"moe": None if cfg.n_routed_experts else "the model has no routed experts",
             "fp8": None if cfg.quantization == "fp8" else "the model's weights are not FP8"}
     ops = [op for op in args.ops if not skip.get(op)]
     for op in args.ops:
@@ -497,7 +495,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds the measurement may take, shared by the ops (default 420)")
     tu.add_argument("--out", type=_output_dir, default=None,
                     help="also write the tables here (<table>/<device>.json, the package's layout for shipping)")
-    tu.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    src = tu.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="HF model directory (default: the embedded model)")
+    src.add_argument("--config", type=_input_file, default=None,
+                     help="a model's config.json alone: its shapes are tuned without its weights")
     tu.add_argument("--device-name", default=None, help="check this CUDA device name's tables (default: GPU 0)")
     tu.add_argument("--kv-formats", type=_names(tuple(ROUTE_CANDIDATES), "formats"), default=["bf16"], help="cache formats served (comma-separated)")
     tu.add_argument("--num-speculative-tokens", type=_int(0, 64, "0 to 64"), default=0,

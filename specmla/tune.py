@@ -39,7 +39,7 @@ def moe_keys(cfg: ModelConfig) -> list[str]:
     checkpoint with FP8 weights); none for a model without routed experts."""
     if not cfg.n_routed_experts:
         return []
-    E, H, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    E, _, H, I, _ = moe_shape(cfg)
     suffix = "_fp8" if cfg.quantization == "fp8" else ""
     return [shape_key("up" + suffix, E, I, H), shape_key("down" + suffix, E, H, I)]
 
@@ -104,28 +104,31 @@ def format_check(device_name: str, results: list[TableCheck]) -> str:
 
 
 def moe_shape(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
-    """(E, k, H, I, Is) of a model's MoE layers at one rank: Is = the shared experts' width (0: none)."""
+    """(E, k, H, I, Is) of a model's MoE layers at one rank: Is = the shared experts' width (0: none). An FP8
+    checkpoint's stacks hold each width padded to a multiple of 128 (`model.deepseek.MoE`): so do its shapes."""
     I = cfg.moe_intermediate_size
-    return cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, I, (cfg.n_shared_experts or 0) * I
+    Is = (cfg.n_shared_experts or 0) * I
+    if cfg.quantization == "fp8":
+        I, Is = -(-I // 128) * 128, -(-Is // 128) * 128
+    return cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, I, Is
 
 
 def tune_moe(cfg: ModelConfig, device, budget_s: float, out: str | None = None, key: str | None = None,
              timer_factory=None) -> list[Path]:
-    """Search the model's bf16 fused-MoE configurations on `device` (`ops.moe.tune`) and merge them into the user's
-    "moe" table of this device (`key`, default the device's), which starts as a copy of the shipped one, so the
-    shapes it held keep their rows; also into `out`/moe/. Returns the files written."""
+    """Search the model's fused-MoE configurations (its bf16 experts, or an FP8 checkpoint's e4m3 ones) on `device`
+    (`ops.moe.tune`) and merge them into the user's "moe" table of this device (`key`, default the device's), which
+    starts as a copy of the shipped one, so the shapes it held keep their rows; also into `out`/moe/. Returns the
+    files written."""
     from tqdm import tqdm
 
     from specmla.ops.moe.tune import BUCKETS, merge_rows, tune_shape
 
     if not cfg.n_routed_experts:
         raise ValueError("the model has no routed experts: nothing to tune")
-    if cfg.quantization == "fp8":
-        raise ValueError("the model's experts are FP8: their kernels' configurations are not searched yet")
     key = key or tuned.cuda_device_key(device)
     with tqdm(total=len(BUCKETS), desc="moe buckets", unit="bucket") as bar:
         rows, _ = tune_shape(*moe_shape(cfg), BUCKETS, budget_s, device, timer_factory=timer_factory,
-                             on_bucket=lambda row: bar.update(1))
+                             on_bucket=lambda row: bar.update(1), fp8=cfg.quantization == "fp8")
     table = _user_table("moe", key)
     for name, key_rows in rows.items():
         merge_rows(table, name, key_rows)

@@ -191,3 +191,10 @@ def test_tune_check_lists_an_fp8_checkpoints_linear_shapes(tmp_path):
                                                             "num_stages": 3}]]}, folder=tmp_path / "tuned" / "fp8_linear")
     r = run_cli(*args, env_extra=env)
     assert "measured: 96,64" in r.stdout
+    by_config = run_cli("tune", "--check", "--device-name", "Fake GPU-9", "--config", str(model / "config.json"),
+                        env_extra=env)  # the config alone, no weights: the same shapes
+    assert by_config.returncode == 0 and by_config.stdout == r.stdout
+    both = run_cli("tune", "--check", "--model", str(model), "--config", str(model / "config.json"), env_extra=env)
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    missing = run_cli("tune", "--check", "--config", str(model / "nope.json"), env_extra=env)
+    assert missing.returncode == 2 and "is not a file" in missing.stderr

@@ -2,16 +2,15 @@
 configuration the timer favours, keeps a sound one when out of time, and `specmla tune`'s plumbing writes rows
 that `tuning.lookup` then serves per token bucket; the shipped rows of other shapes survive."""
 
-import dataclasses
 import time
 
 import pytest
 import torch
 
-from specmla.config import ModelConfig
+from specmla.config import FP8_QUANTIZATION, ModelConfig
 from specmla.ops import tuned
 from specmla.ops.moe import tuning
-from specmla.ops.moe.tune import BUCKETS, Search, coarse_space, feasible, fine_space, merge_rows
+from specmla.ops.moe.tune import BUCKETS, Search, coarse_space, feasible, fine_space, merge_rows, smem_bytes
 from specmla.ops.moe.tuning import Config, shape_key
 from specmla.tune import moe_shape, tune_moe
 
@@ -32,9 +31,9 @@ def favouring(best_up: Config, best_down: Config, seen=None):
 def test_the_search_finds_the_configuration_the_timer_favours(T):
     k, E = 6, 64
     bm = 16 if T <= 32 else 32  # at T = 32, 3 rows an expert: 16-row blocks only
-    up = next(c for c in coarse_space("up", T, bm, T * k) if c.block_n == 128 and c.block_k == 64)
+    up = next(c for c in coarse_space("up", T, bm, k, E) if c.block_n == 128 and c.block_k == 64)
     up = next((c for c in fine_space("up", up) if c.num_stages == 3), up)
-    down = next(c for c in coarse_space("down", T, bm, T * k) if c.block_n == 64 and c.block_k == 128)
+    down = next(c for c in coarse_space("down", T, bm, k, E) if c.block_n == 64 and c.block_k == 128)
     assert feasible("up", up) and feasible("down", down)
     r = Search(favouring(up, down), T, k, E, deadline=time.monotonic() + 60).run()
     assert (r["block_m"], r["up"], r["down"]) == (bm, up, down)
@@ -90,6 +89,33 @@ def test_tune_refuses_what_it_cannot_search():
                                    "v_head_dim": 16, "n_routed_experts": None})
     with pytest.raises(ValueError, match="no routed experts"):
         tune_moe(dense, torch.device("cpu"), 1.0, key="X", timer_factory=lambda T: None)
-    fp8 = dataclasses.replace(dense, n_routed_experts=8, num_experts_per_tok=2, quantization="fp8")
-    with pytest.raises(ValueError, match="FP8"):
-        tune_moe(fp8, torch.device("cpu"), 1.0, key="X", timer_factory=lambda T: None)
+
+
+def test_fp8_experts_search_the_tiles_their_kernels_take(tuned_tables, monkeypatch):
+    """An FP8 checkpoint's MoE is searched as "up_fp8" / "down_fp8" at the stacks' widths (padded to 128): block_k
+    128 everywhere, gate‖up's block_n 128, e4m3 shared memory; the rows land where `tuning.lookup` reads them."""
+    cfg = ModelConfig.from_dict({"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": 64,
+                                 "intermediate_size": 96, "moe_intermediate_size": 96, "num_hidden_layers": 2,
+                                 "num_attention_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48,
+                                 "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+                                 "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                 "first_k_dense_replace": 1, "quantization_config": FP8_QUANTIZATION})
+    assert moe_shape(cfg) == (8, 2, 64, 128, 128)
+    for T in (1, 64, 2048):
+        for kind in ("up_fp8", "down_fp8"):
+            space = coarse_space(kind, T, 32, 2, 8)
+            assert space and all(c.block_k == 128 and feasible(kind, c) for c in space)
+            assert all(c.block_n == 128 for c in space) if kind == "up_fp8" else len({c.block_n for c in space}) > 1
+            assert all(d.block_k == 128 for c in space for d in fine_space(kind, c))
+    assert not feasible("up_fp8", Config(32, 64, 128)) and not feasible("down_fp8", Config(32, 64, 64))
+    assert smem_bytes("up_fp8", Config(64, 128, 128, num_stages=4)) * 2 == smem_bytes("up", Config(64, 128, 128,
+                                                                                                     num_stages=4))
+    want = {T: (Config(16 if T < 128 else 64, 128, 128, 1, 8, 3), Config(16 if T < 128 else 64, 64, 128, 1, 4, 4))
+            for T in BUCKETS}
+    seen = []
+    tune_moe(cfg, torch.device("cpu"), budget_s=30, key="FAKE_GPU", timer_factory=lambda T: favouring(*want[T], seen))
+    assert seen and all(up.block_k == down.block_k == 128 and up.block_n == 128 for up, down in seen)
+    monkeypatch.setattr(tuned, "cuda_device_key", lambda device: "FAKE_GPU")
+    for T in BUCKETS:
+        assert tuning.lookup("up_fp8", 8, 128, 64, T, torch.device("cpu"), top_k=2) == want[T][0], T
+        assert tuning.lookup("down_fp8", 8, 64, 128, T, torch.device("cpu"), top_k=2) == want[T][1], T

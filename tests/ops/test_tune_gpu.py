@@ -74,3 +74,34 @@ def test_a_short_fp8_linear_search_gives_knobs_that_match_the_reference(tuned_ta
         got = fp8_block_linear_triton(x, w, s).float()
         want = fp8_block_linear_torch(x.float(), w, s)
         assert ((got - want).norm() / want.norm()).item() <= 3e-2
+
+
+def test_a_short_fp8_moe_search_gives_configurations_that_match_the_rules(tuned_tables):
+    """The fp8 experts' search at two buckets: its tiles give the rules' output up to the fp32 summation order, and
+    the unquantised reference within the w8a8 tolerance (test_fused_moe_fp8's ACT_TOL)."""
+    from specmla.ops.linear.reference import weight_dequant
+    from specmla.ops.moe.triton import fused_moe_fp8_triton
+    from specmla.ops.moe.tune import _quantised
+
+    E, k, H, I, Is = 8, 2, 256, 128, 128
+    dev = torch.device("cuda")
+    rows, report = tune_shape(E, k, H, I, Is, [1, 64], budget_s=20, device=dev, fp8=True)
+    assert [r["T"] for r in report] == [1, 64] and all(r["us"] > 0 and r["fp8"] for r in report)
+    g = torch.Generator(device=dev).manual_seed(5)
+    (gu, gu_s), (dn, dn_s) = (_quantised(torch.randn(*shape, device=dev, generator=g) / shape[-1] ** 0.5)
+                              for shape in ((E, 2 * I, H), (E, H, I)))
+    (sgu, sgu_s), (sd, sd_s) = (_quantised(torch.randn(*shape, device=dev, generator=g) / shape[-1] ** 0.5)
+                                for shape in ((2 * Is, H), (H, Is)))
+    kw = dict(shared=(sgu, sd), w_gate_up_scale=gu_s, w_down_scale=dn_s, shared_scales=(sgu_s, sd_s))
+    deq = [weight_dequant(w, s) for w, s in ((sgu, sgu_s), (sd, sd_s))]
+    for T, ((_, up), (_, down)) in zip((1, 64), zip(rows[f"up_fp8,{E},{I},{H}"], rows[f"down_fp8,{E},{H},{I}"])):
+        x = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16)
+        w = torch.randn(T, k, device=dev, generator=g).softmax(-1)
+        ids = torch.rand(T, E, device=dev, generator=g).topk(k, dim=1).indices
+        got = fused_moe_fp8_triton(x, gu, dn, w, ids, up_config=up, down_config=down, **kw)
+        rules = fused_moe_fp8_triton(x, gu, dn, w, ids, **kw)
+        assert fro_err(got, rules) <= 1.5e-2
+        want = fused_moe_torch(x.float(), torch.stack([weight_dequant(a, b) for a, b in zip(gu, gu_s)]),
+                               torch.stack([weight_dequant(a, b) for a, b in zip(dn, dn_s)]), w, ids,
+                               shared=tuple(deq))
+        assert fro_err(got.float(), want) <= 7e-2
