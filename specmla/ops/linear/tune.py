@@ -15,8 +15,6 @@ budget bounds the search: each (shape, bucket) gets an equal share of what is le
 
 from __future__ import annotations
 
-import logging
-import statistics
 import time
 
 import torch
@@ -24,8 +22,8 @@ import triton
 
 from specmla.ops.linear.reference import BLOCK
 from specmla.ops.linear.tuning import DECODE_MAX_M
+from specmla.ops.timing import graph_call_time
 
-log = logging.getLogger("specmla.tune")
 BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
 SHARED_MEMORY = 227 * 1024  # bytes a program may hold on Hopper
 DECODE_BLOCK_N = (32, 64, 128)
@@ -38,7 +36,6 @@ GEMM_BLOCK_N = (64, 128, 256)
 GEMM_WARPS = (4, 8)
 GEMM_STAGES = (3, 4, 5)
 GEMM_GROUP_M = (8, 16)
-SPIN_CYCLES = 200_000
 
 
 # ---- the search space (pure python) --------------------------------------------------------------------
@@ -146,31 +143,7 @@ class LinearTimer:
         fp8_block_linear_triton(self.x, w, s, out=self.out, split=split, config=knobs)
 
     def __call__(self, knobs: dict) -> float | None:
-        try:
-            self._call(0, knobs)  # compiles; raises OutOfResources and the like outside any capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for i in range(self.n):
-                    self._call(i, knobs)
-            graph.replay()
-            times = []
-            for _ in range(self.reps):
-                torch.cuda._sleep(SPIN_CYCLES)
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                graph.replay()
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e) / 1e3 / self.n)
-            del graph
-            return statistics.median(times)
-        except Exception as e:  # this configuration does not compile or launch here
-            if "illegal" in str(e).lower():  # the CUDA context is gone: nothing further can run
-                raise
-            log.debug("skip %s: %s: %s", knobs, type(e).__name__, str(e).splitlines()[0])
-            torch.cuda.synchronize()
-            return None
+        return graph_call_time(lambda i: self._call(i, knobs), self.n, self.reps, str(knobs))
 
 
 def tune_shapes(shapes: list[tuple[int, int]], buckets, budget_s: float, device: torch.device, timer_factory=None,

@@ -25,16 +25,14 @@ each bucket gets an equal share of what is left, and a search out of time keeps 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-import statistics
 import time
 
 import torch
 
 from specmla.ops.moe.tuning import SHARED_MEMORY, Config, default_config, default_fp8_config, shape_key
+from specmla.ops.timing import graph_call_time
 
-log = logging.getLogger("specmla.tune")
 BUCKETS = [1, 8, 32, 128, 512, 2048, 8192, 16384]
 BLOCK_M = (16, 32, 64, 128)
 BLOCK_N = (32, 64, 128, 256)
@@ -43,7 +41,6 @@ WARPS = (4, 8)
 STAGES = (2, 3, 4, 5)
 SMEM_BYTES = SHARED_MEMORY
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread
-SPIN_CYCLES = 200_000
 FP8_BLOCK = 128  # the fp8 kernels' block_k, and gate‖up's block_n
 # ---- the search space (pure python) --------------------------------------------------------------------
 def is_up(kind: str) -> bool:
@@ -256,31 +253,7 @@ class OpTimer:
                        down_config=down, **kw)
 
     def __call__(self, up: Config, down: Config) -> float | None:
-        try:
-            self._call(0, up, down)  # compiles; raises OutOfResources and the like outside any capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for i in range(self.n):
-                    self._call(i, up, down)
-            graph.replay()
-            times = []
-            for _ in range(self.reps):
-                torch.cuda._sleep(SPIN_CYCLES)
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                graph.replay()
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e) / 1e3 / self.n)
-            del graph
-            return statistics.median(times)
-        except Exception as e:  # this configuration does not compile or launch here
-            if "illegal" in str(e).lower():  # the CUDA context is gone: nothing further can run
-                raise
-            log.debug("skip up=%s down=%s: %s: %s", fmt(up), fmt(down), type(e).__name__, str(e).splitlines()[0])
-            torch.cuda.synchronize()
-            return None
+        return graph_call_time(lambda i: self._call(i, up, down), self.n, self.reps, f"up={fmt(up)} down={fmt(down)}")
 
 
 def fmt(c: Config) -> str:
