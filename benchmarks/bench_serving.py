@@ -196,11 +196,13 @@ def main() -> None:
     compare = requests(args.compare_prompts, 0)
 
     def save() -> None:
-        """The report and records so far: a run cut short (a time limit) keeps the rates it finished."""
-        with open(os.path.join(args.out, "bench_serving.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        with open(os.path.join(args.out, "bench_serving_records.json"), "w") as f:
-            json.dump(records, f)
+        """The report and records so far: a run cut short (a time limit) keeps the rates it finished. Each file is
+        written beside and moved into place, so a run killed while writing leaves the previous whole one."""
+        for name, data, indent in (("bench_serving.json", report, 1), ("bench_serving_records.json", records, None)):
+            path = os.path.join(args.out, name)
+            with open(path + ".tmp", "w") as f:
+                json.dump(data, f, indent=indent)
+            os.replace(path + ".tmp", path)
 
     for mode in args.speculative:
         res: dict = {}

@@ -411,12 +411,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     import torch
 
     device, written = torch.device("cuda"), []
-    skip = {"moe": None if cfg.n_routed_experts else "the model has no routed experts",
-            "fp8": None if cfg.quantization == "fp8" else "the model's weights are not FP8"}
-    ops = [op for op in args.ops if not skip.get(op)]
-    for op in args.ops:
-        if skip.get(op):
-            print(f"{op}: {skip[op]}; nothing to tune")
+    ops, skipped = tune.applicable_ops(cfg, args.ops)
+    for op, why in skipped.items():
+        print(f"{op}: {why}; nothing to tune")
     budget = args.budget / max(1, len(ops))  # shared by the ops that apply
     if "decode" in ops:
         written += tune.tune_decode(cfg, device, args.kv_formats, query, budget, args.out)

@@ -45,23 +45,23 @@ def moe_keys(cfg: ModelConfig) -> list[str]:
 
 
 def linear_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """The (N, K) weight shapes of a model's FP8 linear layers (every linear layer but the head and those the loader
-    dequantises, `model.fp8.DEQUANTISED_AT_LOAD`), from the model built on the meta device; none for a checkpoint
-    without FP8 weights."""
+    """The (N, K) weight shapes of a model's FP8 linear layers (every linear layer but the head and those DeepSeek's
+    checkpoints keep or the loader turns into 16-bit weights, `model.fp8.NOT_QUANTISED`), from the model built on
+    the meta device; none for a checkpoint without FP8 weights."""
     if cfg.quantization != "fp8":
         return []
     import torch
     from torch import nn
 
     from specmla.model.deepseek import DeepseekForCausalLM
-    from specmla.model.fp8 import DEQUANTISED_AT_LOAD
+    from specmla.model.fp8 import NOT_QUANTISED
 
     with torch.device("meta"):
         model = DeepseekForCausalLM(cfg)
     shapes = {}
     for name, module in model.named_modules():
         last = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and name != "lm_head" and last not in DEQUANTISED_AT_LOAD:
+        if isinstance(module, nn.Linear) and name != "lm_head" and last not in NOT_QUANTISED:
             shapes[(module.out_features, module.in_features)] = None
     return list(shapes)
 
@@ -161,9 +161,10 @@ def tune_decode(cfg: ModelConfig, device, formats: list[str], query_tokens: list
 
 def tune_linear(cfg: ModelConfig, device, budget_s: float, out: str | None = None, key: str | None = None,
                 timer_factory=None, sms: int | None = None) -> list[Path]:
-    """Search the launch knobs of the model's FP8 linear layers on `device` (`ops.linear.tune`) and merge them into
-    the user's "fp8_linear" table of this device (`key`, default the device's), which starts as a copy of the shipped
-    one; also into `out`/fp8_linear/. Returns the files written."""
+    """Search the launch knobs of the model's FP8 linear layers on `device` (`ops.linear.tune`) into the user's
+    "fp8_linear" table of this device (`key`, default the device's), which starts as a copy of the shipped one: each
+    measured shape's rows replace that shape's; other shapes keep theirs. Also into `out`/fp8_linear/. Returns the
+    files written."""
     import torch
     from tqdm import tqdm
 
@@ -179,10 +180,15 @@ def tune_linear(cfg: ModelConfig, device, budget_s: float, out: str | None = Non
                               on_bucket=lambda row: bar.update(1))
     table = _user_table("fp8_linear", key)
     for name, shape_rows in rows.items():
-        merged = {int(m): knobs for m, knobs in table.get(name, [])}
-        merged.update({m: knobs for m, knobs in shape_rows})
-        table[name] = [[m, merged[m]] for m in sorted(merged)]
+        table[name] = [[m, knobs] for m, knobs in sorted(shape_rows, key=lambda r: r[0])]
     return _write("fp8_linear", key, table, out)
+
+
+def applicable_ops(cfg: ModelConfig, ops: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the ops of `ops` that have something to tune in this model, {op: why not} for the others)."""
+    why = {"moe": None if cfg.n_routed_experts else "the model has no routed experts",
+           "fp8": None if cfg.quantization == "fp8" else "the model's weights are not FP8"}
+    return [op for op in ops if not why.get(op)], {op: why[op] for op in ops if why.get(op)}
 
 
 def _user_table(table: str, key: str) -> dict:

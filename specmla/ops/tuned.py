@@ -33,11 +33,17 @@ def device_key(name: str) -> str:
 
 
 def cuda_device_key(device: torch.device) -> str | None:
-    """The key of a CUDA device; None for any other device (no tables apply)."""
+    """The key of a CUDA device; None for any other device (no tables apply). Kernels look it up per call: the
+    device's name is read once per index."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return device_key(torch.cuda.get_device_name(device))
+    return _cuda_key(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_key(index: int) -> str:
+    return device_key(torch.cuda.get_device_name(index))
 
 
 def user_dir() -> Path:

@@ -12,8 +12,8 @@ from specmla.config import FP8_QUANTIZATION, ModelConfig
 from specmla.ops import tuned
 from specmla.ops.linear import fp8_block_linear_torch, fp8_block_linear_triton, tuning, weight_quant
 from specmla.ops.linear import triton as linear_triton
-from specmla.ops.linear.tune import coarse_space, fine_space, fits, search, splits, tune_shapes
-from specmla.tune import linear_keys, linear_shapes, tune_linear
+from specmla.ops.linear.tune import coarse_space, fine_space, fits, rules, search, tune_shapes
+from specmla.tune import applicable_ops, linear_keys, linear_shapes, tune_linear
 
 DECODE = {"split": 2, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
 GEMM = {"BLOCK_M": 64, "BLOCK_N": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
@@ -53,10 +53,17 @@ def test_rows_are_picked_by_bucket_and_never_across_regimes():
     ([8, dict(DECODE, BLOCK_M=16)], "takes"),  # BLOCK_M is the kernel's, not the table's, up to 64 rows
     ([256, DECODE], "takes"),  # split-K knobs on a GEMM row
     ([8, dict(DECODE, BLOCK_N=48)], "power of two"),
-    ([8, dict(DECODE, split=0)], "integer"),
-    ([8, dict(DECODE, num_stages=2.5)], "integer"),
+    ([8, dict(DECODE, split=0)], "integer from"),
+    ([8, dict(DECODE, num_stages=2.5)], "integer from"),
+    ([8, dict(DECODE, num_warps=16)], "integer from 1 to 8"),
+    ([8, dict(DECODE, BLOCK_N=512)], "integer from 16 to 256"),
     ([8, dict(DECODE, PREFETCH=3)], "power of two"),
+    ([4096, dict(GEMM, BLOCK_M=256, BLOCK_N=256, num_stages=8)], "shared memory"),
     ([0, DECODE], "max_rows"),
+    (["64", DECODE], "max_rows"),
+    ([True, DECODE], "max_rows"),
+    ([8, [1, 2]], "object"),
+    ([8], "a row must be"),
 ])
 def test_a_bad_row_is_reported_naming_the_file(tuned_tables, row, match):
     path = tuned.write("fp8_linear", "Fake_GPU", {"7,300": [[1, DECODE], row]})
@@ -112,26 +119,38 @@ def test_a_table_row_sets_the_kernel_knobs_and_not_the_result(monkeypatch, M, kn
     ref = fp8_block_linear_torch(x, w, s)
     assert ((y - ref).norm() / ref.norm()).item() <= 3e-2
     calls.clear()
-    fp8_block_linear_triton(x, w, s, split=1, config={"BLOCK_N": 64} if M <= 64 else {"BLOCK_M": 128})
-    assert calls[0]["BLOCK_N" if M <= 64 else "BLOCK_M"] == (64 if M <= 64 else 128)
+    mine = {"BLOCK_N": 128 if knobs["BLOCK_N"] != 128 else 32} if M <= 64 else {"BLOCK_M": 128}
+    fp8_block_linear_triton(x, w, s, split=1, config=mine)  # the caller's knobs, not the table's
+    assert all(calls[0][k] == v for k, v in mine.items()) and (M > 64 or calls[0]["SPLIT"] == 1)
 
 
 # ---- the search ------------------------------------------------------------------------------------------------
-def test_the_search_space_fits_and_never_plans_an_empty_program():
+def test_the_search_starts_from_the_rules_and_never_plans_an_empty_program(monkeypatch):
+    """The first candidate is what the kernel runs without a table (a search cut short keeps it unless beaten);
+    every split has K blocks; the spaces leave out pipelines past the shared memory."""
     N, K, sms = 2112, 7168, 132
     kb = K // 128
+    monkeypatch.setattr(linear_triton, "_num_sms", lambda device: sms)
+    g = torch.Generator().manual_seed(0)
+    w, s = weight_quant(torch.randn(N, 256, generator=g))
     for M in (1, 16, 64, 256, 4096):
         coarse = coarse_space(N, K, M, sms)
-        assert coarse and all(fits(c, M) for c in coarse)
+        assert coarse[0] == rules(N, K, M, sms) and len(coarse) > 3
+        assert len({repr(sorted(c.items())) for c in coarse}) == len(coarse)
         for c in coarse:
-            assert all(fits(d, M) and d != c for d in fine_space(c, M))
             if M <= 64:
-                s = c["split"]
-                assert 1 <= s <= kb and -(-kb // -(-kb // s)) == s  # every split program has K blocks
+                sp = c["split"]
+                assert 1 <= sp <= kb and -(-kb // -(-kb // sp)) == sp  # every split program has K blocks
             else:
                 assert "split" not in c and c["BLOCK_M"] in (64, 128)
-    assert splits(N, K, 64, sms)[0] == 1 and len(set(splits(N, K, 64, sms))) == len(splits(N, K, 64, sms))
-    assert not fits({"BLOCK_N": 256, "num_stages": 8, "BLOCK_M": 128}, 4096)
+    calls = []  # the rules' knobs are what the kernel launches with no table
+    monkeypatch.setattr(linear_triton, "_splitk_kernel", Recorder(linear_triton._splitk_kernel, calls))
+    fp8_block_linear_triton(torch.randn(3, 256, generator=g), w, s)
+    r = rules(N, 256, 3, sms)
+    assert (calls[0]["SPLIT"], calls[0]["BLOCK_N"], calls[0]["num_warps"], calls[0]["num_stages"],
+            calls[0]["PREFETCH"]) == (r["split"], r["BLOCK_N"], r["num_warps"], r["num_stages"], r["PREFETCH"])
+    big = {"BLOCK_N": 256, "num_stages": 8, "BLOCK_M": 128}
+    assert not fits(big, 4096) and big not in fine_space(dict(big, num_stages=3, GROUP_M=8, num_warps=4), 4096)
 
 
 @pytest.mark.parametrize("M", [1, 16, 4096])
@@ -160,7 +179,7 @@ def fp8_config(**overrides) -> ModelConfig:
 
 
 def test_the_models_fp8_linear_shapes():
-    cfg = fp8_config()
+    cfg = fp8_config(num_nextn_predict_layers=1)  # its eh_proj [64, 128] stays bf16 in DeepSeek's checkpoints
     H, q, kv, nope, rope, v, heads = 64, 48, 32, 16, 16, 24, 4
     assert set(linear_shapes(cfg)) == {(q, H), (heads * (nope + rope), q), (kv + rope, H), (H, heads * v),
                                        (96, H), (H, 96)}  # no kv_b_proj (dequantised at load), no head
@@ -169,14 +188,19 @@ def test_the_models_fp8_linear_shapes():
     assert linear_shapes(bf16) == []
     with pytest.raises(ValueError, match="not FP8"):
         tune_linear(bf16, "cpu", 1.0, timer_factory=lambda N, K, M: None, key="Fake_GPU")
+    assert applicable_ops(cfg, ["decode", "moe", "fp8"]) == (["decode", "moe", "fp8"], {})
+    dense = ModelConfig.from_dict(dict(V3_BASE, model_type="deepseek_v3", n_routed_experts=None))
+    ops, why = applicable_ops(dense, ["moe", "fp8", "decode"])
+    assert ops == ["decode"] and set(why) == {"moe", "fp8"} and "routed experts" in why["moe"]
 
 
 def test_tune_linear_merges_into_the_users_table_and_out(tuned_tables, tmp_path):
-    """Measured rows go to the user's table (a copy of the shipped one: its other shapes stay) and to --out; the
-    table then serves each bucket."""
+    """Measured rows go to the user's table (a copy of the shipped one: its other shapes stay, a measured shape's
+    old rows go) and to --out; the table then serves each bucket."""
     user, shipped = tuned_tables
-    tuned.write("fp8_linear", "Fake_GPU", {"11,13": [[1, DECODE]]}, folder=shipped / "fp8_linear")
     cfg = fp8_config()
+    stale = linear_keys(cfg)[0]
+    tuned.write("fp8_linear", "Fake_GPU", {"11,13": [[1, DECODE]], stale: [[2, DECODE]]}, folder=shipped / "fp8_linear")
     best = dict(DECODE, split=1, PREFETCH=4)
     written = tune_linear(cfg, "cpu", 5.0, out=str(tmp_path / "out"), key="Fake_GPU", sms=132,
                           timer_factory=lambda N, K, M: favouring(best if M <= 64 else GEMM))

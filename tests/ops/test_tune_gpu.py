@@ -65,13 +65,15 @@ def test_a_short_fp8_linear_search_gives_knobs_that_match_the_reference(tuned_ta
     dev = torch.device("cuda")
     rows, report = tune_shapes([(N, K)], [4, 256], 20.0, dev)
     assert [r["M"] for r in report] == [4, 256] and all(r["us"] > 0 for r in report)
+    w, s = weight_quant(torch.randn(N, K, device=dev) * 0.05)
+    xs = {M: torch.randn(M, K, device=dev, dtype=torch.bfloat16) for M in (3, 200)}
+    by_rules = {M: fp8_block_linear_triton(x, w, s).float() for M, x in xs.items()}  # no table yet
     key = tuned.cuda_device_key(dev)
     tuned.write("fp8_linear", key, {tuning.shape_key(N, K): [[m, knobs] for m, knobs in rows[f"{N},{K}"]]})
-    w, s = weight_quant(torch.randn(N, K, device=dev) * 0.05)
-    for M in (3, 200):
+    for M, x in xs.items():
         assert tuning.lookup(N, K, M, dev) == dict(rows[f"{N},{K}"][0 if M <= 4 else 1][1])
-        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         got = fp8_block_linear_triton(x, w, s).float()
+        assert ((got - by_rules[M]).norm() / by_rules[M].norm()).item() <= 1e-2  # K order and bf16 rounding
         want = fp8_block_linear_torch(x.float(), w, s)
         assert ((got - want).norm() / want.norm()).item() <= 3e-2
 

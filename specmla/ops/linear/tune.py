@@ -21,11 +21,10 @@ import torch
 import triton
 
 from specmla.ops.linear.reference import BLOCK
-from specmla.ops.linear.tuning import DECODE_MAX_M
+from specmla.ops.linear.tuning import DECODE_MAX_M, SHARED_MEMORY, stage_bytes
 from specmla.ops.timing import graph_call_time
 
 BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
-SHARED_MEMORY = 227 * 1024  # bytes a program may hold on Hopper
 DECODE_BLOCK_N = (32, 64, 128)
 DECODE_WAVES = (0.8, 1.6, 3.2, 6.4)
 DECODE_WARPS = (4, 8)
@@ -36,6 +35,7 @@ GEMM_BLOCK_N = (64, 128, 256)
 GEMM_WARPS = (4, 8)
 GEMM_STAGES = (3, 4, 5)
 GEMM_GROUP_M = (8, 16)
+MAX_COPIES = 64  # weight copies rotated through a timed graph (V3's kv_a, 4 MB, needs ~50 to pass 4x L2)
 
 
 # ---- the search space (pure python) --------------------------------------------------------------------
@@ -46,8 +46,7 @@ def block_rows(M: int) -> int:
 
 def fits(knobs: dict, M: int) -> bool:
     """Whether the pipeline buffers (e4m3 tiles of 128 K columns: a weight tile and a row tile per stage) fit."""
-    rows = knobs.get("BLOCK_M", block_rows(M))
-    return knobs["num_stages"] * (knobs["BLOCK_N"] + rows) * BLOCK <= SHARED_MEMORY
+    return stage_bytes(knobs, block_rows(M)) <= SHARED_MEMORY
 
 
 def splits(N: int, K: int, block_n: int, sms: int) -> list[int]:
@@ -60,15 +59,29 @@ def splits(N: int, K: int, block_n: int, sms: int) -> list[int]:
     return sorted(out)
 
 
-def coarse_space(N: int, K: int, M: int, sms: int) -> list[dict]:
+def rules(N: int, K: int, M: int, sms: int) -> dict:
+    """The knobs `fp8_block_linear_triton` takes without a table (its `plan_split`, `_decode_config`, `_gemm_config`)."""
+    from specmla.ops.linear.triton import PREFETCH_BLOCKS, _decode_config, _gemm_config, plan_split
+
     if M > DECODE_MAX_M:
-        out = [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=16, num_warps=4, num_stages=3)
-               for bm in GEMM_BLOCK_M for bn in GEMM_BLOCK_N]
+        return _gemm_config(M, N)
+    split = plan_split(N, K, 64, sms)
+    c = _decode_config(M, split)
+    return dict(split=split, BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"], num_stages=c["num_stages"],
+                PREFETCH=PREFETCH_BLOCKS)
+
+
+def coarse_space(N: int, K: int, M: int, sms: int) -> list[dict]:
+    """The rules' knobs first (a search cut short keeps them unless beaten), then every tile (and, up to
+    DECODE_MAX_M rows, every split) at the rules' warps and stages."""
+    first = rules(N, K, M, sms)
+    if M > DECODE_MAX_M:
+        out = [dict(first, BLOCK_M=bm, BLOCK_N=bn) for bm in GEMM_BLOCK_M for bn in GEMM_BLOCK_N]
     else:
         rows = block_rows(M)
-        out = [dict(split=s, BLOCK_N=bn, num_warps=4 if rows <= 32 else 8, num_stages=6 if rows <= 16 else 4)
-               for bn in DECODE_BLOCK_N for s in splits(N, K, bn, sms)]
-    return [c for c in out if fits(c, M)]
+        out = [dict(split=s, BLOCK_N=bn, num_warps=4 if rows <= 32 else 8, num_stages=6 if rows <= 16 else 4,
+                    PREFETCH=first["PREFETCH"]) for bn in DECODE_BLOCK_N for s in splits(N, K, bn, sms)]
+    return [c for c in [first] + [c for c in out if c != first] if fits(c, M)]
 
 
 def fine_space(c: dict, M: int) -> list[dict]:
@@ -119,14 +132,14 @@ def search(timer, N: int, K: int, M: int, sms: int, deadline: float, on_step=Non
 # ---- timing on the GPU ---------------------------------------------------------------------------------
 class LinearTimer:
     """Times `fp8_block_linear_triton` for an (N, K) weight at M rows with given knobs, over weight copies rotated
-    past 4× L2 (a step streams other layers' weights between two calls of this one)."""
+    past 4× L2 (a step streams other layers' weights between two calls of this one; at most MAX_COPIES)."""
 
     def __init__(self, N: int, K: int, M: int, device: torch.device, reps: int = 5, seed: int = 0):
         from specmla.ops.linear.reference import weight_quant
 
         g = torch.Generator(device=device).manual_seed(seed + N + K)
         l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        self.copies = max(1, min(8, -(-4 * l2 // (N * K))))
+        self.copies = max(1, min(MAX_COPIES, -(-4 * l2 // (N * K))))  # 4x L2 of weight bytes, small weights too
         self.weights = [weight_quant(torch.empty(N, K, device=device).normal_(0.0, 0.02, generator=g))
                         for _ in range(self.copies)]
         self.x = torch.empty(M, K, dtype=torch.bfloat16, device=device).normal_(0.0, 1.0, generator=g)

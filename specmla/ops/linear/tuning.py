@@ -5,8 +5,10 @@ The table maps "N,K" (the weight's shape) to [max_rows, knobs] rows in increasin
 the first row with max_rows ≥ M. Rows with max_rows ≤ DECODE_MAX_M serve the split-K kernel and hold "split",
 "BLOCK_N", "num_warps", "num_stages" and optionally "PREFETCH"; rows above serve the tiled GEMM and hold "BLOCK_M",
 "BLOCK_N", "GROUP_M", "num_warps", "num_stages". A call past the last row takes it when it is a GEMM row. A row
-that names another knob, or a value that is not a positive integer (a power of two for the tiles), is an error
-naming the table's file: a bad table is reported, not run.
+that names another knob, a value outside the kernels' range (`check_row`) or a pipeline past the shared memory is
+an error naming the table's file: a bad table is reported, not run. A row's split sets the order of the K sum, so
+the output equals the rules' up to fp32 rounding, and can differ in its last bits between row buckets (as the decode
+routes' kernels do between batch sizes).
 """
 
 from __future__ import annotations
@@ -27,21 +29,45 @@ def shape_key(N: int, K: int) -> str:
     return f"{N},{K}"
 
 
-def check_row(max_rows: int, knobs: dict, where: str) -> None:
-    """Raise ValueError naming `where` unless the row is one the kernels take."""
+LIMITS = {"BLOCK_M": (16, 256), "BLOCK_N": (16, 256), "num_warps": (1, 8), "num_stages": (1, 8), "PREFETCH": (0, 16),
+          "GROUP_M": (1, 64), "split": (1, 1024)}
+SHARED_MEMORY = 227 * 1024  # bytes a program may hold on Hopper
+
+
+def stage_bytes(knobs: dict, rows: int) -> int:
+    """Shared memory of a configuration's pipeline: per stage an e4m3 weight tile and an e4m3 row tile of 128
+    K columns (`rows`: the token tile, the split-K kernel's power of two ≥ 16 or the GEMM's BLOCK_M)."""
+    return knobs["num_stages"] * (knobs["BLOCK_N"] + knobs.get("BLOCK_M", rows)) * 128
+
+
+def check_row(row, where: str) -> tuple[int, dict]:
+    """(max_rows, knobs) of a table row [max_rows, {knob: value}]; ValueError naming `where` unless the kernels
+    take it: the regime's knobs, integers within LIMITS (powers of two for tiles, warps and PREFETCH), and a
+    pipeline that fits the shared memory at the row's largest call."""
+    try:
+        max_rows, knobs = row
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: a row must be [max_rows, {{knob: value}}], got {row!r}") from None
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
+        raise ValueError(f"{where}: max_rows must be a positive integer, got {max_rows!r}")
+    if not isinstance(knobs, dict):
+        raise ValueError(f"{where}: the knobs of max_rows {max_rows} must be an object, got {knobs!r}")
     allowed = DECODE_KNOBS if max_rows <= DECODE_MAX_M else GEMM_KNOBS
     need = allowed - {"PREFETCH"}
-    if not isinstance(max_rows, int) or max_rows < 1:
-        raise ValueError(f"{where}: max_rows must be a positive integer, got {max_rows!r}")
     if set(knobs) - allowed or need - set(knobs):
         raise ValueError(f"{where}: a row of max_rows {max_rows} takes {sorted(need)} (and optionally PREFETCH "
                          f"up to {DECODE_MAX_M} rows), got {sorted(knobs)}")
     for name, v in knobs.items():
-        low = 0 if name == "PREFETCH" else 1
-        if not isinstance(v, int) or isinstance(v, bool) or v < low:
-            raise ValueError(f"{where}: {name} must be an integer ≥ {low}, got {v!r}")
+        low, high = LIMITS[name]
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+            raise ValueError(f"{where}: {name} must be an integer from {low} to {high}, got {v!r}")
         if (name in POWERS_OF_TWO or name == "PREFETCH") and v & (v - 1):
             raise ValueError(f"{where}: {name} must be a power of two, got {v}")
+    rows = max(16, 1 << (min(max_rows, DECODE_MAX_M) - 1).bit_length())
+    if stage_bytes(knobs, rows) > SHARED_MEMORY:
+        raise ValueError(f"{where}: the row of max_rows {max_rows} needs {stage_bytes(knobs, rows)} bytes of shared "
+                         f"memory for its pipeline (at most {SHARED_MEMORY})")
+    return max_rows, dict(knobs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -50,10 +76,9 @@ def _rows(stem: str | None, generation: int) -> dict[str, list[tuple[int, dict]]
     where = str(tuned.source("fp8_linear", stem))
     out = {}
     for key, rows in data.items():
-        parsed = [(m, dict(knobs)) for m, knobs in rows]
-        for m, knobs in parsed:
-            check_row(m, knobs, f"{where} [{key}]")
-        out[key] = sorted(parsed, key=lambda r: r[0])
+        if not isinstance(rows, list):
+            raise ValueError(f"{where} [{key}]: the rows must be a list, got {rows!r}")
+        out[key] = sorted((check_row(row, f"{where} [{key}]") for row in rows), key=lambda r: r[0])
     return out
 
 

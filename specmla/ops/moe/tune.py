@@ -70,7 +70,7 @@ def feasible(kind: str, c: Config) -> bool:
     return smem_bytes(kind, c) <= SMEM_BYTES and acc_regs(kind, c) <= MAX_ACC_REGS
 
 
-def block_m_candidates(T: int, k: int, E: int) -> list[int]:
+def block_m_candidates(T: int, k: int, E: int, kind: str = "up") -> list[int]:
     """Row-block sizes worth trying at T tokens: 16 alone at T = 1; else up to max(16, 8·T·k/E), without the
     narrow ones once the GEMMs are compute-bound (T·k/E ≥ 128 rows per expert)."""
     if T <= 1:
@@ -79,7 +79,7 @@ def block_m_candidates(T: int, k: int, E: int) -> list[int]:
     out = [bm for bm in BLOCK_M if bm <= max(16, 8 * rows)]
     if rows >= 128:
         out = [bm for bm in out if bm >= 64]
-    first = default_config("up", T * k).block_m  # the likeliest first: a search cut short keeps a sound one
+    first = rule(kind, T, k, E).block_m  # the likeliest first: a search cut short keeps a sound one
     return sorted(out, key=lambda bm: (abs(math.log2(bm / first)), bm))
 
 
@@ -200,7 +200,7 @@ class Search:
     def run(self) -> dict:
         """{"block_m", "up", "down", "seconds", "per_block_m": {bm: seconds}, "timed"} of this bucket."""
         results = {}
-        for bm in block_m_candidates(self.T, self.k, self.E):
+        for bm in block_m_candidates(self.T, self.k, self.E, self.up):
             if results and self.out_of_time():
                 break
             up = self.tune_kind(self.up, bm, fixed_other(self.up, self.T, self.k, self.E, bm))
