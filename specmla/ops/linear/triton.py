@@ -33,7 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from specmla.ops.linear import tuning
 from specmla.ops.linear.reference import BLOCK, E4M3_MAX, check_fp8_linear_args
-from specmla.ops.linear.tuning import DECODE_MAX_M  # rows served by the split-K kernel
+from specmla.ops.linear.tuning import DECODE_MAX_M, block_rows  # DECODE_MAX_M: rows of the split-K kernel
 from specmla.ops.scratch import zeroed_scratch
 
 SPLITK_COUNTERS = 1 << 16  # arrival counters (one per N tile) kept zeroed for the split-K kernel
@@ -260,7 +260,7 @@ def _decode_config(M: int, split: int) -> dict:
     """Tiles of the split-K kernel for M ≤ 64 rows (the sweep of `bench_fp8.py --sweep`): 64 weight rows per
     program, so that more programs are resident per SM than with 128; 6 stages of weight tiles in flight up to 16
     rows, 4 with 64 rows (the activation tile grows to 8 KB per stage); 4 warps except 64 rows with a K split."""
-    block_m = max(16, triton.next_power_of_2(M))
+    block_m = block_rows(M)
     return dict(BLOCK_M=block_m, BLOCK_N=64, num_warps=4 if block_m <= 32 or split == 1 else 8,
                 num_stages=6 if block_m <= 16 else 4)
 

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from specmla.ops.linear.reference import BLOCK
-from specmla.ops.linear.tuning import DECODE_MAX_M, SHARED_MEMORY, stage_bytes
+from specmla.ops.linear.tuning import DECODE_MAX_M, SHARED_MEMORY, block_rows, stage_bytes
 from specmla.ops.timing import graph_call_time
 
 BUCKETS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -39,11 +39,6 @@ MAX_COPIES = 64  # weight copies rotated through a timed graph (V3's kv_a, 4 MB,
 
 
 # ---- the search space (pure python) --------------------------------------------------------------------
-def block_rows(M: int) -> int:
-    """The split-K kernel's token tile at M rows (`triton._decode_config`)."""
-    return max(16, 1 << (M - 1).bit_length())
-
-
 def fits(knobs: dict, M: int) -> bool:
     """Whether the pipeline buffers (e4m3 tiles of 128 K columns: a weight tile and a row tile per stage) fit."""
     return stage_bytes(knobs, block_rows(M)) <= SHARED_MEMORY
@@ -74,13 +69,14 @@ def rules(N: int, K: int, M: int, sms: int) -> dict:
 def coarse_space(N: int, K: int, M: int, sms: int) -> list[dict]:
     """The rules' knobs first (a search cut short keeps them unless beaten), then every tile (and, up to
     DECODE_MAX_M rows, every split) at the rules' warps and stages."""
+    from specmla.ops.linear.triton import _decode_config
+
     first = rules(N, K, M, sms)
     if M > DECODE_MAX_M:
         out = [dict(first, BLOCK_M=bm, BLOCK_N=bn) for bm in GEMM_BLOCK_M for bn in GEMM_BLOCK_N]
     else:
-        rows = block_rows(M)
-        out = [dict(split=s, BLOCK_N=bn, num_warps=4 if rows <= 32 else 8, num_stages=6 if rows <= 16 else 4,
-                    PREFETCH=first["PREFETCH"]) for bn in DECODE_BLOCK_N for s in splits(N, K, bn, sms)]
+        out = [dict(first, split=s, BLOCK_N=bn, num_warps=c["num_warps"], num_stages=c["num_stages"])
+               for bn in DECODE_BLOCK_N for s in splits(N, K, bn, sms) for c in [_decode_config(M, s)]]
     return [c for c in [first] + [c for c in out if c != first] if fits(c, M)]
 
 

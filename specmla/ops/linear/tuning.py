@@ -29,6 +29,11 @@ def shape_key(N: int, K: int) -> str:
     return f"{N},{K}"
 
 
+def block_rows(M: int) -> int:
+    """The split-K kernel's token tile at M ≤ DECODE_MAX_M rows: the power of two ≥ M, at least 16."""
+    return max(16, 1 << (M - 1).bit_length())
+
+
 LIMITS = {"BLOCK_M": (16, 256), "BLOCK_N": (16, 256), "num_warps": (1, 8), "num_stages": (1, 8), "PREFETCH": (0, 16),
           "GROUP_M": (1, 64), "split": (1, 1024)}
 SHARED_MEMORY = 227 * 1024  # bytes a program may hold on Hopper
@@ -63,7 +68,7 @@ def check_row(row, where: str) -> tuple[int, dict]:
             raise ValueError(f"{where}: {name} must be an integer from {low} to {high}, got {v!r}")
         if (name in POWERS_OF_TWO or name == "PREFETCH") and v & (v - 1):
             raise ValueError(f"{where}: {name} must be a power of two, got {v}")
-    rows = max(16, 1 << (min(max_rows, DECODE_MAX_M) - 1).bit_length())
+    rows = block_rows(min(max_rows, DECODE_MAX_M))
     if stage_bytes(knobs, rows) > SHARED_MEMORY:
         raise ValueError(f"{where}: the row of max_rows {max_rows} needs {stage_bytes(knobs, rows)} bytes of shared "
                          f"memory for its pipeline (at most {SHARED_MEMORY})")
