@@ -261,7 +261,8 @@ def fmt(c: Config) -> str:
 
 
 def _quantised(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn weights [..., N, K] and their 128 × 128 block scales, per leading index."""
+    """float8_e4m3fn weights [..., N, K] and their 128 × 128 block scales (`weight_quant`), one expert at a time:
+    V3's stacks through weight_quant's fp32 copy at once would take 30 GB."""
     from specmla.ops.linear.reference import weight_quant
 
     if w.dim() == 2:
