@@ -359,6 +359,30 @@ def test_gpu_fused_write_is_byte_exact(fmt):
     assert diff < 1e-3  # tbq4 codes may flip where the GPU's FWHT matmul rounds differently
 
 
+@pytest.mark.gpu
+def test_gpu_writes_past_two_gib_of_latents():
+    """Token t's latents sit t · 576 elements in: past 3.73M tokens that passes 2³¹, which the write kernels must
+    address in 64 bits (a benchmark filling a whole cache at once writes that many)."""
+    T, tail = 3_800_000, 300
+    latent = torch.randn(T, 576, device="cuda", dtype=torch.bfloat16)
+    assert (T - 1) * latent.stride(0) > 2**31
+    # unquantised rows: every token but the last `tail` skipped (slot -1)
+    slots = torch.full((T,), -1, dtype=torch.long, device="cuda")
+    slots[-tail:] = torch.randperm(64 * 16, device="cuda")[:tail]
+    got = torch.full((64, 16, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
+    write_kv_cache(got, latent[:, :512], latent[:, 512:], slots, "auto")
+    assert torch.equal(got.view(-1, 576)[slots[-tail:]], latent[-tail:])
+    # fp8 rows: every token written (the fused kernel skips none); the last ones against the reference writer
+    width, dtype = row_spec("fp8", 512, 64, torch.float32)
+    cache = torch.empty(T // 64 + 1, 64, width, dtype=dtype, device="cuda")
+    write_kv_cache(cache, latent[:, :512], latent[:, 512:], torch.arange(T, device="cuda"), "fp8")
+    ref = torch.zeros(tail // 64 + 1, 64, width, dtype=dtype)
+    tail_latent = latent[-tail:].float().cpu()
+    write_kv_cache(ref, tail_latent[:, :512], tail_latent[:, 512:], torch.arange(tail), "fp8")
+    diff = (cache.view(-1, width)[T - tail:T].cpu() != ref.view(-1, width)[:tail]).float().mean().item()
+    assert diff < 1e-3  # as test_gpu_fused_write_is_byte_exact: the latents read are the tokens' own
+
+
 @triton.jit
 def _cast_kernel(X, Y, Z, N: tl.constexpr):
     o = tl.arange(0, N)

@@ -91,7 +91,7 @@ def _write_quantized_kernel(
     bf16 units), or (ROPE_I8, fp8) as int8 bytes at ROPE_AT after its fp16 scales (OUT_BF is then the
     fp16 view), one per GROUP values, as `rope_int8` codes them."""
     pid = tl.program_id(0)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # int64: t · stride passes 2³¹ past ~3.7M tokens
     t_ok = t < T
     slot = tl.load(SLOT + t, mask=t_ok, other=0).to(tl.int64)
     offs = tl.arange(0, 128)
@@ -179,7 +179,7 @@ def _write_rows_kernel(CKV, KPE, SLOT, OUT, T, stride_ct, stride_pt, stride_s, r
                        DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program per BLOCK_T tokens: row slot ← [c_kv | k_pe], same dtype (a copy, no rounding); tokens with a
     negative slot are not written."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # int64: t · stride may pass 2³¹
     slot = tl.load(SLOT + t * stride_s, mask=t < T, other=-1).to(tl.int64)
     t_ok = slot >= 0
     c = tl.arange(0, BLOCK_DC)
