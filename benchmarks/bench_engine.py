@@ -678,7 +678,7 @@ def chunk_sweep(path: Path, args, dev, dtype, max_len: int, max_seqs: int, gemm:
     rows = []
     for budget in args.chunk_sweep:
         llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len,
-                  max_num_batched_tokens=budget)
+                  max_num_batched_tokens=budget, load_format=args.load_format)
         print(f"chunk sweep: max_num_batched_tokens {budget}", flush=True)
         res = prefill_runs(llm, args.rounds, gemm, cases=cases, profile=False)
         del llm
@@ -757,7 +757,11 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except OSError:
         results["git_commit"] = None
-    results["checkpoint_write_s"] = ensure_checkpoint(path, cfg_dict, dev, dtype, int(args.shard_gb * (1 << 30)))
+    if args.load_format == "safetensors":
+        results["checkpoint_write_s"] = ensure_checkpoint(path, cfg_dict, dev, dtype, int(args.shard_gb * (1 << 30)))
+    else:  # the same shapes built on the device (N(0, 0.02)): no checkpoint to write or read
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
     mixed = (MIXED_TINY if args.tiny else MIXED) if args.mixed else None
     sweep_cases = (SWEEP_CASES_TINY if args.tiny else SWEEP_CASES) if args.chunk_sweep else []
     longest = max([args.prompt_len] + ([L for _, L in PREFILL_CASES] if args.prefill else [])
@@ -777,7 +781,8 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
         free_llm(dev)  # the GEMM's operands leave the allocator's cache before the KV pool is sized
     if not args.no_decode or args.prefill or mixed:
         t0 = time.perf_counter()
-        llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len, **extra)
+        llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len,
+                  load_format=args.load_format, **extra)
         results["load_s"] = time.perf_counter() - t0
         print(f"loaded {path} in {results['load_s']:.1f}s; CUDA graphs: {llm.engine.runner.graphed is not None}",
               flush=True)
@@ -836,10 +841,16 @@ def main():
     ap.add_argument("--max-batched-tokens", type=int, default=None,
                     help="--checkpoint-dir: the engine's tokens per step (default: the engine's own)")
     ap.add_argument("--shard-gb", type=float, default=4.0, help="--checkpoint-dir: safetensors shard size")
+    ap.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
+                    help="--checkpoint-dir: dummy builds the same shapes on the device (N(0, 0.02)) from config.json "
+                         "alone, without writing or reading the weights (decode steps only: the transformers "
+                         "comparisons read the checkpoint)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--commit", default=None, help="commit to record (default: the checkout's HEAD)")
     args = ap.parse_args()
     ckpt = args.checkpoint_dir is not None
+    if args.load_format == "dummy" and args.prefill and not args.no_transformers:
+        ap.error("--load-format dummy writes no weights for transformers to read: add --no-transformers")
     args.layers = args.layers or (2 if args.tiny else 27)
     args.batches = args.batches or ([1, 8, 32, 64, 128] if ckpt else [1, 32])
     args.prompt_len = args.prompt_len or (512 if ckpt else 128)
