@@ -53,7 +53,10 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (128, 1, 16, 64, "fp8", "triton"),  # one-block splits: the Triton kernel
     (1, 4, 16, 4096, "tbq4", "tbq4"),  # folded splits too short, one token per program's long enough: 16 rows
     (4, 2, 16, 2048, "fp8", "fp8"),
-    (1, 4, 16, 256, "tbq4", "triton"),  # short splits either way: folded rows on Triton
+    (1, 4, 16, 256, "tbq4", "tbq4"),  # one-block splits: tbq4's Triton kernel is slower still, 16 rows per token
+    (1, 4, 16, 256, "fp8_ds_mla", "triton"),  # one-block splits either way: folded rows on Triton
+    (1, 1, 16, 8192, "tbq4", "tbq4"),
+    (1, 1, 16, 8192, "fp8", "triton"),
     (4, 1, 16, 4096, "fp32", "triton"),
 ])
 def test_route_table(B, S, H, T, kv_format, kernel):
@@ -78,11 +81,11 @@ def test_no_hopper_or_triton_backend_takes_the_triton_kernel(kv_format):
 
 
 def test_hopper_backend_forces_a_hopper_kernel_or_raises():
-    # short splits: auto leaves them to Triton, "hopper" takes a Hopper kernel (one token per program: four
+    # fp8 short splits: auto leaves them to Triton, "hopper" takes a Hopper kernel (one token per program: four
     # tokens are too few to fold)
-    assert pick(1, 4, 16, 256, "tbq4").kernel == "triton"
-    route = pick(1, 4, 16, 256, "tbq4", backend="hopper")
-    assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
+    assert pick(1, 4, 16, 256, "fp8_ds_mla").kernel == "triton"
+    route = pick(1, 4, 16, 256, "fp8_ds_mla", backend="hopper")
+    assert route.kernel == "fp8" and route.plan["BLOCK_M"] == 16
     route = pick(1, 4, 16, 256, "tbq4", kernel="dequant_seesaw")  # named: the tokens folded
     assert route.kernel == "dequant_seesaw" and route.plan["BLOCK_M"] == 64
     route = pick(1, 4, 16, 256, "tbq4", kernel="tbq4")  # named: one token per program on the 16-row kernel
@@ -127,10 +130,10 @@ ROUTES = {"tbq4,4,16": [[32, 32768, "tbq4"], [1, 262144, "dequant_seesaw"], [1, 
     (32, 2, 16, 32768, "tbq4", "tbq4"),  # S = 2 not measured: the rules
     (4, 1, 64, 16384, "fp8", "triton"),
     (4, 1, 64, 16384, "fp8_ds_mla", "dequant_seesaw"),  # another format: the rules
-    (1, 1, 16, 8192, "tbq4", "dequant"),  # measured on one-block splits (the rules would take Triton): taken
+    (1, 1, 16, 8192, "tbq4", "dequant"),  # measured on one-block splits (the rules would take tbq4): taken
     (1, 1, 16, 4096, "tbq4", "dequant"),  # nearest: the same point, splits as short
     (1, 3, 16, 8192, "tbq4", "tbq4"),  # measured one token per program on 192-key splits
-    (1, 3, 16, 2048, "tbq4", "triton"),  # nearest that point, but 64-key splits were never measured: the rules
+    (1, 3, 16, 2048, "tbq4", "tbq4"),  # nearest that point, on shorter splits than measured: tbq4 takes any
 ])
 def test_measured_routes_take_the_nearest_point(B, S, H, T, kv_format, kernel):
     assert pick(B, S, H, T, kv_format, routes=ROUTES).kernel == kernel
@@ -155,8 +158,9 @@ def test_measured_routes_yield_to_what_the_call_allows():
     assert pick(32, 4, 16, 32768, "tbq4", backend="triton", routes=ROUTES).kernel == "triton"
     route = pick(32, 4, 16, 32768, "tbq4", routes=ROUTES)  # the measured kernel keeps its plan: one token per program
     assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
-    # a measured Hopper kernel far from the call, whose splits would be one block: the rules (Triton)
-    assert pick(1, 4, 16, 256, "tbq4", routes={"tbq4,4,16": [[32, 32768, "dequant_seesaw"]]}).kernel == "triton"
+    # a measured fp8 Hopper kernel far from the call, whose splits would be one block: the rules (Triton)
+    measured = {"fp8_ds_mla,4,16": [[32, 32768, "dequant_seesaw"]]}
+    assert pick(1, 4, 16, 256, "fp8_ds_mla", routes=measured).kernel == "triton"
 
 
 def test_measured_routes_on_disk_name_known_kernels():

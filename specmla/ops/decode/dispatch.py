@@ -40,7 +40,14 @@ HOPPER_BLOCK_N = 64  # keys per block of the Hopper kernels for quantised caches
 FOLD_MIN_S, FOLD_MIN_TOKENS = 3, 64  # auto rule: quantised calls fold onto dequant_seesaw from S = 3 and B · S = 64
 # query tokens on (H100, H=16: folded 0.78-0.85× the per-token kernel's time at B=32 S=3/4; 1.6× at S=2, 1.05-1.1×
 # at B=1 T ≤ 131k)
-MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: quantised Hopper kernels take splits of two blocks or more
+MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: fp8 Hopper kernels take splits of two blocks or more
+
+
+def min_hopper_keys(kv_format: str) -> int:
+    """The shortest split (keys) the auto route gives a Hopper kernel on this cache format: MIN_HOPPER_KEYS for fp8
+    and fp8_ds_mla (shorter splits run faster on the Triton kernel at S = 1), any for tbq4 (its Triton kernel is
+    slower than a Hopper kernel on one-block splits too: 1.4-4x on the H100 and the H200)."""
+    return 0 if kv_format == "tbq4" else MIN_HOPPER_KEYS
 SEESAW_MIN_PROGRAMS = 32  # padded bf16 row tiles take the seesaw kernel from this many programs
 SMEM_BUDGET = 224 * 1024  # the Triton kernel's K pipeline plus its query tile must fit this
 
@@ -146,14 +153,14 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     kernel wherever one takes the call (ValueError if none); `kernel` names one kernel to run.
 
     `routes`: measured routes (`load_routes`); in "auto" their kernel takes the call where they cover it, the
-    kernel supports it and (a quantised Hopper kernel) its splits hold MIN_HOPPER_KEYS keys or the measured
+    kernel supports it and (a quantised Hopper kernel) its splits hold `min_hopper_keys` keys or the measured
     point's own splits were as short. The rules (auto):
     16-bit caches → bf16_seesaw when its tile is 64 rows or the programs are at least SEESAW_MIN_PROGRAMS, else
     bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read once for
     all of them) from FOLD_MIN_S tokens a request and FOLD_MIN_TOKENS in all when those splits hold
-    MIN_HOPPER_KEYS keys, else one token per program on the format's 16-row e4m3 kernel; S = 1: the e4m3 kernel
+    `min_hopper_keys` keys, else one token per program on the format's 16-row e4m3 kernel; S = 1: the e4m3 kernel
     when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else dequant_seesaw (up to 64 rows); a
-    quantised Hopper kernel needs splits of MIN_HOPPER_KEYS keys, else triton."""
+    quantised Hopper kernel needs splits of `min_hopper_keys` keys, else triton."""
     if backend not in ("auto", "triton", "hopper"):
         raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
     if kernel is not None and kernel not in KERNELS:
@@ -162,7 +169,7 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
         point = measured_point(routes, kv_format, B, S, H, max_seq)
         measured = None if point is None else point[2]
         if measured is not None and (hopper or measured == "triton"):
-            # the rules' conditions but the choice of kernel hold, except that splits shorter than MIN_HOPPER_KEYS
+            # the rules' conditions but the choice of kernel hold, except that splits shorter than `min_hopper_keys`
             # are taken where the measured point's own splits were that short (the benchmark names the kernel,
             # so it times them); a measured kernel that does not take the tensors leaves the call to the rules
             short_measured = False
@@ -170,7 +177,7 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
                 try:
                     at_point = _select(point[0], S, H, D, kv_format, hopper, sm_count, point[1], elem, supports,
                                        measured, block_n, max_rows, forced=True)
-                    short_measured = at_point.plan["keys_per_split"] < MIN_HOPPER_KEYS
+                    short_measured = at_point.plan["keys_per_split"] < min_hopper_keys(kv_format)
                 except ValueError:
                     pass
             try:
@@ -195,17 +202,18 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     included (else the Triton kernel where no Hopper kernel qualifies)."""
     quant = kv_format in QUANTIZED
     e4m3 = E4M3_KERNEL.get(kv_format)
+    min_keys = min_hopper_keys(kv_format)
     fold_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)
     folded = (on_hopper and quant and S > 1 and kernel in (None, "dequant_seesaw")
               and (kernel is not None or S >= FOLD_MIN_S and B * S >= FOLD_MIN_TOKENS and fold_plan["FOLD"] > 1)
               and supports("dequant_seesaw", row_tile(S, H, max_rows))
-              and (forced or fold_plan["keys_per_split"] >= MIN_HOPPER_KEYS))
+              and (forced or fold_plan["keys_per_split"] >= min_keys))
     if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and not folded and kernel in (None, e4m3)
             and supports(e4m3, E4M3_ROWS)):
         # one query token per program on the 16-row kernel (each token reads the keys again), where the folded
         # rows' splits would be too short
         unfolded = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, E4M3_ROWS, waves=1)
-        if forced or unfolded["keys_per_split"] >= MIN_HOPPER_KEYS:
+        if forced or unfolded["keys_per_split"] >= min_keys:
             max_rows = E4M3_ROWS
     block_m = row_tile(S, H, max_rows)
     tiles = default_tiles(block_m, D, elem, kv_format)
@@ -233,7 +241,7 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
                              "on a Hopper GPU")
         return Route("triton", triton_plan, tiles)
     hopper_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N if quant else hopper_block_n, max_rows, waves=1)
-    if quant and not forced and hopper_plan["keys_per_split"] < MIN_HOPPER_KEYS:
+    if quant and not forced and hopper_plan["keys_per_split"] < min_keys:
         return Route("triton", triton_plan, tiles)
     if choice == "bf16" and kernel is None:
         programs = B * (S // hopper_plan["FOLD"]) * hopper_plan["head_blocks"]
