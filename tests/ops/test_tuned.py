@@ -85,3 +85,11 @@ def test_shipped_tables_parse():
             assert [m for m, _ in rows] == sorted(m for m, _ in rows), key
     for path in tuned.SHIPPED["decode_routes"].glob("*.json"):
         assert json.loads(path.read_text())["routes"]
+    from specmla.ops.linear import tuning as linear_tuning
+
+    for path in tuned.SHIPPED["fp8_linear"].glob("*.json"):  # every row passes the kernels' checks
+        table = json.loads(path.read_text())
+        assert table
+        for key, rows in table.items():
+            got = [linear_tuning.check_row(row, f"{path} [{key}]") for row in rows]
+            assert [m for m, _ in got] == sorted(m for m, _ in got), key
