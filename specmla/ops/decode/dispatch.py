@@ -48,7 +48,11 @@ def min_hopper_keys(kv_format: str) -> int:
     and fp8_ds_mla (shorter splits run faster on the Triton kernel at S = 1), any for tbq4 (its Triton kernel is
     slower than a Hopper kernel on one-block splits too: 1.4-4x on the H100 and the H200)."""
     return 0 if kv_format == "tbq4" else MIN_HOPPER_KEYS
-SEESAW_MIN_PROGRAMS = 32  # padded bf16 row tiles take the seesaw kernel from this many programs
+# 16-bit caches take the seesaw kernel from splits of this many keys (it overlaps one warpgroup's softmax with the
+# other's matmuls, which pays once a split is long; H200, every measured point: 0.82-0.97x the one-stream kernel's
+# time from 1024 keys, 1.02-1.33x up to 256), and from SEESAW_MIN_KEYS_SHARED keys where several head blocks read the
+# same keys (H > 64: the later reads hit L2, the call leans on the tensor cores; 0.93-0.98x at 128-256 keys)
+SEESAW_MIN_KEYS, SEESAW_MIN_KEYS_SHARED = 512, 128
 SMEM_BUDGET = 224 * 1024  # the Triton kernel's K pipeline plus its query tile must fit this
 
 
@@ -155,8 +159,8 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     `routes`: measured routes (`load_routes`); in "auto" their kernel takes the call where they cover it, the
     kernel supports it and (a quantised Hopper kernel) its splits hold `min_hopper_keys` keys or the measured
     point's own splits were as short. The rules (auto):
-    16-bit caches → bf16_seesaw when its tile is 64 rows or the programs are at least SEESAW_MIN_PROGRAMS, else
-    bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read once for
+    16-bit caches → bf16_seesaw when its splits hold SEESAW_MIN_KEYS keys (SEESAW_MIN_KEYS_SHARED with several head
+    blocks), else bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read once for
     all of them) from FOLD_MIN_S tokens a request and FOLD_MIN_TOKENS in all when those splits hold
     `min_hopper_keys` keys, else one token per program on the format's 16-row e4m3 kernel; S = 1: the e4m3 kernel
     when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else dequant_seesaw (up to 64 rows); a
@@ -244,9 +248,9 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     if quant and not forced and hopper_plan["keys_per_split"] < min_keys:
         return Route("triton", triton_plan, tiles)
     if choice == "bf16" and kernel is None:
-        programs = B * (S // hopper_plan["FOLD"]) * hopper_plan["head_blocks"]
+        seesaw_keys = SEESAW_MIN_KEYS_SHARED if hopper_plan["head_blocks"] > 1 else SEESAW_MIN_KEYS
         if (hopper_plan["BLOCK_N"] == 64 and supports("bf16_seesaw", hopper_plan["BLOCK_M"])
-                and (hopper_plan["BLOCK_M"] >= 64 or programs >= SEESAW_MIN_PROGRAMS)):
+                and hopper_plan["keys_per_split"] >= seesaw_keys):
             choice = "bf16_seesaw"
     elif choice == "bf16_seesaw" and not (hopper_plan["BLOCK_N"] == 64 and supports("bf16_seesaw", block_m)):
         raise ValueError("the seesaw kernel takes 64-key blocks with Dr = 64 and Dc a multiple of 128 up to 512")
