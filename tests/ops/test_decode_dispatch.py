@@ -43,7 +43,10 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (32, 4, 16, 32768, "tbq4", "dequant_seesaw"),  # S > 1: the tokens folded into 64 rows, the codes read once
     (32, 2, 16, 32768, "fp8", "fp8"),  # two tokens: one per program (the second read mostly from L2) is faster
     (32, 3, 16, 32768, "fp8_ds_mla", "dequant_seesaw"),  # 48 rows
-    (8, 4, 16, 32768, "fp8", "fp8"),  # 32 query tokens in all: too few to fold
+    (8, 4, 16, 32768, "fp8", "dequant_seesaw"),  # folded splits of 2048 keys
+    (4, 4, 16, 8192, "fp8", "fp8"),  # folded splits of 256 keys: one token per program
+    (8, 3, 16, 16384, "fp8", "fp8"),  # folded 48 of 64 rows on 1024-key splits: too short (2048 needed)
+    (8, 3, 16, 32768, "fp8", "dequant_seesaw"),
     (32, 5, 16, 32768, "fp8", "fp8"),  # five tokens of 16 heads: one token per 64-row tile would fold nothing
     (32, 3, 32, 32768, "tbq4", "dequant"),  # three tokens of 32 heads: likewise, 32 rows on dequant
     (8, 1, 32, 16384, "fp8_ds_mla", "dequant"),  # 32 rows
@@ -54,7 +57,8 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (1, 4, 16, 4096, "tbq4", "tbq4"),  # folded splits too short, one token per program's long enough: 16 rows
     (4, 2, 16, 2048, "fp8", "fp8"),
     (1, 4, 16, 256, "tbq4", "tbq4"),  # one-block splits: tbq4's Triton kernel is slower still, 16 rows per token
-    (1, 4, 16, 256, "fp8_ds_mla", "triton"),  # one-block splits either way: folded rows on Triton
+    (1, 4, 16, 256, "fp8_ds_mla", "fp8"),  # S > 1 on one-block splits: the 16-row kernel, one token a program
+    (1, 1, 16, 256, "fp8_ds_mla", "triton"),  # S = 1 on one-block splits: Triton
     (1, 1, 16, 8192, "tbq4", "tbq4"),
     (1, 1, 16, 8192, "fp8", "triton"),
     (4, 1, 16, 4096, "fp32", "triton"),
@@ -81,10 +85,9 @@ def test_no_hopper_or_triton_backend_takes_the_triton_kernel(kv_format):
 
 
 def test_hopper_backend_forces_a_hopper_kernel_or_raises():
-    # fp8 short splits: auto leaves them to Triton, "hopper" takes a Hopper kernel (one token per program: four
-    # tokens are too few to fold)
-    assert pick(1, 4, 16, 256, "fp8_ds_mla").kernel == "triton"
-    route = pick(1, 4, 16, 256, "fp8_ds_mla", backend="hopper")
+    # fp8 short splits at S = 1: auto leaves them to Triton, "hopper" takes a Hopper kernel
+    assert pick(1, 1, 16, 256, "fp8_ds_mla").kernel == "triton"
+    route = pick(1, 1, 16, 256, "fp8_ds_mla", backend="hopper")
     assert route.kernel == "fp8" and route.plan["BLOCK_M"] == 16
     route = pick(1, 4, 16, 256, "tbq4", kernel="dequant_seesaw")  # named: the tokens folded
     assert route.kernel == "dequant_seesaw" and route.plan["BLOCK_M"] == 64
@@ -158,9 +161,10 @@ def test_measured_routes_yield_to_what_the_call_allows():
     assert pick(32, 4, 16, 32768, "tbq4", backend="triton", routes=ROUTES).kernel == "triton"
     route = pick(32, 4, 16, 32768, "tbq4", routes=ROUTES)  # the measured kernel keeps its plan: one token per program
     assert route.kernel == "tbq4" and route.plan["BLOCK_M"] == 16
-    # a measured fp8 Hopper kernel far from the call, whose splits would be one block: the rules (Triton)
-    measured = {"fp8_ds_mla,4,16": [[32, 32768, "dequant_seesaw"]]}
-    assert pick(1, 4, 16, 256, "fp8_ds_mla", routes=measured).kernel == "triton"
+    # a measured fp8 Hopper kernel far from the call, whose splits would be one block at S = 1: the rules (Triton)
+    measured = {"fp8_ds_mla,1,32": [[32, 32768, "dequant"]]}
+    assert pick(1, 1, 32, 256, "fp8_ds_mla", routes=measured).kernel == "triton"
+    assert pick(32, 1, 32, 32768, "fp8_ds_mla", routes=measured).kernel == "dequant"
 
 
 def test_measured_routes_on_disk_name_known_kernels():
@@ -172,6 +176,23 @@ def test_measured_routes_on_disk_name_known_kernels():
             fmt, S, H = key.split(",")
             assert int(S) >= 1 and int(H) >= 1 and fmt in ("bf16", "fp16", "fp8", "fp8_ds_mla", "tbq4"), key
             assert all(r[0] >= 1 and r[1] >= 1 and r[2] in KERNELS for r in rows), key
+
+
+@pytest.mark.parametrize("path", sorted(tuned.SHIPPED["decode_routes"].glob("*.json")), ids=lambda p: p.stem)
+def test_rules_stay_near_every_measured_point(path):
+    """An untuned Hopper runs on the rules: at every point a shipped table measured (each kernel's µs at its own
+    plan), the kernel the rules pick takes at most 1.06x the fastest one's time."""
+    evidence = json.loads(path.read_text())["us"]
+    worst = []
+    for key, points in evidence.items():
+        fmt, S, H = key.split(",")
+        for B, T, times in points:
+            route = pick(B, int(S), int(H), T, fmt)
+            plain = {k: t for k, t in times.items() if "@" not in k}  # kernels at their own plan
+            assert route.kernel in plain, (key, B, T, route.kernel)
+            worst.append((plain[route.kernel] / min(plain.values()), key, B, T, route.kernel))
+    assert len(worst) >= 10
+    assert max(worst)[0] <= 1.06, sorted(worst, reverse=True)[:3]
 
 
 def test_plan_and_tiles():

@@ -37,17 +37,20 @@ E4M3_KERNEL = {"fp8": "fp8", "fp8_ds_mla": "fp8", "tbq4": "tbq4"}  # the 16-row 
 E4M3_ROWS = 16
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
 HOPPER_BLOCK_N = 64  # keys per block of the Hopper kernels for quantised caches
-FOLD_MIN_S, FOLD_MIN_TOKENS = 3, 64  # auto rule: quantised calls fold onto dequant_seesaw from S = 3 and B · S = 64
-# query tokens on (H100, H=16: folded 0.78-0.85× the per-token kernel's time at B=32 S=3/4; 1.6× at S=2, 1.05-1.1×
-# at B=1 T ≤ 131k)
-MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: fp8 Hopper kernels take splits of two blocks or more
+# auto rule: quantised calls of S ≥ FOLD_MIN_S tokens fold them onto dequant_seesaw (the codes read once for all)
+# where the folded splits hold FOLD_MIN_KEYS keys, twice that where the folded rows leave part of the tile empty
+# (S = 3 of 16 heads: 48 of 64 rows); shorter splits run one token per program. H=16, S = 4: folded 0.66-0.93x the
+# per-token kernel's time from 1024 keys, 1.31-1.58x at 256 (H200); S = 3: 0.90x at 2048 keys, 1.06-1.08x at 1024
+# (H100); S = 2 folded 1.6x (H100)
+FOLD_MIN_S, FOLD_MIN_KEYS = 3, 1024
+MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: fp8 Hopper kernels at S = 1 take splits of two blocks or more
 
 
-def min_hopper_keys(kv_format: str) -> int:
-    """The shortest split (keys) the auto route gives a Hopper kernel on this cache format: MIN_HOPPER_KEYS for fp8
-    and fp8_ds_mla (shorter splits run faster on the Triton kernel at S = 1), any for tbq4 (its Triton kernel is
-    slower than a Hopper kernel on one-block splits too: 1.4-4x on the H100 and the H200)."""
-    return 0 if kv_format == "tbq4" else MIN_HOPPER_KEYS
+def min_hopper_keys(kv_format: str, S: int) -> int:
+    """The shortest split (keys) the auto route gives a Hopper kernel: MIN_HOPPER_KEYS for fp8 and fp8_ds_mla at
+    S = 1 (shorter splits run faster on the Triton kernel), any for tbq4 and for S > 1 (the Triton kernel is slower
+    on one-block splits there too: tbq4 1.4-4x on the H100 and the H200, fp8 at S = 4 1.07-1.13x on the H200)."""
+    return 0 if kv_format == "tbq4" or S > 1 else MIN_HOPPER_KEYS
 # 16-bit caches take the seesaw kernel from splits of this many keys (it overlaps one warpgroup's softmax with the
 # other's matmuls, which pays once a split is long; H200, every measured point: 0.82-0.97x the one-stream kernel's
 # time from 1024 keys, 1.02-1.33x up to 256), and from SEESAW_MIN_KEYS_SHARED keys where several head blocks read the
@@ -160,9 +163,10 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     kernel supports it and (a quantised Hopper kernel) its splits hold `min_hopper_keys` keys or the measured
     point's own splits were as short. The rules (auto):
     16-bit caches → bf16_seesaw when its splits hold SEESAW_MIN_KEYS keys (SEESAW_MIN_KEYS_SHARED with several head
-    blocks), else bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read once for
-    all of them) from FOLD_MIN_S tokens a request and FOLD_MIN_TOKENS in all when those splits hold
-    `min_hopper_keys` keys, else one token per program on the format's 16-row e4m3 kernel; S = 1: the e4m3 kernel
+    blocks), else bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read
+    once for all of them) from FOLD_MIN_S tokens a request where those splits hold FOLD_MIN_KEYS keys (twice that
+    where the folded rows leave part of the tile empty), else one token per program on the format's 16-row e4m3
+    kernel; S = 1: the e4m3 kernel
     when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else dequant_seesaw (up to 64 rows); a
     quantised Hopper kernel needs splits of `min_hopper_keys` keys, else triton."""
     if backend not in ("auto", "triton", "hopper"):
@@ -181,7 +185,7 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
                 try:
                     at_point = _select(point[0], S, H, D, kv_format, hopper, sm_count, point[1], elem, supports,
                                        measured, block_n, max_rows, forced=True)
-                    short_measured = at_point.plan["keys_per_split"] < min_hopper_keys(kv_format)
+                    short_measured = at_point.plan["keys_per_split"] < min_hopper_keys(kv_format, S)
                 except ValueError:
                     pass
             try:
@@ -206,16 +210,18 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     included (else the Triton kernel where no Hopper kernel qualifies)."""
     quant = kv_format in QUANTIZED
     e4m3 = E4M3_KERNEL.get(kv_format)
-    min_keys = min_hopper_keys(kv_format)
+    min_keys = min_hopper_keys(kv_format, S)
     fold_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)
+    fold_keys = FOLD_MIN_KEYS * (1 if fold_plan["FOLD"] * fold_plan["BLOCK_H"] == fold_plan["BLOCK_M"] else 2)
     folded = (on_hopper and quant and S > 1 and kernel in (None, "dequant_seesaw")
-              and (kernel is not None or S >= FOLD_MIN_S and B * S >= FOLD_MIN_TOKENS and fold_plan["FOLD"] > 1)
+              and (kernel is not None or S >= FOLD_MIN_S and fold_plan["FOLD"] > 1
+                   and fold_plan["keys_per_split"] >= fold_keys)
               and supports("dequant_seesaw", row_tile(S, H, max_rows))
               and (forced or fold_plan["keys_per_split"] >= min_keys))
     if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and not folded and kernel in (None, e4m3)
             and supports(e4m3, E4M3_ROWS)):
         # one query token per program on the 16-row kernel (each token reads the keys again), where the folded
-        # rows' splits would be too short
+        # rows' splits would be short
         unfolded = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, E4M3_ROWS, waves=1)
         if forced or unfolded["keys_per_split"] >= min_keys:
             max_rows = E4M3_ROWS
