@@ -770,7 +770,7 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
         longest = max(longest, mixed["long_prompt"] + 1,
                       mixed["decode_prompt"] + mixed_decode_tokens(mixed, engine_budget(args)))
     max_len = -(-(longest + 256) // 64) * 64
-    max_seqs = max(args.batches + ([mixed["decodes"] + 1] if mixed else [])
+    max_seqs = max(args.batches + ([mixed["decodes"] + 1] if mixed else []) + (args.profile or [])
                    + [B for B, _ in sweep_cases])
     extra = {} if args.max_batched_tokens is None else {"max_num_batched_tokens": args.max_batched_tokens}
     label = f"V2-Lite-shaped checkpoint ({args.layers} layers, random, {str(dtype).split('.')[-1]}), LLM(path)"
@@ -779,7 +779,7 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
         gemm = gemm_rate(dev) if dev.type == "cuda" else float("nan")
         results["gemm_TFLOPs"] = gemm / 1e12
         free_llm(dev)  # the GEMM's operands leave the allocator's cache before the KV pool is sized
-    if not args.no_decode or args.prefill or mixed:
+    if not args.no_decode or args.prefill or mixed or args.profile:
         t0 = time.perf_counter()
         llm = LLM(str(path), device=str(dev), dtype=dtype, max_num_seqs=max_seqs, max_model_len=max_len,
                   load_format=args.load_format, **extra)
@@ -792,6 +792,15 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
             res["verify"] = verify_steps(llm, args.prompt_len)
             results["decode"] = res
             print("\n" + format_decode_table(res), flush=True)
+        if args.profile:
+            from step_profile import format_profile, profile_decode
+
+            rows = []
+            for B in args.profile:
+                floor = (step_read_bytes(llm.model, B) + kv_read_bytes(llm.model.config, B, args.prompt_len)) / copy_bw
+                rows.append(profile_decode(llm, B, args.prompt_len, floor))
+                print("\n" + format_profile(rows[-1]), flush=True)
+            results["profile"] = {"label": label, "rows": rows}
         if args.prefill:
             results["prefill"] = {"label": label, **prefill_runs(llm, args.rounds, gemm)}
         if mixed:
@@ -837,6 +846,9 @@ def main():
                          "tok/s of 1 × 512, 1 × 8192, 64 × 512 (key 'chunk_sweep' of bench_engine_prefill.json "
                          "with --prefill, else bench_engine_chunk_sweep.json)")
     ap.add_argument("--no-decode", action="store_true", help="--checkpoint-dir: skip the decode-step measurement")
+    ap.add_argument("--profile", type=int, nargs="+", default=None, metavar="B",
+                    help="--checkpoint-dir: where each batch size's decode step goes, per kernel and kernel group "
+                         "(torch.profiler; benchmarks/step_profile.py), in bench_engine_profile.json")
     ap.add_argument("--rounds", type=int, default=3, help="--checkpoint-dir: rounds of the decode-step, prefill and chunk-sweep measurements")
     ap.add_argument("--max-batched-tokens", type=int, default=None,
                     help="--checkpoint-dir: the engine's tokens per step (default: the engine's own)")
@@ -863,9 +875,9 @@ def main():
     if ckpt:
         del results["models"]
         checkpoint_mode(args, dev, dtype, copy_bw, results)
-        parts = ("decode", "prefill", "mixed", "chunk_sweep")
+        parts = ("decode", "prefill", "mixed", "chunk_sweep", "profile")
         common = {k: v for k, v in results.items() if k not in parts}
-        files = {"decode": ["decode"], "prefill": ["prefill"]}  # bench_engine_<file>.json: its parts
+        files = {"decode": ["decode"], "prefill": ["prefill"], "profile": ["profile"]}  # bench_engine_<file>.json
         for part in ("mixed", "chunk_sweep"):  # beside the prefill figures when they run, else a file each
             files.setdefault("prefill" if "prefill" in results else part, []).append(part)
         for name, keys in files.items():
