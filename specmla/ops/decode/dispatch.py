@@ -51,6 +51,8 @@ def min_hopper_keys(kv_format: str, S: int) -> int:
     S = 1 (shorter splits run faster on the Triton kernel), any for tbq4 and for S > 1 (the Triton kernel is slower
     on one-block splits there too: tbq4 1.4-4x on the H100 and the H200, fp8 at S = 4 1.07-1.13x on the H200)."""
     return 0 if kv_format == "tbq4" or S > 1 else MIN_HOPPER_KEYS
+
+
 # 16-bit caches take the seesaw kernel from splits of this many keys (it overlaps one warpgroup's softmax with the
 # other's matmuls, which pays once a split is long; H200, every measured point: 0.82-0.97x the one-stream kernel's
 # time from 1024 keys, 1.02-1.33x up to 256), and from SEESAW_MIN_KEYS_SHARED keys where several head blocks read the
@@ -166,9 +168,8 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     blocks), else bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read
     once for all of them) from FOLD_MIN_S tokens a request where those splits hold FOLD_MIN_KEYS keys (twice that
     where the folded rows leave part of the tile empty), else one token per program on the format's 16-row e4m3
-    kernel; S = 1: the e4m3 kernel
-    when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else dequant_seesaw (up to 64 rows); a
-    quantised Hopper kernel needs splits of `min_hopper_keys` keys, else triton."""
+    kernel; S = 1: the e4m3 kernel when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else
+    dequant_seesaw (up to 64 rows); a quantised Hopper kernel needs splits of `min_hopper_keys` keys, else triton."""
     if backend not in ("auto", "triton", "hopper"):
         raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
     if kernel is not None and kernel not in KERNELS:
