@@ -38,25 +38,22 @@ E4M3_ROWS = 16
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
 HOPPER_BLOCK_N = 64  # keys per block of the Hopper kernels for quantised caches
 # auto rule: quantised calls of S ≥ FOLD_MIN_S tokens fold them onto dequant_seesaw (the codes read once for all)
-# where the folded splits hold FOLD_MIN_KEYS keys, twice that where the folded rows leave part of the tile empty
-# (S = 3 of 16 heads: 48 of 64 rows); shorter splits run one token per program. H=16, S = 4: folded 0.66-0.93x the
-# per-token kernel's time from 1024 keys, 1.31-1.58x at 256 (H200); S = 3: 0.90x at 2048 keys, 1.06-1.08x at 1024
-# (H100); S = 2 folded 1.6x (H100)
+# where the folded splits hold FOLD_MIN_KEYS keys, twice that where the folded rows leave part of the tile empty;
+# on shorter splits one token per program wins (its extra reads of the keys cost less than the folded kernel's start)
 FOLD_MIN_S, FOLD_MIN_KEYS = 3, 1024
 MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: fp8 Hopper kernels at S = 1 take splits of two blocks or more
 
 
 def min_hopper_keys(kv_format: str, S: int) -> int:
     """The shortest split (keys) the auto route gives a Hopper kernel: MIN_HOPPER_KEYS for fp8 and fp8_ds_mla at
-    S = 1 (shorter splits run faster on the Triton kernel), any for tbq4 and for S > 1 (the Triton kernel is slower
-    on one-block splits there too: tbq4 1.4-4x on the H100 and the H200, fp8 at S = 4 1.07-1.13x on the H200)."""
+    S = 1 (shorter splits run faster on the Triton kernel), any for tbq4 and for S > 1 (there the Triton kernel is
+    the slower one on one-block splits too)."""
     return 0 if kv_format == "tbq4" or S > 1 else MIN_HOPPER_KEYS
 
 
-# 16-bit caches take the seesaw kernel from splits of this many keys (it overlaps one warpgroup's softmax with the
-# other's matmuls, which pays once a split is long; H200, every measured point: 0.82-0.97x the one-stream kernel's
-# time from 1024 keys, 1.02-1.33x up to 256), and from SEESAW_MIN_KEYS_SHARED keys where several head blocks read the
-# same keys (H > 64: the later reads hit L2, the call leans on the tensor cores; 0.93-0.98x at 128-256 keys)
+# 16-bit caches take the seesaw kernel from splits of SEESAW_MIN_KEYS keys (its overlap of one warpgroup's softmax
+# with the other's matmuls pays once a split is long), from SEESAW_MIN_KEYS_SHARED where several head blocks read the
+# same keys (the later reads hit L2, so the call leans on the tensor cores)
 SEESAW_MIN_KEYS, SEESAW_MIN_KEYS_SHARED = 512, 128
 SMEM_BUDGET = 224 * 1024  # the Triton kernel's K pipeline plus its query tile must fit this
 
