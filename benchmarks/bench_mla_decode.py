@@ -7,6 +7,9 @@ with the device-to-device copy bandwidth measured in the same run (bytes read + 
 timing reads HBM, not L2. Our kernel is timed inside a CUDA graph of ≥ 16 back-to-back calls (as
 the engine's decode graph runs it), divided per call. Prints a table, writes JSON and a PNG plot.
 
+--ragged draws each case's request lengths uniformly from S … T (a server's mixed batch; bytes and FLOPs count the
+drawn lengths): the split rule plans for the longest request, so this shows what mixed lengths cost.
+
 --kv bf16,fp8,tbq4 (repeatable or a comma list; default bf16) runs every case on each cache format:
 fp8 / fp8_ds_mla / tbq4 caches are uint8 rows (608 / 656 / 400 bytes, ops.kv_cache) quantised from the same
 random bf16 latents, and their bytes count the rows at their real size (Σ seq_len·row_bytes +
@@ -63,19 +66,28 @@ def flashmla_time(qs, caches, table, seq, copies: int) -> float:
                                                               softmax_scale=SCALE, causal=True), copies, graph=True)
 
 
+def ragged_lengths(B: int, T: int, S: int, seed: int = 0) -> list[int]:
+    """B request lengths drawn uniformly from S … T (a batch of mixed contexts, as a server's decode step holds)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(S, T + 1, (B,), generator=g).tolist()
+
+
 def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], kv: str = "bf16",
-             max_variants: int | None = None, routes: bool = False, flashmla: bool = False):
+             max_variants: int | None = None, routes: bool = False, flashmla: bool = False, ragged: bool = False):
     copies = copies_for(kv, B, T, l2_bytes)
-    caches, table, seq, qs = make_problem(H, B, T, S, copies, kv)
-    nbytes, flops = kv_decode_bytes(kv, B * T, B, S, H), decode_flops(B * T, S, H)
-    assert kv != "bf16" or nbytes == decode_bytes(B * T, B, S, H)
+    lens = ragged_lengths(B, T, S) if ragged else None
+    caches, table, seq, qs = make_problem(H, B, T, S, copies, kv, lens=lens)
+    total = sum(lens) if ragged else B * T
+    nbytes, flops = kv_decode_bytes(kv, total, B, S, H), decode_flops(total, S, H)
+    assert kv != "bf16" or nbytes == decode_bytes(total, B, S, H)
     # correctness on this very problem (a slice of the batch against the fp32 reference on the
     # same, dequantised, cache)
     ref = mla_decode_torch(qs[0][:2].float(), caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
     got = mla_decode(qs[0][:2], caches[0], table[:2], seq[:2], SCALE, head_dim_v=512, kv_format=kv)
     err = ((got.float() - ref).norm() / ref.norm()).item()
     del ref, got
-    row = {"H": H, "B": B, "T": T, "S": S, "kv": kv, "bytes": nbytes, "flops": flops, "rel_err": err,
+    row = {"H": H, "B": B, "T": T, "S": S, "kv": kv, "ragged": ragged, "seq_lens_sum": total, "bytes": nbytes,
+           "flops": flops, "rel_err": err,
            "plan": dispatch.plan(B, S, H, T, SMS)}
     chosen = route(qs[0], caches[0], table, kv_format=kv, head_dim_v=512)
     row["kernel"], row["route_plan"] = chosen.kernel, chosen.plan
@@ -208,6 +220,9 @@ def parse_args(argv=None):
                          "to OUT/decode_routes.json, the format of specmla/ops/decode/routes/<device>.json")
     ap.add_argument("--flashmla", action="store_true",
                     help="also time FlashMLA's dense decode on the bf16 cases (needs the flash_mla package)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="request lengths drawn uniformly from S … T per case (fixed seed) instead of all T; bytes "
+                         "and FLOPs count the lengths drawn")
     ap.add_argument("--variants", type=int, default=None,
                     help="try only the first N tile variants (default all; for S > 1 the fold variants come last)")
     args = ap.parse_args(argv)
@@ -248,7 +263,8 @@ def main():
         base = None
         for kv in args.kv:
             row = run_case(H, B, T, S, copy_bw, l2, naive=not args.quick, variants=variants, kv=kv,
-                           max_variants=args.variants, routes=args.routes, flashmla=args.flashmla)
+                           max_variants=args.variants, routes=args.routes, flashmla=args.flashmla,
+                           ragged=args.ragged)
             if kv == "bf16":
                 base = row["default_s"]
             elif base is not None:
@@ -257,7 +273,8 @@ def main():
             torch.cuda.empty_cache()  # run_case's caches are gone now
             naive = f"{row['naive_pct_copy']:.1f}%" if row.get("naive_s") else "-"
             speedup = f"{row['speedup_vs_bf16']:5.2f}x bf16  " if "speedup_vs_bf16" in row else ""
-            print(f"H={H:3d} B={B:3d} T={T:6d} S={S} {kv:>4}  {row['default_s'] * 1e3:8.4f} ms  {speedup}"
+            print(f"H={H:3d} B={B:3d} T={'≤' if args.ragged else ''}{T:6d} S={S} {kv:>4}  "
+                  f"{row['default_s'] * 1e3:8.4f} ms  {speedup}"
                   f"{row['ours_GBps']:7.0f} GB/s {row['ours_pct_copy']:5.1f}% copy  {row['ours_TFLOPs']:6.1f} TFLOP/s "
                   f"({100 * row['ours_TFLOPs'] * 1e12 / gemm:.0f}% GEMM)  "
                   f"naive {naive}  err {row['rel_err']:.1e}  triton tiles: planned {row['planned_s'] * 1e3:.4f} ms  "

@@ -66,6 +66,20 @@ def test_cache_round_trip(kv, tol):
         assert torch.equal(back[..., 512:], latent[..., 512:].float())  # rope part stays bf16
 
 
+def test_ragged_cases_draw_their_lengths_and_count_them():
+    """--ragged: each case's B lengths drawn from S … T (fixed seed, so every format of a case reads the same
+    batch), the requests that long; lengths out of range are refused."""
+    assert bm.parse_args(["--ragged"]).ragged and not bm.parse_args([]).ragged
+    lens = bm.ragged_lengths(64, 4096, 3)
+    assert lens == bm.ragged_lengths(64, 4096, 3) and min(lens) >= 3 and max(lens) <= 4096 and len(set(lens)) > 32
+    caches, table, seq, qs = decode_tune.make_problem(H=2, B=3, T=2 * bm.PAGE, S=2, copies=1, device="cpu",
+                                                      lens=[2, 77, 128])
+    assert seq.tolist() == [2, 77, 128] and table.shape == (3, 2)
+    for bad in ([1, 77, 128], [2, 77, 129], [2, 77]):
+        with pytest.raises(ValueError, match="lens"):
+            decode_tune.make_problem(H=2, B=3, T=2 * bm.PAGE, S=2, copies=1, device="cpu", lens=bad)
+
+
 def test_routes_table_takes_the_fastest_kernel_per_case():
     """`--routes` rows → the table dispatch reads: per (format, S, H), [B, T, fastest] of each timed case, the µs
     beside; rows without kernel timings are left out. The dispatcher then routes a nearby call to that kernel."""

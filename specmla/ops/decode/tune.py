@@ -46,14 +46,18 @@ def make_cache(kv: str, latent: torch.Tensor) -> torch.Tensor:
     return cache
 
 
-def make_problem(H, B, T, S, copies, kv="bf16", device="cuda"):
-    """`copies` caches of B requests × T tokens (random latents, pages shuffled), their queries [B, S, H, 576]."""
+def make_problem(H, B, T, S, copies, kv="bf16", device="cuda", lens=None):
+    """`copies` caches of B requests × T tokens (random latents, pages shuffled), their queries [B, S, H, 576];
+    `lens` (B lengths of at most T) makes the requests that long instead (the pages of T tokens stay allocated)."""
     pages_per = T // PAGE
     num_pages = B * pages_per
     caches = [make_cache(kv, torch.randn(num_pages, PAGE, 576, device=device, dtype=torch.bfloat16))
               for _ in range(copies)]
     table = torch.randperm(num_pages, device=device, dtype=torch.int32).view(B, pages_per)
-    seq = torch.full((B,), T, dtype=torch.int32, device=device)
+    if lens is not None and (len(lens) != B or not all(S <= n <= T for n in lens)):
+        raise ValueError(f"lens: want {B} lengths from S = {S} to T = {T}, got {lens}")
+    seq = (torch.tensor(lens, dtype=torch.int32, device=device) if lens is not None
+           else torch.full((B,), T, dtype=torch.int32, device=device))
     qs = [torch.randn(B, S, H, 576, device=device, dtype=torch.bfloat16) for _ in range(copies)]
     return caches, table, seq, qs
 
