@@ -216,15 +216,22 @@ def write_checkpoint(model: DeepseekForCausalLM, cfg_dict: dict, path: Path, sha
     (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
 
 
+def same_config(path: Path, cfg_dict: dict) -> bool:
+    """Whether `path` holds cfg_dict's config.json (False: none there); a directory holding another config is
+    refused rather than overwritten."""
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        return False
+    if json.loads(cfg_file.read_text()) != json.loads(json.dumps(cfg_dict)):
+        raise SystemExit(f"{path} holds another checkpoint (its config.json differs from this run's); "
+                         "give an empty or new --checkpoint-dir")
+    return True
+
+
 def ensure_checkpoint(path: Path, cfg_dict: dict, device, dtype, shard_bytes: int = 4 << 30) -> float:
     """Write the random model of cfg_dict to `path` unless it already holds it; seconds spent writing (0: reused).
     A directory holding another config is refused rather than overwritten."""
-    cfg_file = path / "config.json"
-    if cfg_file.exists():
-        have = json.loads(cfg_file.read_text())
-        if have != json.loads(json.dumps(cfg_dict)):
-            raise SystemExit(f"{path} holds another checkpoint (its config.json differs from this run's); "
-                             "give an empty or new --checkpoint-dir")
+    if same_config(path, cfg_dict) and any(path.glob("*.safetensors")):
         print(f"reusing the checkpoint in {path}", flush=True)
         return 0.0
     t0 = time.perf_counter()
@@ -759,7 +766,7 @@ def checkpoint_mode(args, dev, dtype, copy_bw, results: dict) -> None:
         results["git_commit"] = None
     if args.load_format == "safetensors":
         results["checkpoint_write_s"] = ensure_checkpoint(path, cfg_dict, dev, dtype, int(args.shard_gb * (1 << 30)))
-    else:  # the same shapes built on the device (N(0, 0.02)): no checkpoint to write or read
+    elif not same_config(path, cfg_dict):  # the same shapes built on the device (N(0, 0.02)): config.json alone
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(cfg_dict, indent=1))
     mixed = (MIXED_TINY if args.tiny else MIXED) if args.mixed else None

@@ -74,10 +74,10 @@ def ragged_lengths(B: int, T: int, S: int, seed: int = 0) -> list[int]:
 
 def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], kv: str = "bf16",
              max_variants: int | None = None, routes: bool = False, flashmla: bool = False, ragged: bool = False):
-    copies = copies_for(kv, B, T, l2_bytes)
     lens = ragged_lengths(B, T, S) if ragged else None
-    caches, table, seq, qs = make_problem(H, B, T, S, copies, kv, lens=lens)
     total = sum(lens) if ragged else B * T
+    copies = copies_for(kv, 1, total, l2_bytes)  # rotated past 4× L2 by the bytes the calls read
+    caches, table, seq, qs = make_problem(H, B, T, S, copies, kv, lens=lens)
     nbytes, flops = kv_decode_bytes(kv, total, B, S, H), decode_flops(total, S, H)
     assert kv != "bf16" or nbytes == decode_bytes(total, B, S, H)
     # correctness on this very problem (a slice of the batch against the fp32 reference on the
@@ -152,7 +152,7 @@ def run_case(H, B, T, S, copy_bw, l2_bytes, naive: bool, variants: list[dict], k
                                              copies, graph=True)
             splits = chosen_plan["num_splits"]
             if name != "triton" and kv != "bf16" and chosen_plan["keys_per_split"] < dispatch.MIN_HOPPER_KEYS:
-                # short splits (the rules leave these calls to Triton): the same kernel on half as many, longer ones
+                # short splits: the same kernel on half as many, longer ones
                 half = max(1, splits // 2)
                 row["kernels_s"][f"{name}@{half}"] = time_fn(
                     lambda i: mla_decode(qs[i], caches[i], table, seq, SCALE, out=out_default, head_dim_v=512,
@@ -235,6 +235,8 @@ def parse_args(argv=None):
         args.cases = [parse_case(c) for a in args.cases for c in a.split(",") if c] if args.cases else list(CASES)
     except (ValueError, argparse.ArgumentTypeError) as e:
         ap.error(f"--cases: {e} (want HxBxTxS, e.g. 16x32x32768x1)")
+    if args.ragged and args.routes:
+        ap.error("--ragged with --routes: the routes table is keyed by (B, T) of uniform batches")
     if args.flashmla:
         try:
             import flash_mla  # noqa: F401

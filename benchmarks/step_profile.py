@@ -30,7 +30,7 @@ GROUPS = (
     ("FP8 linear", r"_act_quant_kernel|_splitk_kernel|_gemm_kernel"),
     ("GEMM / GEMV (cuBLAS, aten)", r"gemm|gemv|nvjet|cutlass|xmma|cublas|aten::(mm|addmm|bmm|baddbmm|matmul|linear)$"),
     ("sampling + step bookkeeping", r"_accept_and_place_kernel|_advance_kernel|argmax|sort|topk|softmax|multinomial"),
-    ("copies, cat, fills", r"copy|cat|fill|elementwise|index|scatter|gather|memcpy|memset"),
+    ("copies, cat, pointwise", r"copy|cat|fill|elementwise|index|scatter|gather|memcpy|memset"),
 )
 _COMPILED = [(g, re.compile(p)) for g, p in GROUPS]
 OTHER = "other"

@@ -70,6 +70,8 @@ def test_ragged_cases_draw_their_lengths_and_count_them():
     """--ragged: each case's B lengths drawn from S … T (fixed seed, so every format of a case reads the same
     batch), the requests that long; lengths out of range are refused."""
     assert bm.parse_args(["--ragged"]).ragged and not bm.parse_args([]).ragged
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--ragged", "--routes"])  # a routes table keyed by uniform (B, T)
     lens = bm.ragged_lengths(64, 4096, 3)
     assert lens == bm.ragged_lengths(64, 4096, 3) and min(lens) >= 3 and max(lens) <= 4096 and len(set(lens)) > 32
     caches, table, seq, qs = decode_tune.make_problem(H=2, B=3, T=2 * bm.PAGE, S=2, copies=1, device="cpu",

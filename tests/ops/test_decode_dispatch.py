@@ -34,8 +34,9 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
 
 @pytest.mark.parametrize("B,S,H,T,kv_format,kernel", [
     (1, 1, 16, 8192, "bf16", "bf16"),  # one program: the one-stream kernel
-    (32, 1, 16, 32768, "bf16", "bf16_seesaw"),  # 32 programs of padded 16-row tiles
-    (1, 1, 128, 8192, "bf16", "bf16_seesaw"),  # 64-row tiles
+    (32, 1, 16, 32768, "bf16", "bf16_seesaw"),  # splits of 8192 keys
+    (1, 1, 128, 8192, "bf16", "bf16_seesaw"),  # two head blocks on 128-key splits
+    (4, 1, 16, 8192, "bf16", "bf16"),  # 256-key splits
     (64, 4, 16, 8192, "fp16", "bf16_seesaw"),  # four tokens folded into 64 rows
     (32, 1, 16, 32768, "fp8", "fp8"),
     (32, 1, 16, 32768, "fp8_ds_mla", "fp8"),
@@ -61,6 +62,8 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (1, 1, 16, 256, "fp8_ds_mla", "triton"),  # S = 1 on one-block splits: Triton
     (1, 1, 16, 8192, "tbq4", "tbq4"),
     (1, 1, 16, 8192, "fp8", "triton"),
+    (1, 2, 32, 2048, "fp8", "triton"),  # S > 1 above 16 heads on one-block splits: no 16-row kernel, Triton
+    (1, 4, 32, 2048, "fp8_ds_mla", "triton"),
     (4, 1, 16, 4096, "fp32", "triton"),
 ])
 def test_route_table(B, S, H, T, kv_format, kernel):

@@ -38,17 +38,17 @@ E4M3_ROWS = 16
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
 HOPPER_BLOCK_N = 64  # keys per block of the Hopper kernels for quantised caches
 # auto rule: quantised calls of S ≥ FOLD_MIN_S tokens fold them onto dequant_seesaw (the codes read once for all)
-# where the folded splits hold FOLD_MIN_KEYS keys, twice that where the folded rows leave part of the tile empty;
+# where the folded splits hold FOLD_MIN_KEYS keys, twice that where FOLD · BLOCK_H rows leave part of the tile empty;
 # on shorter splits one token per program wins (its extra reads of the keys cost less than the folded kernel's start)
 FOLD_MIN_S, FOLD_MIN_KEYS = 3, 1024
 MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: fp8 Hopper kernels at S = 1 take splits of two blocks or more
 
 
-def min_hopper_keys(kv_format: str, S: int) -> int:
-    """The shortest split (keys) the auto route gives a Hopper kernel: MIN_HOPPER_KEYS for fp8 and fp8_ds_mla at
-    S = 1 (shorter splits run faster on the Triton kernel), any for tbq4 and for S > 1 (there the Triton kernel is
-    the slower one on one-block splits too)."""
-    return 0 if kv_format == "tbq4" or S > 1 else MIN_HOPPER_KEYS
+def min_hopper_keys(kv_format: str, S: int, H: int) -> int:
+    """The shortest split (keys) the auto route gives a Hopper kernel: any for tbq4 (its Triton kernel is the slower
+    one on one-block splits too), and for fp8 formats at S > 1 with H ≤ E4M3_ROWS (one token per program on the
+    16-row kernel beats the Triton kernel there); else MIN_HOPPER_KEYS (shorter splits run faster on Triton)."""
+    return 0 if kv_format == "tbq4" or S > 1 and H <= E4M3_ROWS else MIN_HOPPER_KEYS
 
 
 # 16-bit caches take the seesaw kernel from splits of SEESAW_MIN_KEYS keys (its overlap of one warpgroup's softmax
@@ -183,7 +183,7 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
                 try:
                     at_point = _select(point[0], S, H, D, kv_format, hopper, sm_count, point[1], elem, supports,
                                        measured, block_n, max_rows, forced=True)
-                    short_measured = at_point.plan["keys_per_split"] < min_hopper_keys(kv_format, S)
+                    short_measured = at_point.plan["keys_per_split"] < min_hopper_keys(kv_format, S, H)
                 except ValueError:
                     pass
             try:
@@ -208,7 +208,7 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     included (else the Triton kernel where no Hopper kernel qualifies)."""
     quant = kv_format in QUANTIZED
     e4m3 = E4M3_KERNEL.get(kv_format)
-    min_keys = min_hopper_keys(kv_format, S)
+    min_keys = min_hopper_keys(kv_format, S, H)
     fold_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)
     fold_keys = FOLD_MIN_KEYS * (1 if fold_plan["FOLD"] * fold_plan["BLOCK_H"] == fold_plan["BLOCK_M"] else 2)
     folded = (on_hopper and quant and S > 1 and kernel in (None, "dequant_seesaw")
