@@ -26,6 +26,7 @@ COMPILE_CASES = {  # kernel → cases: H, S, dc, dr, dtype, direct[, block_n]
     "bf16_seesaw": [
         [128, 1, 512, 64, "bfloat16", True],  # H=128: one 64-head tile per program, written directly
         [16, 4, 512, 64, "bfloat16", False],  # four tokens folded into 64 rows, split partials
+        [16, 1, 512, 64, "bfloat16", False, 64, {"tma": True}],  # key blocks by TMA
     ],
     "bf16": [
         [16, 1, 512, 64, "bfloat16", False],  # 16 rows padded to 64
@@ -81,6 +82,8 @@ GPU_CASES = [  # H, S, B, page, dc, dr, lens, causal, splits, dtype
 # the seesaw kernel takes Dr = 64 and Dc a multiple of 128
 KERNEL_CASES = [("bf16", c) for c in GPU_CASES] + [("bf16_seesaw", c) for c in GPU_CASES
                                                    if c[5] == 64 and c[4] % 128 == 0]
+# with TMA key blocks: pages of whole 64-key blocks
+KERNEL_CASES += [("bf16_seesaw_tma", c) for c in GPU_CASES if c[5] == 64 and c[4] % 128 == 0 and c[3] % 64 == 0]
 
 
 @pytest.mark.gpu
@@ -90,9 +93,11 @@ def test_gpu_kernel_matches_reference(kernel, case):
         pytest.fail("the Gluon decode kernels target Hopper (sm_90); run on the H100/H200")
     H, S, B, page, dc, dr, lens, causal, splits, dtype = case
     args = make_decode_case(B, S, H, page, dc, dr, lens, dtype, device="cuda", seed=H + S + page)
-    assert KERNELS[kernel].supported(args[0], args[1], "bf16", 64, head_dim_v=dc)
-    got, got_lse = run_kernel(KERNELS[kernel], *args, SCALE, kv_format="bf16", causal=causal, num_splits=splits,
-                              max_rows=64, return_lse=True, head_dim_v=dc)
+    module = KERNELS[kernel.removesuffix("_tma")]
+    opts = module.Options(tma=True) if kernel.endswith("_tma") else None
+    assert module.supported(args[0], args[1], "bf16", 64, opts or module.Options(), head_dim_v=dc)
+    got, got_lse = run_kernel(module, *args, SCALE, kv_format="bf16", causal=causal, num_splits=splits,
+                              max_rows=64, return_lse=True, head_dim_v=dc, opts=opts)
     assert_matches_reference(args, causal, dc, got, got_lse, 1e-2)
 
 

@@ -38,8 +38,11 @@ if G.HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # renamed after Triton 3.6
 
     _cp_async, _cta_barrier = G._cp_async, G._cta_barrier
 
@@ -52,7 +55,9 @@ P_READY = _c(2)  # +w: warpgroup w's P is in its stage's rope buffer
 KV_FREE = _c(4)  # +w: the other warpgroup is done reading stage w
 L_READY = _c(6)  # +w: warpgroup w's row sums are in shared memory (after the last round)
 Q_READY = _c(8)  # Q has landed (loaded by warpgroup 0)
-NUM_BARRIERS = _c(9)
+OWN_LANDED = _c(9)  # +w (TMA loads): stage w's own half of the latent columns has landed
+REST_LANDED = _c(11)  # +w (TMA loads): stage w's other half and rope part have landed
+NUM_BARRIERS = _c(13)
 BLOCK_N = 64  # keys per block: P_j [64 rows, BLOCK_N] lives in block j's rope buffer, so Dr = BLOCK_N
 
 
@@ -60,6 +65,7 @@ BLOCK_N = 64  # keys per block: P_j [64 rows, BLOCK_N] lives in block j's rope b
 class Options:
     """The seesaw kernel's tuning knobs; the defaults are the measured best."""
     worker_regs: int = 240  # registers per thread of each warpgroup's partition
+    tma: bool = False  # key blocks by TMA (one thread issues [64, 64] boxes) instead of every thread's cp.async
 
 
 if G.HAVE_GLUON:
@@ -105,14 +111,49 @@ if G.HAVE_GLUON:
         _cta_barrier()
 
     @gluon.jit
+    def _tma_row(BT, b, stride_btb, n0, end, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The cache row of request b's key block at n0 (a whole page block); a block at or past `end` reads the
+        block holding key end - 1 instead (its rows are zeroed before use), so no page past the request is read."""
+        n = gl.minimum(n0, gl.maximum(end - 1, 0)) // BLOCK_N * BLOCK_N
+        page = gl.load(BT + b * stride_btb + n // PAGE_SIZE)
+        return page * PAGE_SIZE + n % PAGE_SIZE
+
+    @gluon.jit
+    def _tma_own_half(desc, bar, stage_c, row, ROLE: gl.constexpr, DC: gl.constexpr):
+        """TMA the block's columns this warpgroup multiplies by its own P: NH [64, 64] boxes on `bar`."""
+        NH: gl.constexpr = DC // 128
+        mbarrier.expect(bar, NH * 64 * 64 * 2)
+        for c in gl.static_range(NH):
+            _tma_load(desc, [row, (ROLE * NH + c) * 64], bar, stage_c.slice((ROLE * NH + c) * 64, 64, dim=1))
+
+    @gluon.jit
+    def _tma_rest(desc, bar, stage_c, stage_r, row, ROLE: gl.constexpr, DC: gl.constexpr):
+        """TMA the other warpgroup's half and the rope part: NH + 1 [64, 64] boxes on `bar`."""
+        NH: gl.constexpr = DC // 128
+        mbarrier.expect(bar, (NH + 1) * 64 * 64 * 2)
+        for c in gl.static_range(NH):
+            _tma_load(desc, [row, ((1 - ROLE) * NH + c) * 64], bar,
+                      stage_c.slice(((1 - ROLE) * NH + c) * 64, 64, dim=1))
+        _tma_load(desc, [row, DC], bar, stage_r)
+
+    @gluon.jit
+    def _zero_rows(stage_c, n_valid, DC: gl.constexpr, CHUNK: gl.constexpr):
+        """Rows at or past n_valid of a landed stage's latent columns set to zero (a TMA block reads the page's
+        tail, which may hold NaN, and 0 · NaN = NaN in P·V; their scores are masked)."""
+        rows = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(1, CHUNK)), 1)
+        for c in gl.static_range(DC // 64):
+            t = stage_c.slice(c * 64, 64, dim=1).load(CHUNK)
+            stage_c.slice(c * 64, 64, dim=1).store(gl.where(rows < n_valid, t, gl.zeros_like(t)))
+
+    @gluon.jit
     def _seesaw_warpgroup(
         ROLE: gl.constexpr, shared,
         PAGE_SIZE: gl.constexpr, DC: gl.constexpr, DR: gl.constexpr,
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
+        CAUSAL: gl.constexpr, DIRECT: gl.constexpr, TMA: gl.constexpr,
     ):
         """One warpgroup's program; `shared` = the kernel's pointers, strides, scalars and shared memory."""
-        (Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
+        (Q, KV, KV_DESC, BT, MID_O, MID_LSE, OUT, LSE,
          stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
          stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
          stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
@@ -141,15 +182,26 @@ if G.HAVE_GLUON:
             ok_q = (rows_q < FOLD * BLOCK_H) & (h_q < H)
             _load_chunks(Q, q_c_smem, q_r_smem, b * stride_qb + s_q * stride_qs + h_q * stride_qh, ok_q, 0,
                          DC // 64, True, DC, CHUNK, False)
-        rows_j, ok_j = G._block_page_rows(BT, b, stride_btb, start + ROLE * BLOCK_N, end, stride_kvp, stride_kvt,
-                                          PAGE_SIZE, BLOCK_N, CHUNK)
-        _issue_own_half(KV, own_c, rows_j, ok_j, ROLE, DC, CHUNK)
-        _issue_rest(KV, own_c, own_r, rows_j, ok_j, ROLE, DC, CHUNK)
-        if ROLE == 0:
-            _landed(GROUPS)
-            mbarrier.arrive(bars.index(Q_READY))
+        if TMA:
+            if n_rounds > 0:  # (no copy may still fly when the program ends)
+                row_j = _tma_row(BT, b, stride_btb, start + ROLE * BLOCK_N, end, PAGE_SIZE, BLOCK_N)
+                _tma_own_half(KV_DESC, bars.index(OWN_LANDED + ROLE), own_c, row_j, ROLE, DC)
+                _tma_rest(KV_DESC, bars.index(REST_LANDED + ROLE), own_c, own_r, row_j, ROLE, DC)
+            if ROLE == 0:
+                _landed(0)
+                mbarrier.arrive(bars.index(Q_READY))
+            else:
+                mbarrier.wait(bars.index(Q_READY), 0)
         else:
-            mbarrier.wait(bars.index(Q_READY), 0)
+            rows_j, ok_j = G._block_page_rows(BT, b, stride_btb, start + ROLE * BLOCK_N, end, stride_kvp, stride_kvt,
+                                              PAGE_SIZE, BLOCK_N, CHUNK)
+            _issue_own_half(KV, own_c, rows_j, ok_j, ROLE, DC, CHUNK)
+            _issue_rest(KV, own_c, own_r, rows_j, ok_j, ROLE, DC, CHUNK)
+            if ROLE == 0:
+                _landed(GROUPS)
+                mbarrier.arrive(bars.index(Q_READY))
+            else:
+                mbarrier.wait(bars.index(Q_READY), 0)
         nx_rows, nx_ok = G._block_page_rows(BT, b, stride_btb, start + (ROLE + 2) * BLOCK_N, end, stride_kvp,
                                             stride_kvt, PAGE_SIZE, BLOCK_N, CHUNK)
 
@@ -171,16 +223,33 @@ if G.HAVE_GLUON:
             # ---- S = Q·K_jᵀ for this warpgroup's block j = 2r + ROLE (own half of the columns first) ----
             # chunks in the order they were issued, each once it lands: own half, other half, rope
             s = s_zero
+            if TMA:
+                n_valid = end - (start + (2 * r + ROLE) * BLOCK_N)
+                if n_valid < BLOCK_N:  # the split's last block: its rows past the end zeroed before any use
+                    mbarrier.wait(bars.index(OWN_LANDED + ROLE), phase)
+                    mbarrier.wait(bars.index(REST_LANDED + ROLE), phase)
+                    _zero_rows(own_c, n_valid, DC, CHUNK)
+                    fence_async_shared()
+                    _cta_barrier()
             for c in gl.static_range(NH):
-                _landed(GROUPS - 1 - c)
+                if TMA:
+                    if c == 0:
+                        mbarrier.wait(bars.index(OWN_LANDED + ROLE), phase)
+                else:
+                    _landed(GROUPS - 1 - c)
                 s = warpgroup_mma(q_c_smem.slice(ROLE * HALF + c * 64, 64, dim=1),
                                   own_c.slice(ROLE * HALF + c * 64, 64, dim=1).permute((1, 0)), s, use_acc=c > 0,
                                   is_async=True)
             for c in gl.static_range(NH):
-                _landed(NH - c)
+                if TMA:
+                    if c == 0:
+                        mbarrier.wait(bars.index(REST_LANDED + ROLE), phase)
+                else:
+                    _landed(NH - c)
                 s = warpgroup_mma(q_c_smem.slice(OTHER * HALF + c * 64, 64, dim=1),
                                   own_c.slice(OTHER * HALF + c * 64, 64, dim=1).permute((1, 0)), s, is_async=True)
-            _landed(0)
+            if not TMA:
+                _landed(0)
             s = warpgroup_mma(q_r_smem, own_r.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
@@ -196,13 +265,22 @@ if G.HAVE_GLUON:
 
             # ---- refill: own half as soon as this warpgroup's P_j·V_j is done, the rest once the other's is ----
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            _issue_own_half(KV, own_c, nx_rows, nx_ok, ROLE, DC, CHUNK)
+            if TMA:  # the next round's block, where there is a next round (no copy flies past the last)
+                nx_row = _tma_row(BT, b, stride_btb, start + (2 * r + ROLE + 2) * BLOCK_N, end, PAGE_SIZE, BLOCK_N)
+                if r + 1 < n_rounds:
+                    _tma_own_half(KV_DESC, bars.index(OWN_LANDED + ROLE), own_c, nx_row, ROLE, DC)
+            else:
+                _issue_own_half(KV, own_c, nx_rows, nx_ok, ROLE, DC, CHUNK)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(bars.index(KV_FREE + OTHER))
             mbarrier.wait(bars.index(KV_FREE + ROLE), phase)
-            _issue_rest(KV, own_c, own_r, nx_rows, nx_ok, ROLE, DC, CHUNK)
-            nx_rows, nx_ok = G._block_page_rows(BT, b, stride_btb, start + (2 * r + ROLE + 4) * BLOCK_N, end,
-                                                stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, CHUNK)
+            if TMA:
+                if r + 1 < n_rounds:
+                    _tma_rest(KV_DESC, bars.index(REST_LANDED + ROLE), own_c, own_r, nx_row, ROLE, DC)
+            else:
+                _issue_rest(KV, own_c, own_r, nx_rows, nx_ok, ROLE, DC, CHUNK)
+                nx_rows, nx_ok = G._block_page_rows(BT, b, stride_btb, start + (2 * r + ROLE + 4) * BLOCK_N, end,
+                                                    stride_kvp, stride_kvt, PAGE_SIZE, BLOCK_N, CHUNK)
         cp.wait_group(0)
 
         # ---- finish: both warpgroups' row sums, normalise, store this warpgroup's half ----
@@ -214,7 +292,7 @@ if G.HAVE_GLUON:
 
     @gluon.jit
     def _mla_decode_seesaw_kernel(
-        Q, KV, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
+        Q, KV, KV_DESC, BT, SEQ, MID_O, MID_LSE, OUT, LSE,
         stride_qb, stride_qs, stride_qh,
         stride_kvp, stride_kvt,
         stride_btb,
@@ -228,7 +306,7 @@ if G.HAVE_GLUON:
         BLOCK_H: gl.constexpr, FOLD: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         CAUSAL: gl.constexpr, DIRECT: gl.constexpr,
         Q_C_SMEM: gl.constexpr, Q_R_SMEM: gl.constexpr, K_C_SMEM: gl.constexpr, K_R_SMEM: gl.constexpr,
-        WORKER_REGS: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
+        TMA: gl.constexpr, WORKER_REGS: gl.constexpr, SOURCE_KEY: gl.constexpr, num_warps: gl.constexpr,
     ):
         dtype: gl.constexpr = Q.dtype.element_ty
         b, g, seq_len, start, end = G._program_keys(SEQ, S, NUM_SPLITS, FOLD, BLOCK_N, CAUSAL)
@@ -246,15 +324,15 @@ if G.HAVE_GLUON:
         for i in gl.static_range(NUM_BARRIERS):
             mbarrier.init(bars.index(i), count=1)
 
-        shared = (Q, KV, BT, MID_O, MID_LSE, OUT, LSE,
+        shared = (Q, KV, KV_DESC, BT, MID_O, MID_LSE, OUT, LSE,
                   stride_qb, stride_qs, stride_qh, stride_kvp, stride_kvt, stride_btb,
                   stride_mob, stride_mos, stride_moh, stride_mosp, stride_mlb, stride_mls, stride_mlh,
                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls, scale_log2, S, H, b, g, seq_len, start, end,
                   n_rounds, q_c_smem, q_r_smem, k_c_smem, k_r_smem, m_smem, scale_smem, l_smem, bars)
         gl.warp_specialize([(_seesaw_warpgroup, (0, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
-                                                 DIRECT)),
+                                                 DIRECT, TMA)),
                             (_seesaw_warpgroup, (1, shared, PAGE_SIZE, DC, DR, BLOCK_H, FOLD, BLOCK_M, BLOCK_N, CAUSAL,
-                                                 DIRECT))], [4], [WORKER_REGS])
+                                                 DIRECT, TMA))], [4], [WORKER_REGS])
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, block_m: int, opts: Options = Options(), *,
@@ -265,14 +343,27 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_format: str, block_m: 
     if not bf16.supported(q, kv_cache, kv_format, block_m, head_dim_v=head_dim_v):
         return False
     dc = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+    if opts.tma and not (kv_cache.shape[1] % BLOCK_N == 0 and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
+                         and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0 and kv_cache.data_ptr() % 16 == 0):
+        return False  # TMA: whole 64-key blocks in a page, rows evenly strided across pages, 16-byte aligned
     return q.shape[-1] - dc == BLOCK_N and dc % 128 == 0 and 128 <= dc <= 512
 
 
 def launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2: float, plan: dict, *,
            causal: bool, num_splits: int, kv_format: str, opts: Options = Options()) -> None:
     """Stage 1 of the split-KV decode; writes out/lse itself when num_splits == 1, else mid_o/mid_lse."""
+    views = (kv_cache, _kv_descriptor(kv_cache) if opts.tma else None)
     grid, args, consts = G.split_launch_args(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_log2,
                                              plan, dc=out.shape[-1], causal=causal, direct=num_splits == 1,
-                                             num_splits=num_splits, block_n=BLOCK_N)
-    _mla_decode_seesaw_kernel[grid](*args, **consts, WORKER_REGS=opts.worker_regs, SOURCE_KEY=_SOURCE_KEY,
-                                    num_warps=4)
+                                             num_splits=num_splits, block_n=BLOCK_N, kv_views=views)
+    _mla_decode_seesaw_kernel[grid](*args, **consts, TMA=opts.tma, WORKER_REGS=opts.worker_regs,
+                                    SOURCE_KEY=_SOURCE_KEY, num_warps=4)
+
+
+def _kv_descriptor(kv_cache: torch.Tensor):
+    """The cache's rows [pages · page size, D] as a TMA view in [64, 64] boxes (128-byte swizzle: the layout of a
+    64-column slice of the stages)."""
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    flat = kv_cache.as_strided((rows, kv_cache.shape[2]), (kv_cache.stride(1), 1))
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return TensorDescriptor.from_tensor(flat, [BLOCK_N, 64], layout)
