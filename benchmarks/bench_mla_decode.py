@@ -251,6 +251,7 @@ def parse_args(argv=None):
 
 def main():
     args = parse_args()
+    os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     copy_bw, gemm = copy_bandwidth(), gemm_rate()
