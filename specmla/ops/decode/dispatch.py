@@ -42,13 +42,22 @@ HOPPER_BLOCK_N = 64  # keys per block of the Hopper kernels for quantised caches
 # on shorter splits one token per program wins (its extra reads of the keys cost less than the folded kernel's start)
 FOLD_MIN_S, FOLD_MIN_KEYS = 3, 1024
 MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: fp8 Hopper kernels at S = 1 take splits of two blocks or more
+# fp8 formats at S = 1 on dequant_seesaw (rows past the e4m3 and dequant kernels' tiles): splits of 8 blocks or more
+# (its producer's start costs more than the Triton kernel's whole split below that)
+DEQUANT_SEESAW_MIN_KEYS = 8 * HOPPER_BLOCK_N
 
 
 def min_hopper_keys(kv_format: str, S: int, H: int) -> int:
     """The shortest split (keys) the auto route gives a Hopper kernel: any for tbq4 (its Triton kernel is the slower
     one on one-block splits too), and for fp8 formats at S > 1 with H ≤ E4M3_ROWS (one token per program on the
-    16-row kernel beats the Triton kernel there); else MIN_HOPPER_KEYS (shorter splits run faster on Triton)."""
-    return 0 if kv_format == "tbq4" or S > 1 and H <= E4M3_ROWS else MIN_HOPPER_KEYS
+    16-row kernel beats the Triton kernel there); DEQUANT_SEESAW_MIN_KEYS for fp8 formats at S = 1 on more rows than
+    the e4m3 kernel (fp8) or the dequant kernel (fp8_ds_mla) takes; else MIN_HOPPER_KEYS (shorter splits run faster
+    on Triton)."""
+    if kv_format == "tbq4" or S > 1 and H <= E4M3_ROWS:
+        return 0
+    if S == 1 and H > (E4M3_ROWS if kv_format == "fp8" else 2 * E4M3_ROWS):
+        return DEQUANT_SEESAW_MIN_KEYS
+    return MIN_HOPPER_KEYS
 
 
 # 16-bit caches take the seesaw kernel from splits of SEESAW_MIN_KEYS keys (its overlap of one warpgroup's softmax
