@@ -131,6 +131,7 @@ class LLM:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected auto | bf16 | fp16 | fp32 | "
                              + " | ".join(QUANTIZED))
         kv_format = kv_cache_dtype if kv_cache_dtype in QUANTIZED else "auto"
+        self.model.fuse_input_projections_()  # one GEMM for q and the latent a layer (views: loads still land)
         if kv_format == "tbq4" and self.model.config.kv_lora_rank % 128 == 0:  # (else the pool refuses tbq4)
             self.model.fold_tbq4_rotation_()  # decode launches no rotation; before the pool is sized: a copy
         if kv_cache_dtype in _DTYPES:

@@ -25,6 +25,7 @@ from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.decode import mla_decode
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.kv_cache.rotation import rotate_rows_torch
+from specmla.ops.linear import fp8_block_linear
 from specmla.ops.linear.reference import BLOCK as FP8_BLOCK
 from specmla.ops.moe import RouteSpec, fused_moe, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
@@ -205,6 +206,40 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, hid, bias=cfg.attention_bias)
 
+    def fuse_input_projections_(self) -> bool:
+        """One GEMM for the two projections of the layer's input at inference: q_proj (q_a_proj with a q LoRA) and
+        kv_a_proj_with_mqa concatenated by rows into the buffer `input_proj_weight` (FP8: with its block scales in
+        `input_proj_scale`); both modules' weights become views of it, so loading into or editing them edits it
+        (moving the model to another device after this breaks the sharing: fuse on the final device). False,
+        nothing changed, where the two differ in dtype, either has a bias, or an FP8 first part does not end on a
+        scale block."""
+        first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+        second = self.kv_a_proj_with_mqa
+        fp8 = first.weight.dtype == torch.float8_e4m3fn
+        if (first.weight.dtype != second.weight.dtype or first.bias is not None or second.bias is not None
+                or fp8 and first.weight.shape[0] % FP8_BLOCK):
+            return False
+        n = first.weight.shape[0]
+        parts = [("weight", "input_proj_weight")] + ([("weight_scale_inv", "input_proj_scale")] if fp8 else [])
+        for attr, buffer in parts:
+            a, b = getattr(first, attr), getattr(second, attr)
+            fused = torch.cat([a.detach(), b.detach()])
+            rows = n if attr == "weight" else n // FP8_BLOCK
+            a.data, b.data = fused[:rows], fused[rows:]  # the same parameters, their storage the fused one's
+            self.register_buffer(buffer, fused, persistent=False)
+        return True
+
+    def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM where `fuse_input_projections_` made the
+        fused weight and no gradient is wanted, else the two modules."""
+        first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+        fused = getattr(self, "input_proj_weight", None)
+        if fused is None or torch.is_grad_enabled():
+            return first(x), self.kv_a_proj_with_mqa(x)
+        scale = getattr(self, "input_proj_scale", None)
+        y = F.linear(x, fused) if scale is None else fp8_block_linear(x, fused, scale)
+        return y.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
+
     # W_UK [H, Dn, Dc] and W_UV [H, Dv, Dc]: views into kv_b_proj.weight (no copies), or (rotated) into its copy
     # with tbq4's rotation folded in along Dc (`fold_tbq4_rotation_`).
     def absorbed_weights(self, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,13 +276,12 @@ class MLAttention(nn.Module):
         meta.slot_mapping and meta.kv_format, so it depends on the token count alone."""
         cfg, H = self.cfg, self.num_heads
         T = x.shape[0]
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, latent = self._input_projections(x)
+        if cfg.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(T, H, cfg.qk_head_dim)
         q_pe = q[..., cfg.qk_nope_head_dim:]
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         if torch.is_grad_enabled():  # training: out of place, so autograd sees it
             q = torch.cat([q[..., : cfg.qk_nope_head_dim],
@@ -408,6 +442,11 @@ class DeepseekForCausalLM(nn.Module):
                 for rel, t in module.checkpoint_tensors().items():
                     out[checkpoint_name(f"{name}.{rel}", n)] = t
         return out
+
+    def fuse_input_projections_(self) -> int:
+        """Every attention layer (trunk and MTP) fuses the two projections of its input into one GEMM
+        (`MLAttention.fuse_input_projections_`); returns how many did."""
+        return sum(layer.self_attn.fuse_input_projections_() for layer in list(self.model.layers) + list(self.mtp))
 
     def fold_tbq4_rotation_(self) -> None:
         """Every attention layer (trunk and MTP) folds tbq4's rotation into a copy of its kv_b_proj
