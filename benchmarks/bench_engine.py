@@ -63,6 +63,7 @@ from specmla.engine.cuda_graphs import GraphedDecoder
 from specmla.model.deepseek import DeepseekForCausalLM, MoE
 from specmla.model.default import init_random_
 from specmla.model.loader import empty_model, save_checkpoint
+from specmla.ops.timing import synchronize
 
 V2_LITE = {  # DeepSeek-V2-Lite's config.json (27 layers, 64 routed experts top-6, 2 shared, no q_lora)
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -121,18 +122,13 @@ def hf_throughput(hf, prompts: list[list[int]], new_tokens: int) -> dict:
         ids = torch.tensor(prompts[:1], device=dev)
         hf.generate(ids, attention_mask=torch.ones_like(ids), **dict(gen, max_new_tokens=2, min_new_tokens=2))
         ids = torch.tensor(prompts, device=dev)
-        _sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), **gen)
-        _sync(dev)
+        synchronize(dev)
         wall = time.perf_counter() - t0
     n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return {"output_tokens": n, "duration_s": wall, "output_tok_per_s": n / wall}
-
-
-def _sync(dev):
-    if torch.device(dev).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def decode_step_s(llm: LLM, prompts, tokens: int = 48) -> float:
@@ -251,10 +247,10 @@ def kv_read_bytes(cfg: ModelConfig, batch: int, context: int, elem: int = 2) -> 
 
 def timed_generate(llm: LLM, prompts, tokens: int) -> float:
     dev = llm.kv_pool.device
-    _sync(dev)
+    synchronize(dev)
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-    _sync(dev)
+    synchronize(dev)
     return time.perf_counter() - t0
 
 
@@ -439,11 +435,11 @@ def transformers_prefill(path: Path, dev, dtype, cases=PREFILL_CASES, rounds: in
                            device=dev)
         times = []
         for i in range(rounds + 1):
-            _sync(dev)
+            synchronize(dev)
             t0 = time.perf_counter()
             with torch.inference_mode():
                 hf(ids, logits_to_keep=1).logits[:, -1].argmax(-1).tolist()
-            _sync(dev)
+            synchronize(dev)
             if i:
                 times.append(time.perf_counter() - t0)
         t = statistics.median(times)
@@ -478,10 +474,10 @@ def mixed_decode_tokens(sizes: dict, budget: int) -> int:
 
 def _timed_step(llm: LLM) -> float:
     dev = llm.kv_pool.device
-    _sync(dev)
+    synchronize(dev)
     t0 = time.perf_counter()
     llm.engine.step()
-    _sync(dev)
+    synchronize(dev)
     return time.perf_counter() - t0
 
 

@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specmla import LLM, SamplingParams
+from specmla.ops.timing import synchronize
 
 # (group, pattern over kernel or op names): the first match names a kernel's group
 GROUPS = (
@@ -42,11 +43,6 @@ def group_of(name: str) -> str:
         if pattern.search(name):
             return group
     return OTHER
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _kernel_times(prof, on_gpu: bool) -> dict[str, tuple[float, int]]:
@@ -90,17 +86,17 @@ def profile_decode(llm: LLM, batch: int, prompt_len: int, floor_s: float, steps:
             eng.step()
         for _ in range(warm):
             eng.step()
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         for _ in range(steps):
             eng.step()
-        _sync(device)
+        synchronize(device)
         step_s = (time.perf_counter() - t0) / steps
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 eng.step()
-            _sync(device)
+            synchronize(device)
         if any(s.is_finished for s in seqs):
             raise RuntimeError("a request finished inside the profiled window")
     finally:

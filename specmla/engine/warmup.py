@@ -35,6 +35,7 @@ from specmla.engine.mtp_graph import GraphedMtpDrafter
 from specmla.engine.prefill_graphs import PiecewisePrefill
 from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.model.metadata import AttentionMetadata
+from specmla.ops.timing import synchronize
 from specmla.sampling_params import SamplingParams
 
 log = logging.getLogger("specmla.engine")
@@ -259,11 +260,11 @@ def measure_step_costs(engine: LLMEngine, steps: int = COST_STEPS, seed: int = 0
                     engine.step()
                 for _ in range(2):
                     engine.step()
-                _sync(pool.device)
+                synchronize(pool.device)
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     engine.step()
-                _sync(pool.device)
+                synchronize(pool.device)
                 policy.seed(speculative, b, (time.perf_counter() - t0) / steps)
                 while engine.has_unfinished():
                     engine.step()
@@ -271,11 +272,6 @@ def measure_step_costs(engine: LLMEngine, steps: int = COST_STEPS, seed: int = 0
         policy.force = None
     engine.forget_history()
     return True
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(make_engine, device: torch.device, groups: list, page_size: int, lookahead: int,

@@ -13,6 +13,13 @@ log = logging.getLogger("specmla.tune")
 SPIN_CYCLES = 200_000  # about 0.1 ms: the GPU spins while the host launches the timed replay
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work where it runs asynchronously (CUDA); a no-op on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def graph_call_time(call, n: int, reps: int, what: str = "") -> float | None:
     """Median seconds per call of `call(i)` for i in range(n), one CUDA graph replayed `reps` times; None where the
     configuration does not compile or launch here (`what` names it in the debug log). An illegal memory access is
