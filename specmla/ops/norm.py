@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from specmla.ops.backend import pick_backend
+from specmla.ops.pdl import launch_dependents, pdl_args, wait
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -32,15 +33,17 @@ def _scaled_norm(x, w, D, eps):
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, OUT, H_OUT, stride_x, stride_r, stride_o, stride_h, D, eps,
-                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < D
+    w = tl.load(W + offs, mask=ok, other=0.0)  # the weight is constant: loaded before the wait
+    wait(PDL)
+    launch_dependents(PDL)
     x = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_RES:
         x = x + tl.load(R + row * stride_r + offs, mask=ok, other=0.0)
         tl.store(H_OUT + row * stride_h + offs, x, mask=ok)
-    w = tl.load(W + offs, mask=ok, other=0.0)
     tl.store(OUT + row * stride_o + offs, _scaled_norm(x, w, D, eps).to(OUT.dtype.element_ty), mask=ok)
 
 
@@ -61,7 +64,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, h, x2.stride(0), r2.stride(0), out.stride(0), h.stride(0), D, eps,
-            BLOCK=triton.next_power_of_2(D), HAS_RES=residual is not None,
+            BLOCK=triton.next_power_of_2(D), HAS_RES=residual is not None, **pdl_args(x2),
         )
     return out.view(*x.shape[:-1], D), (h.view(x.shape) if residual is not None else x)
 
@@ -79,17 +82,22 @@ def rms_norm_pair_torch(a: torch.Tensor, b: torch.Tensor, weight_a: torch.Tensor
 
 
 @triton.jit
-def _rms_norm_pair_kernel(A, B, WA, WB, OUT, stride_a, stride_b, stride_o, D, eps, BLOCK: tl.constexpr):
+def _rms_norm_pair_kernel(A, B, WA, WB, OUT, stride_a, stride_b, stride_o, D, eps, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
     row = tl.program_id(0)
     half = tl.program_id(1)  # 0: a into the first D columns, 1: b into the next D
     offs = tl.arange(0, BLOCK)
     ok = offs < D
-    if half == 0:
-        x = tl.load(A + row * stride_a + offs, mask=ok, other=0.0)
+    if half == 0:  # the weights are constant: loaded before the wait
         w = tl.load(WA + offs, mask=ok, other=0.0)
     else:
-        x = tl.load(B + row * stride_b + offs, mask=ok, other=0.0)
         w = tl.load(WB + offs, mask=ok, other=0.0)
+    wait(PDL)
+    launch_dependents(PDL)
+    if half == 0:
+        x = tl.load(A + row * stride_a + offs, mask=ok, other=0.0)
+    else:
+        x = tl.load(B + row * stride_b + offs, mask=ok, other=0.0)
     tl.store(OUT + row * stride_o + half * D + offs, _scaled_norm(x, w, D, eps).to(OUT.dtype.element_ty), mask=ok)
 
 
@@ -107,7 +115,8 @@ def rms_norm_pair_triton(a: torch.Tensor, b: torch.Tensor, weight_a: torch.Tenso
     out = torch.empty(a2.shape[0], 2 * D, dtype=torch.result_type(weight_a, a), device=a.device)
     if a2.shape[0]:
         _rms_norm_pair_kernel[(a2.shape[0], 2)](a2, b2, weight_a, weight_b, out, a2.stride(0), b2.stride(0),
-                                                out.stride(0), D, eps, BLOCK=triton.next_power_of_2(D))
+                                                out.stride(0), D, eps, BLOCK=triton.next_power_of_2(D),
+                                                **pdl_args(a2))
     return out.view(*a.shape[:-1], 2 * D)
 
 

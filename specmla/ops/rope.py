@@ -40,6 +40,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from specmla.ops.pdl import launch_dependents, pdl_args, wait  # noqa: E402
+
 
 @triton.jit
 def _rotate_rows(base, ok, cos, sin, i, HALF: tl.constexpr, INTERLEAVE: tl.constexpr):
@@ -58,8 +60,10 @@ def _rotate_rows(base, ok, cos, sin, i, HALF: tl.constexpr, INTERLEAVE: tl.const
 
 @triton.jit
 def _rope_kernel(X, POS, CS, stride_t, stride_h, stride_cs, H, K, stride_kt, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_K: tl.constexpr):
+                 BLOCK_H: tl.constexpr, INTERLEAVE: tl.constexpr, HAS_K: tl.constexpr, PDL: tl.constexpr):
     t = tl.program_id(0)
+    wait(PDL)  # the positions come from the step's inputs (and the table rows they pick with them)
+    launch_dependents(PDL)
     pos = tl.load(POS + t)
     i = tl.arange(0, HALF)
     cos = tl.load(CS + pos * stride_cs + i)
@@ -83,7 +87,8 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         raise ValueError("rope needs a unit-stride last dim of power-of-two size")
     if T:
         _rope_kernel[(T,)](x3, positions, cos_sin, x3.stride(0), x3.stride(1), cos_sin.stride(0), H, x3, 0,
-                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave, HAS_K=False)
+                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave, HAS_K=False,
+                           **pdl_args(x3))
     return x
 
 
@@ -99,4 +104,5 @@ def apply_rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, co
         raise ValueError("rope needs q [T, H, dim] and k [T, dim], unit-stride last dims of power-of-two size")
     if T:
         _rope_kernel[(T,)](q, positions, cos_sin, q.stride(0), q.stride(1), cos_sin.stride(0), H, k, k.stride(0),
-                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave, HAS_K=True)
+                           HALF=dim // 2, BLOCK_H=triton.next_power_of_2(H), INTERLEAVE=interleave, HAS_K=True,
+                           **pdl_args(q))

@@ -236,6 +236,54 @@ def test_out_is_overwritten_not_accumulated():
             assert rel_err(out, want) <= 3e-3
 
 
+# ---- the residual added in the top-k sum ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("Is", [None, 24])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_residual_is_added_in_the_sum(T, Is, dtype):
+    """residual: out = residual + the MoE (a decoder layer's x + mlp(normed)), as the reference (the residual in its
+    fp32 sum, one rounding) and the float64 loop; into a new tensor, a NaN-filled out, a strided out, and out =
+    residual itself (the residual stream updated in place); a strided residual is read right; a zero residual
+    changes no bit."""
+    E, k, H, I = 7, 3, 40, 24
+    case = make_moe_case(T, E, k, H, I, Is, dtype, seed=T + (Is or 0))
+    residual = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dtype)
+    before = snapshot([*case.tensors(), residual])
+    want = fused_moe_torch(*case.args, shared=case.shared, residual=residual)
+    oracle = moe_oracle(*case.args, shared=case.shared) + residual.double()
+    assert rel_err(want, oracle) <= TOL[dtype]
+    got = fused_moe(*case.args, shared=case.shared, residual=residual, backend="triton")
+    assert unchanged([*case.tensors(), residual], before)
+    assert got.dtype == dtype and got.shape == (T, H)
+    assert rel_err(got, want) <= TOL[dtype] and rel_err(got, oracle) <= TOL[dtype]
+    assert rel_err(got, fused_moe_torch(*case.args, shared=case.shared)) > 0.1  # the residual is really there
+    nan = float("nan")
+    for backend in ("triton", "torch"):
+        out = padded(torch.empty(T, H, dtype=dtype), (2, 3), nan)
+        assert fused_moe(*case.args, shared=case.shared, residual=residual, out=out, backend=backend) is out
+        assert torch.isfinite(out).all() and out._base.isnan().sum() == out._base.numel() - T * H
+        assert rel_err(out, want) <= TOL[dtype]
+        strided = torch.full((H, T), nan, dtype=dtype).t()  # [T, H] with H strided: through a temporary
+        assert fused_moe(*case.args, shared=case.shared, residual=residual, out=strided, backend=backend) is strided
+        assert rel_err(strided, want) <= TOL[dtype]
+        in_place = residual.clone()
+        assert fused_moe(*case.args, shared=case.shared, residual=in_place, out=in_place, backend=backend) is in_place
+        assert rel_err(in_place, want) <= TOL[dtype]
+    strided_res = torch.full((H, T), nan, dtype=dtype).t()
+    strided_res.copy_(residual)
+    assert rel_err(fused_moe(*case.args, shared=case.shared, residual=strided_res, backend="triton"), want) \
+        <= TOL[dtype]
+    zero = fused_moe(*case.args, shared=case.shared, residual=torch.zeros_like(residual), backend="triton")
+    assert torch.equal(zero, fused_moe(*case.args, shared=case.shared, backend="triton"))
+
+
+def test_residual_of_another_shape_or_dtype_is_a_clear_error():
+    case = make_moe_case(4, 7, 2, 40, 24, 24, F32, seed=1)
+    for bad in (torch.randn(4, 41), torch.randn(5, 40), torch.randn(40), torch.randn(4, 40, dtype=F16)):
+        with pytest.raises(ValueError, match=r"\bresidual must"):
+            fused_moe_triton(*case.args, shared=case.shared, residual=bad)
+
+
 # ---- the pair alignment -----------------------------------------------------------------------------------
 def pair_expert(ids: torch.Tensor, E: int, n_shared: int) -> list:
     """Expert slot of each pair t·S + j (E + c for shared slot c), or None for an id outside [0, E)."""
@@ -477,6 +525,9 @@ def bad_calls():
         ("scale_without_fp8", {"w_gate_up_scale": torch.ones(E0, 1, 1)}, "w_gate_up_scale", both),
         ("out_shape", {"out": torch.full((T0, H0 + 1), float("nan"))}, r"\bout must", both),
         ("out_dtype", {"out": torch.full((T0, H0), float("nan"), dtype=F16)}, r"\bout must", both),
+        ("residual_shape", {"residual": torch.randn(T0, H0 + 1)}, r"\bresidual must", both),
+        ("residual_rows", {"residual": torch.randn(T0 + 1, H0)}, r"\bresidual must", both),
+        ("residual_dtype", {"residual": torch.randn(T0, H0, dtype=F16)}, r"\bresidual must", both),
         ("expert_dtype", {"w_gate_up": torch.randn(E0, 2 * I0, H0, dtype=F16)}, "dtype", ("triton",)),
         ("shared_dtype", {"shared": (torch.randn(2 * IS0, H0, dtype=F16), torch.randn(H0, IS0, dtype=F16))},
          "dtype", ("triton",)),

@@ -204,6 +204,41 @@ def test_nan_poisoned_intermediates_experts_and_out_do_not_leak(T, dtype, monkey
     assert rel_err(out, want) <= EMU_TOL[dtype]
 
 
+@pytest.mark.parametrize("Is", [None, 128])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_residual_is_added_in_the_sum(T, Is):
+    """residual: out = residual + the MoE, the residual in the sum's fp32 accumulator (the emulation plus the residual,
+    one rounding), within the activations' rounding of the reference; into a NaN-poisoned out and into out =
+    residual itself."""
+    E, k, H, I, dtype = 4, 2, 130, 128, F16
+    case = Fp8Case(T, E, k, H, I, Is, dtype, seed=3 * T + (Is or 0))
+    residual = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dtype)
+    kept = residual.clone()
+    emu = w8a8_emulation(*case.args, **case.kwargs)
+    want = (emu + residual.float()).to(dtype)
+    ref = fused_moe_torch(*case.args, **case.kwargs, residual=residual)
+    assert rel_err(ref, (fused_moe_torch(*case.args, **case.kwargs).float() + residual.float())) <= 1e-3
+    got = fused_moe(*case.args, **case.kwargs, residual=residual, backend="triton")
+    assert torch.equal(residual, kept)
+    assert rel_err(got, want) <= EMU_TOL[dtype] and rel_err(got, ref) <= ACT_TOL
+    assert rel_err(got, emu) > 0.1  # the residual is really there
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    assert fused_moe(*case.args, **case.kwargs, residual=residual, out=out, backend="triton") is out
+    assert torch.isfinite(out).all() and rel_err(out, want) <= EMU_TOL[dtype]
+    in_place = residual.clone()
+    assert fused_moe(*case.args, **case.kwargs, residual=in_place, out=in_place, backend="triton") is in_place
+    assert torch.equal(in_place, out)
+
+
+def test_residual_of_another_shape_is_a_clear_error():
+    case = Fp8Case(3, 4, 2, 130, 128, 128, F32)
+    for backend in ("triton", "torch"):
+        with pytest.raises(ValueError, match=r"\bresidual must"):
+            fused_moe(*case.args, **case.kwargs, residual=torch.randn(3, 131), backend=backend)
+    with pytest.raises(ValueError, match=r"\bresidual must"):
+        fused_moe_fp8_triton(*case.args, **case.kwargs, residual=torch.randn(3, 130, dtype=F16))
+
+
 def test_tile_configurations():
     """Other valid tiles give the same result: down block_n 64 (a scale block spans two programs) and 256 (a program
     spans two scale blocks, the last one partial at H = 200), block_m 16 / 32 / 64 / 128."""

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from specmla.ops.kv_cache import FP8_FORMATS, rope_offset, rope_scales_offset, tbq4
 from specmla.ops.online_softmax import online_softmax_finish, online_softmax_step, split_merge_weights
+from specmla.ops.pdl import launch_dependents, pdl_args, wait
 
 LOG2E = 1.4426950408889634
 
@@ -179,10 +180,12 @@ def _mla_decode_split_kernel(
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
     PREFETCH: tl.constexpr = False, ROPE_AT: tl.constexpr = 0,
     KV_ALIGN: tl.constexpr = 1, S_ALIGN: tl.constexpr = 1, R_ALIGN: tl.constexpr = 1,
-    ROPE_I8: tl.constexpr = False, RS_AT: tl.constexpr = 0,
+    ROPE_I8: tl.constexpr = False, RS_AT: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Native (bf16/fp16/fp32) rows, or fp8 rows dequantised in registers (FP8); ROPE_I8 (608-byte fp8 rows): the
     rope in int8 (KVR the int8 view, ROPE_AT in bytes) with one fp16 scale per 8 values at word RS_AT of KVS."""
+    wait(PDL)  # q, the cache, the table and the lengths all come from earlier kernels / copies
+    launch_dependents(PDL)
     b, s_idx, h_idx, row_ok, start, end, limit = _program_rows(SEQ, S, H, NUM_SPLITS, BLOCK_H, FOLD, BLOCK_M,
                                                               BLOCK_N, CAUSAL)
     # Dc/Dr that are not powers of two are padded to one (DC_PAD/DR_PAD) and masked
@@ -272,11 +275,13 @@ def _mla_decode_split_tbq4_kernel(
     BLOCK_H: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
     PREFETCH: tl.constexpr = False, LUT_ASM: tl.constexpr = False, ROPE_AT: tl.constexpr = 0,
-    KV_ALIGN: tl.constexpr = 1, S_ALIGN: tl.constexpr = 1, R_ALIGN: tl.constexpr = 1,
+    KV_ALIGN: tl.constexpr = 1, S_ALIGN: tl.constexpr = 1, R_ALIGN: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """tbq4 rows (KV = the cache as int32 words, 8 codes each), attention in the rotated domain.
     Code k of word w is rotated coordinate 8w + k; the kernel keeps the eight code positions as
     eight key tiles and eight accumulators against q's columns 8w + k (see `_tbq4_values`)."""
+    wait(PDL)  # q, the cache, the table and the lengths all come from earlier kernels / copies
+    launch_dependents(PDL)
     b, s_idx, h_idx, row_ok, start, end, limit = _program_rows(SEQ, S, H, NUM_SPLITS, BLOCK_H, FOLD, BLOCK_M,
                                                               BLOCK_N, CAUSAL)
     offs_w = tl.arange(0, DC_PAD // 8)
@@ -369,9 +374,12 @@ def _mla_decode_combine_kernel(
     stride_lb, stride_ls,
     S, H, NUM_SPLITS,
     DC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program per (request·token, head, BLOCK_D columns). Columns are split only when B·S·H
     alone would leave SMs idle (B=1 decodes split the most); otherwise one program per row."""
+    wait(PDL)  # the partials of the split kernel before
+    launch_dependents(PDL)
     pid = tl.program_id(0)
     h = tl.program_id(1)
     d0 = tl.program_id(2) * BLOCK_D
@@ -479,7 +487,7 @@ def launch(q, kv_cache, block_table, seq_lens, mid_o, mid_lse, out, lse, scale_l
         PAGE_SIZE=kv_cache.shape[1], DC=dc, DR=dr, DC_PAD=triton.next_power_of_2(dc),
         DR_PAD=triton.next_power_of_2(dr), BLOCK_H=plan["BLOCK_H"], FOLD=plan["FOLD"], BLOCK_M=plan["BLOCK_M"],
         BLOCK_N=plan["BLOCK_N"], CAUSAL=causal, PRECISION=precision, DIRECT=direct, num_warps=warps,
-        num_stages=stages, **fmt_flags, **quant,
+        num_stages=stages, **fmt_flags, **quant, **pdl_args(q),
     )
 
 
@@ -501,7 +509,7 @@ def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
         S, H, ns,
         DC=dc, BLOCK_D=block_d, BLOCK_SPLITS=max(2, triton.next_power_of_2(ns)),
         SPLIT_CHUNK=max(2, min(triton.next_power_of_2(ns), 4096 // block_d)),  # few, wide steps
-        num_warps=4,
+        num_warps=4, **pdl_args(mid_o),
     )
 
 

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from specmla.ops.kv_cache import tbq4
 from specmla.ops.kv_cache.layout import QUANTIZED, ROPE_GROUP, rope_offset, row_spec
+from specmla.ops.pdl import launch_dependents, pdl_args, wait
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _write_quantized_kernel(
     CKV, KPE, SLOT, OUT_U8, OUT_W, OUT_BF, CENT,
     T, stride_ct, stride_pt, row_u8, row_w, row_bf,
     DC: tl.constexpr, DR: tl.constexpr, BLOCK_T: tl.constexpr, TBQ4: tl.constexpr, ROPE_AT: tl.constexpr,
-    ROPE_I8: tl.constexpr = False, GROUP: tl.constexpr = 8, X_PARTS: tl.constexpr = 3,
+    ROPE_I8: tl.constexpr = False, GROUP: tl.constexpr = 8, X_PARTS: tl.constexpr = 3, PDL: tl.constexpr = False,
 ):
     """One program per BLOCK_T tokens. fp8: per-128 amax scale, e4m3 codes, fp32 scales (OUT_W is
     the fp32 view of the rows). tbq4: per 128-block y = x·H (Hadamard as a matrix product, split into
@@ -91,6 +92,8 @@ def _write_quantized_kernel(
     bf16 units), or (ROPE_I8, fp8) as int8 bytes at ROPE_AT after its fp16 scales (OUT_BF is then the
     fp16 view), one per GROUP values, as `rope_int8` codes them."""
     pid = tl.program_id(0)
+    wait(PDL)  # the rows and their slots come from earlier kernels / copies
+    launch_dependents(PDL)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # int64: t · stride passes 2³¹ past ~3.7M tokens
     t_ok = t < T
     slot = tl.load(SLOT + t, mask=t_ok, other=0).to(tl.int64)
@@ -170,15 +173,18 @@ def write_kv_cache_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torc
         c_kv, k_pe, slot_mapping, flat, wide, bf, cent,
         T, c_kv.stride(0), k_pe.stride(0), flat.stride(0), wide.stride(0), bf.stride(0),
         DC=dc, DR=dr, BLOCK_T=block_t, TBQ4=tbq, ROPE_AT=rope_at if i8 else rope_at // 2, ROPE_I8=i8,
-        GROUP=ROPE_GROUP, X_PARTS=1 if c_kv.dtype in (torch.bfloat16, torch.float16) else 3,
+        GROUP=ROPE_GROUP, X_PARTS=1 if c_kv.dtype in (torch.bfloat16, torch.float16) else 3, **pdl_args(c_kv),
     )
 
 
 @triton.jit
 def _write_rows_kernel(CKV, KPE, SLOT, OUT, T, stride_ct, stride_pt, stride_s, row,
-                       DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_T: tl.constexpr):
+                       DC: tl.constexpr, DR: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_T: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """One program per BLOCK_T tokens: row slot ← [c_kv | k_pe], same dtype (a copy, no rounding); tokens with a
     negative slot are not written."""
+    wait(PDL)
+    launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # int64: t · stride may pass 2³¹
     slot = tl.load(SLOT + t * stride_s, mask=t < T, other=-1).to(tl.int64)
     t_ok = slot >= 0
@@ -213,5 +219,5 @@ def write_kv_rows_triton(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch
     flat = kv_cache.view(-1, dc + dr)
     _write_rows_kernel[(triton.cdiv(T, block_t),)](
         c_kv, k_pe, slot_mapping, flat, T, c_kv.stride(0), k_pe.stride(0), slot_mapping.stride(0), flat.stride(0),
-        DC=dc, DR=dr, BLOCK_DC=triton.next_power_of_2(dc), BLOCK_T=block_t,
+        DC=dc, DR=dr, BLOCK_DC=triton.next_power_of_2(dc), BLOCK_T=block_t, **pdl_args(c_kv),
     )

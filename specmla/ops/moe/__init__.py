@@ -23,7 +23,7 @@ __all__ = ["RouteSpec", "fused_moe", "fused_moe_torch", "moe_route", "moe_route_
 
 
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
-              w_down_scale=None, shared_scales=None, out=None, backend="auto"):
+              w_down_scale=None, shared_scales=None, out=None, residual=None, backend="auto"):
     """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]
     (an id outside [0, E) adds nothing), plus shared = (w_gate_up_shared [2·Is, H], w_down_shared [H, Is])
     with weight 1.
@@ -36,15 +36,18 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_ga
     capability 8.9, see `ops.linear.e4m3_backend`), "triton", "torch". float8
     experts run w8a8 in Triton (x and the intermediate quantised per token and group of 128 columns, as
     DeepSeek's act_quant; needs I and Is multiples of 128), the reference multiplies the dequantised weights.
+    residual [T, H] in x's dtype: out = residual + the above, the sum in fp32 rounded once (a decoder layer's
+    `x + mlp(normed)` without a separate add); out may be residual itself (the residual stream updated in place).
     """
-    args = dict(shared=shared, out=out)
+    args = dict(shared=shared, out=out, residual=residual)
     fp8 = w_gate_up_scale is not None or w_down_scale is not None or shared_scales is not None
-    chosen = (e4m3_backend if fp8 else pick_backend)(backend, x, w_gate_up, w_down, topk_weights, *(shared or ()))
+    chosen = (e4m3_backend if fp8 else pick_backend)(backend, x, w_gate_up, w_down, topk_weights, residual,
+                                                     *(shared or ()))
     if chosen == "torch":
         return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
                                w_down_scale=w_down_scale, shared_scales=shared_scales, **args)  # checks its args
     check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
-                   shared_scales)
+                   shared_scales, residual)
     if fp8:
         return fused_moe_fp8_triton(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
                                     w_down_scale=w_down_scale, shared_scales=shared_scales, **args)

@@ -9,7 +9,7 @@ from specmla.ops.linear.reference import weight_dequant
 
 
 def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
-                   shared_scales=None):
+                   shared_scales=None, residual=None):
     """Shapes and dtypes of a `fused_moe` call; raises ValueError naming the offending argument."""
     if x.dim() != 2:
         raise ValueError(f"fused_moe: x must be [T, H], got {tuple(x.shape)}")
@@ -41,17 +41,22 @@ def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_
                          "other shared experts none")
     if out is not None and (tuple(out.shape) != (T, H) or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(f"fused_moe: out must be [{T}, {H}] {x.dtype} on {x.device}")
+    if residual is not None and (tuple(residual.shape) != (T, H) or residual.dtype != x.dtype
+                                 or residual.device != x.device):
+        raise ValueError(f"fused_moe: residual must be [{T}, {H}] {x.dtype} on {x.device}, got "
+                         f"{list(residual.shape)} {residual.dtype} on {residual.device}")
 
 
 def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
-                    w_down_scale=None, shared_scales=None, out=None):
+                    w_down_scale=None, shared_scales=None, out=None, residual=None):
     """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]; an id
     outside [0, E) adds nothing; plus the shared experts (w_gate_up_shared [2·Is, H], w_down_shared [H, Is])
     with weight 1. float8_e4m3fn weights come with fp32 block scales (`weight_dequant`; the shared experts' in
     shared_scales). fp32 inside, x's dtype out; one pass per expert that has tokens (the list of those experts
-    is read on the host: a sync)."""
+    is read on the host: a sync). residual [T, H] (x's dtype): added to the fp32 sum before the one rounding
+    (out may be residual itself)."""
     check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
-                   shared_scales)
+                   shared_scales, residual)
     T, H = x.shape
     E, I = w_down.shape[0], w_down.shape[2]
     xf = x.float()
@@ -69,6 +74,8 @@ def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None
         Is = sd.shape[1]
         gu = xf @ sgu.T
         acc += (F.silu(gu[:, :Is]) * gu[:, Is:]) @ sd.T
+    if residual is not None:
+        acc += residual.float()
     if out is None:
         return acc.to(x.dtype)
     return out.copy_(acc)

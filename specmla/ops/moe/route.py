@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from specmla.ops.backend import pick_backend
+from specmla.ops.pdl import launch_dependents, pdl_args, wait
 from specmla.ops.scratch import zeroed_scratch
 
 
@@ -103,11 +104,15 @@ def _moe_route_kernel(
     TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
     N_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_MODE: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, V2: tl.constexpr, FP32_DOT: tl.constexpr,
-    USE_DOT: tl.constexpr, GROUP_RESHAPE: tl.constexpr,
+    USE_DOT: tl.constexpr, GROUP_RESHAPE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (token block, split) computes the logits [BLOCK_T, E] over its h_split columns of H as a
     pipelined GEMM; the last split of a token block to finish (an acq_rel counter) sums the partial
-    logits in split order and applies the rule, then resets its counter for the next call."""
+    logits in split order and applies the rule, then resets its counter for the next call.
+    PDL: everything waits for the kernel before (x; the counters and partials of the previous call), the weight
+    tiles too, as they are loaded in the loop with x's."""
+    wait(PDL)
+    launch_dependents(PDL)
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -267,7 +272,7 @@ def moe_route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         GROUP_MODE=spec.group_mode, SIGMOID=spec.sigmoid, HAS_BIAS=bias is not None, NORM=spec.norm_topk_prob,
         V2=spec.v2, FP32_DOT=fp32_dot, USE_DOT=use_dot,
         GROUP_RESHAPE=_pow2(E) and _pow2(spec.n_group) and block_e == E,
-        num_warps=4 if use_dot else 1, num_stages=3,
+        num_warps=4 if use_dot else 1, num_stages=3, **pdl_args(x),
     )
     return weights, idx
 

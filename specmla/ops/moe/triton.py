@@ -13,7 +13,12 @@ exact; the last one may be narrower). Pair p = t·S + j (S = k + shared slots).
    accumulators in one program, stored per pair.
 3. `_down_kernel`: per (block, BLOCK_N output columns) the down projection times the pair's routing
    weight, stored per pair.
-4. `_sum_kernel`: out[t] = Σ_j of the token's valid pairs (ids outside [0, E) add nothing).
+4. `_sum_kernel`: out[t] = residual[t] + Σ_j of the token's valid pairs (ids outside [0, E) add nothing; no
+   residual: 0), summed in fp32 and rounded once.
+
+On sm_90+ every launch is a programmatic dependent launch (`ops.pdl`): each program waits for the kernel before
+at its start (every input here, the expert ids and the pair tables, is written by an earlier kernel) and lets the
+next kernel launch at once.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import triton.language as tl
 from specmla.ops.linear.reference import BLOCK, E4M3_MAX
 from specmla.ops.linear.triton import act_quant, interpreting, quant_tile
 from specmla.ops.moe.tuning import Config, fit, fit_fp8, lookup, shared_memory
+from specmla.ops.pdl import launch_dependents, pdl_args, wait
 from specmla.ops.scratch import zeroed_scratch
 
 
@@ -44,12 +50,14 @@ def _expert_of(IDS, p, P, stride_ids, E: tl.constexpr, TOP_K: tl.constexpr, S: t
 def _align_count_kernel(
     IDS, SORTED, BLOCK_EXPERT, REL, START, COUNTS, ARRIVED, P, stride_ids, max_blocks,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_M: tl.constexpr,
-    E_PAD: tl.constexpr, CH: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr,
+    E_PAD: tl.constexpr, CH: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program c takes pairs c·CH..: reserves their rows inside each expert's run (atomic per-expert
     counts) and keeps each pair's rank there (REL). The last program to arrive turns the totals into
     the block table, the runs' first rows (START) and the padding rows, then zeroes the counts. With a
     single program (SINGLE) it also places the pairs."""
+    wait(PDL)  # before the ids and the counts (the previous call's last program zeroes them)
+    launch_dependents(PDL)
     S: tl.constexpr = TOP_K + N_SHARED
     DROP: tl.constexpr = E_PAD - 1  # bin of dropped pairs (E_PAD > E + N_SHARED)
     offs_e = tl.arange(0, E_PAD)
@@ -93,8 +101,10 @@ def _align_count_kernel(
 @triton.jit
 def _align_place_kernel(IDS, SORTED, REL, START, P, stride_ids,
                         E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, E_PAD: tl.constexpr,
-                        CH: tl.constexpr):
+                        CH: tl.constexpr, PDL: tl.constexpr):
     """Pair p goes to row START[its expert] + REL[p]."""
+    wait(PDL)
+    launch_dependents(PDL)
     p = tl.program_id(0) * CH + tl.arange(0, CH)
     ex = _expert_of(IDS, p, P, stride_ids, E, TOP_K, TOP_K + N_SHARED, E_PAD - 1)
     keep = ex != E_PAD - 1
@@ -134,13 +144,14 @@ def align_pairs(topk_ids: torch.Tensor, n_experts: int, n_shared: int, block_m: 
     rel = torch.empty(1 if single else P, dtype=torch.int32, device=dev)
     start = torch.empty(e_pad, dtype=torch.int32, device=dev)
     const = dict(E=n_experts, TOP_K=k, N_SHARED=n_shared, E_PAD=e_pad, CH=ch)
+    pdl = pdl_args(topk_ids)
     _align_count_kernel[(chunks,)](
         topk_ids, sorted_pairs, block_expert, rel, start, scratch, scratch[MAX_EXPERT_SLOTS + 1:], P, topk_ids.stride(0), nb,
-        BLOCK_M=block_m, BB=64, SINGLE=single, **const, num_warps=4,
+        BLOCK_M=block_m, BB=64, SINGLE=single, **const, num_warps=4, **pdl,
     )
     if not single:
         _align_place_kernel[(chunks,)](topk_ids, sorted_pairs, rel, start, P, topk_ids.stride(0), **const,
-                                       num_warps=4)
+                                       num_warps=4, **pdl)
     return sorted_pairs, block_expert
 
 
@@ -229,9 +240,11 @@ def _gate_up_kernel(
     P, H, I, Is, shared_gu_off, num_m, stride_ids, stride_x, stride_hb,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     S: tl.constexpr = TOP_K + N_SHARED
+    wait(PDL)  # before the block's expert (and its early exits)
+    launch_dependents(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, rows, row_ok = _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids, E, TOP_K, S, BLOCK_M,
                                   PAIR_BLOCKS)
@@ -275,9 +288,11 @@ def _down_kernel(
     P, H, I, Is, shared_down_off, num_m, stride_ids, stride_wts, stride_hb, stride_o,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     S: tl.constexpr = TOP_K + N_SHARED
+    wait(PDL)  # before the block's expert (and its early exit)
+    launch_dependents(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, row_ok = _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids, E, TOP_K, S, BLOCK_M,
                                   PAIR_BLOCKS)
@@ -309,15 +324,25 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(Y, IDS, OUT, T, H, stride_ids, stride_y, stride_o,
+def _sum_kernel(Y, IDS, RES, OUT, T, H, stride_ids, stride_y, stride_r, stride_o,
                 E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_H: tl.constexpr):
+                BLOCK_H: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    """out = residual + Σ_j of the token's valid pairs (HAS_RES; else just the sum), fp32, one rounding at the end."""
     S: tl.constexpr = TOP_K + N_SHARED
+    wait(PDL)
+    launch_dependents(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     t_ok = offs_t < T
     m = t_ok[:, None] & (offs_h < H)[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    if HAS_RES:
+        # OUT may be RES itself (the residual stream updated in place): every element of RES is read only by the
+        # program that writes that element of OUT, and its store depends on this load, so a row's residual is
+        # always read before the row is written. (A partial overlap of OUT and RES is not supported.)
+        acc = tl.load(RES + offs_t[:, None].to(tl.int64) * stride_r + offs_h[None, :], mask=m,
+                      other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(S):
         if j < TOP_K:
             e = tl.load(IDS + offs_t * stride_ids + j, mask=t_ok, other=-1)
@@ -338,14 +363,38 @@ def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
     return delta // t.element_size()
 
 
+def _unit_stride_residual(residual, x):
+    """The residual as [T, H] rows contiguous in H (a copy if it is not), after checking it fits x."""
+    if residual is None:
+        return None
+    if tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"fused_moe: residual must be {list(x.shape)} {x.dtype} on {x.device}, got "
+                         f"{list(residual.shape)} {residual.dtype} on {residual.device}")
+    return residual if residual.stride(-1) == 1 else residual.contiguous()
+
+
+def _launch_sum(y, ids, residual, out, E: int, k: int, n_shared: int, pdl: dict) -> None:
+    """out = residual (if any) + the per-pair outputs y of each token's valid slots."""
+    T, H = out.shape
+    block_t, block_h = (1, 1024) if T <= 16 else (4, 256)
+    res = residual if residual is not None else out  # (not read without a residual)
+    _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
+        y, ids, res, out, T, H, ids.stride(0), y.stride(0), res.stride(0), out.stride(0),
+        E=E, TOP_K=k, N_SHARED=n_shared, BLOCK_T=block_t, BLOCK_H=block_h, HAS_RES=residual is not None,
+        num_warps=4, **pdl,
+    )
+
+
 def shared_slots(shared, inter: int) -> int:
     """Pseudo-experts of width `inter` the shared experts make (0 without shared experts)."""
     return 0 if shared is None else triton.cdiv(shared[1].shape[1], inter)
 
 
-def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, out=None,
+def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, out=None, residual=None,
                      up_config: Config | None = None, down_config: Config | None = None):
-    """`fused_moe` on bf16 / fp16 / fp32 experts (tile configurations from `tuning.lookup` unless given)."""
+    """`fused_moe` on bf16 / fp16 / fp32 experts (tile configurations from `tuning.lookup` unless given).
+    residual [T, H] (x's dtype): out = residual + the MoE, added in the sum's fp32 accumulator; out may be
+    residual itself."""
     T, H = x.shape
     E = w_gate_up.shape[0]
     I = w_down.shape[2]
@@ -358,11 +407,12 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
     if E + n_shared > MAX_EXPERT_SLOTS:
         raise ValueError(f"fused_moe: at most {MAX_EXPERT_SLOTS} routed + shared expert slots, got {E + n_shared}")
     P = T * (k + n_shared)
+    residual = _unit_stride_residual(residual, x)
     if out is None:
         out = torch.empty_like(x)
     elif out.stride(-1) != 1:  # the sum writes rows contiguous in H: go through a temporary
         return out.copy_(fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared,
-                                          up_config=up_config, down_config=down_config))
+                                          residual=residual, up_config=up_config, down_config=down_config))
     if T == 0:
         return out
     shared_gu, shared_down = shared if shared is not None else (w_gate_up, w_down)
@@ -383,9 +433,10 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
         num_blocks = block_expert.shape[0]
     hb = torch.empty(P, I, dtype=x.dtype, device=x.device)
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    pdl = pdl_args(x)
     # fp32 experts multiply in fp32 ("ieee"), not Triton's default tf32
     common = dict(E=E, TOP_K=k, N_SHARED=n_shared, PAIR_BLOCKS=pair_blocks,
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl)
 
     def tiles(c: Config) -> dict:
         return dict(BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
@@ -402,11 +453,7 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
         y.stride(0), **common, **tiles(down_cfg),
         EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0),
     )
-    block_t, block_h = (1, 1024) if T <= 16 else (4, 256)
-    _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
-        y, ids, out, T, H, ids.stride(0), y.stride(0), out.stride(0),
-        E=E, TOP_K=k, N_SHARED=n_shared, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-    )
+    _launch_sum(y, ids, residual, out, E, k, n_shared, pdl)
     return out
 
 
@@ -428,11 +475,13 @@ def _gate_up_fp8_kernel(
     P, H, I, Is, shared_gu_off, shared_s_off, num_m, stride_ids, stride_xq, stride_xs, stride_hq, stride_hs,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, INTERP: tl.constexpr,
+    EVEN_K: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (block, n): units n·128.. of the block's expert; I and Is are multiples of 128 (= BLOCK_N = BLOCK_K).
     Weight scales: WS [E, 2I/128, KB] (routed) and, at WS + shared_s_off, [2Is/128, KB] (shared), KB = ⌈H/128⌉."""
     S: tl.constexpr = TOP_K + N_SHARED
+    wait(PDL)  # before the block's expert (and its early exits)
+    launch_dependents(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e, rows, row_ok = _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids, E, TOP_K, S, BLOCK_M,
                                   PAIR_BLOCKS)
@@ -484,11 +533,13 @@ def _down_fp8_kernel(
     HQ, HS, IDS, WTS, SORTED, BLOCK_EXPERT, WD, WS, OUT,
     P, H, I, Is, shared_down_off, shared_s_off, num_m, stride_ids, stride_wts, stride_hq, stride_hs, stride_o,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (block, n): output columns n·BLOCK_N.. (the last block partial when H is no multiple of it).
     Weight scales: WS [E, ⌈H/128⌉, I/128] (routed) and, at WS + shared_s_off, [⌈H/128⌉, Is/128] (shared)."""
     S: tl.constexpr = TOP_K + N_SHARED
+    wait(PDL)  # before the block's expert (and its early exit)
+    launch_dependents(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, row_ok = _block_rows(IDS, SORTED, BLOCK_EXPERT, pid_m, P, stride_ids, E, TOP_K, S, BLOCK_M,
                                   PAIR_BLOCKS)
@@ -563,13 +614,13 @@ def _check_fp8(x, w_gate_up, w_down, w_gate_up_scale, w_down_scale, shared, shar
 
 
 def fused_moe_fp8_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate_up_scale, w_down_scale,
-                         shared=None, shared_scales=None, out=None, up_config: Config | None = None,
+                         shared=None, shared_scales=None, out=None, residual=None, up_config: Config | None = None,
                          down_config: Config | None = None):
     """`fused_moe` on float8_e4m3fn experts with fp32 128 × 128 block scales, w8a8: x and the intermediate are
     quantised per token (pair) and group of 128 columns, the products are e4m3 dots scaled per K step of 128 and
     accumulated in fp32; bf16 / fp16 / fp32 x, out in x's dtype. Needs I and Is multiples of 128 (H may be any).
     Tile configurations from `tuning.lookup("up_fp8" / "down_fp8", ...)` unless given (block_k 128; up block_n
-    128; shared block_m)."""
+    128; shared block_m). residual: as `fused_moe_triton`'s."""
     T, H = x.shape
     E = w_gate_up.shape[0]
     I = w_down.shape[2]
@@ -582,13 +633,14 @@ def fused_moe_fp8_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate
     if E + n_shared > MAX_EXPERT_SLOTS:
         raise ValueError(f"fused_moe: at most {MAX_EXPERT_SLOTS} routed + shared expert slots, got {E + n_shared}")
     P = T * (k + n_shared)
+    residual = _unit_stride_residual(residual, x)
     if out is None:
         out = torch.empty_like(x)
     elif out.stride(-1) != 1:  # the sum writes rows contiguous in H: go through a temporary
         return out.copy_(fused_moe_fp8_triton(
             x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
-            w_down_scale=w_down_scale, shared=shared, shared_scales=shared_scales, up_config=up_config,
-            down_config=down_config))
+            w_down_scale=w_down_scale, shared=shared, shared_scales=shared_scales, residual=residual,
+            up_config=up_config, down_config=down_config))
     if T == 0:
         return out
     shared_gu, shared_down = shared if shared is not None else (w_gate_up, w_down)
@@ -603,11 +655,12 @@ def fused_moe_fp8_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate
     else:
         sorted_pairs, block_expert = align_pairs(ids, E, n_shared, up_cfg.block_m)
         num_blocks = block_expert.shape[0]
-    xq, xs = act_quant(x)
+    pdl = pdl_args(x)
+    xq, xs = act_quant(x, pdl=pdl["PDL"])
     hq = _empty((P, I), torch.float8_e4m3fn, x.device)
     hs = _empty((P, I // QBLOCK), torch.float32, x.device)
     y = _empty((P, H), x.dtype, x.device)
-    common = dict(E=E, TOP_K=k, N_SHARED=n_shared, PAIR_BLOCKS=pair_blocks)
+    common = dict(E=E, TOP_K=k, N_SHARED=n_shared, PAIR_BLOCKS=pair_blocks, **pdl)
 
     def tiles(c: Config) -> dict:
         return dict(BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
@@ -624,9 +677,5 @@ def fused_moe_fp8_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, w_gate
         P, H, I, Is, _offset(shared_down, w_down), _offset(shared_down_s, w_down_scale), num_blocks,
         ids.stride(0), wts.stride(0), hq.stride(0), hs.stride(0), y.stride(0), **common, **tiles(down_cfg),
     )
-    block_t, block_h = (1, 1024) if T <= 16 else (4, 256)
-    _sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(H, block_h))](
-        y, ids, out, T, H, ids.stride(0), y.stride(0), out.stride(0),
-        E=E, TOP_K=k, N_SHARED=n_shared, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
-    )
+    _launch_sum(y, ids, residual, out, E, k, n_shared, pdl)
     return out
