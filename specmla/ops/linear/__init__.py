@@ -5,7 +5,10 @@ float8_e4m3fn with one fp32 `weight_scale_inv` per 128 × 128 block.
   `weight_quant` and `act_quant_torch` (DeepSeek's block and per-token-group rules);
 - `triton.py`: `fp8_block_linear_triton` (w8a8: activations quantised per token per 128 columns, e4m3 tensor-core
   products promoted to fp32 every 128 K with both scales; a split-K swap-AB kernel up to 64 rows, a tiled GEMM
-  above) and `act_quant` (the activation rule as a kernel).
+  above) and `act_quant` (the activation rule as a kernel);
+- `gemv.py`: 16-bit products of at most `SMALL_M` rows (decode at small batch), which stream the weight where cuBLAS
+  leaves most of the copy rate unused: `linear_small_m` (x @ weightᵀ) and `head_matmul_small_m` (one matrix per
+  head, MLA's absorbed projections); `linear` and `head_matmul` pick them or torch.
 """
 
 from __future__ import annotations
@@ -13,14 +16,16 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from specmla.ops.backend import pick_backend
+from specmla.ops.linear.gemv import SMALL_M, head_matmul_small_m, linear_small_m
 from specmla.ops.linear.reference import (act_quant_torch, fp8_block_linear_torch, weight_dequant,
                                           weight_quant)
 from specmla.ops.linear.triton import act_quant, fp8_block_linear_triton
 
 __all__ = ["act_quant", "act_quant_torch", "e4m3_backend", "fp8_block_linear", "fp8_block_linear_torch",
-           "fp8_block_linear_triton", "weight_dequant", "weight_quant"]
+           "fp8_block_linear_triton", "head_matmul", "linear", "weight_dequant", "weight_quant"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,3 +56,36 @@ def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, 
     if e4m3_backend(backend, x, weight, weight_scale_inv, bias) == "triton":
         return fp8_block_linear_triton(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     return fp8_block_linear_torch(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
+
+
+def _small_m(x: torch.Tensor, weight: torch.Tensor, rows: int, backend: str) -> bool:
+    """Whether a product of `rows` rows runs on the small-M kernels: backend "triton", or "auto" on CUDA without
+    gradients for 16-bit operands of one dtype and at most SMALL_M rows."""
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    return (pick_backend("auto", x, weight) == "triton" and rows <= SMALL_M and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           backend: str = "auto") -> torch.Tensor:
+    """x [..., K] @ weightᵀ (+ bias) → [..., N]: `linear_small_m` for decode-sized 16-bit calls (`_small_m`), else
+    F.linear (cuBLAS on CUDA). backend: "auto", "triton" (the small-M kernel; ValueError above SMALL_M rows) or
+    "torch"."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if bias is not None or not _small_m(x, weight, rows, backend):
+        return F.linear(x, weight, bias)
+    y = linear_small_m(x.reshape(rows, x.shape[-1]), weight)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
+                backend: str = "auto") -> torch.Tensor:
+    """out[t, g] = x[t, g] @ w[g] for x [T, G, K], w [G, K, N] (any strides), into `out` [T, G, N] when given (any
+    strides): `head_matmul_small_m` for decode-sized 16-bit calls (`_small_m`), else torch.matmul per head."""
+    if _small_m(x, w, x.shape[0], backend):
+        return head_matmul_small_m(x, w, out=out)
+    y = torch.matmul(x.transpose(0, 1), w).transpose(0, 1)
+    return y if out is None else out.copy_(y)
