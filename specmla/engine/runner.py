@@ -19,6 +19,7 @@ from specmla.engine.sequence import Sequence
 from specmla.engine.spec_graph import GraphedSpecStep
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.metadata import AttentionMetadata
+from specmla.ops.argmax import argmax_rows
 from specmla.ops.sampling import SampleOutput, SamplingTensors, sample
 
 
@@ -364,7 +365,7 @@ class ModelRunner:
         p = [s.params for s in seqs]
         all_greedy = all(x.temperature < 1e-5 for x in p)
         if all_greedy and all(x.logprobs is None for x in p):  # argmax only: no per-request tensors to upload
-            return SampleOutput(logits.argmax(-1), None, None, None)
+            return SampleOutput(argmax_rows(logits), None, None, None)
         st = self.sampling_tensors(seqs, logits.device, step_offset)
         n_logprobs = max((x.logprobs or 0) for x in p)
         return sample(
