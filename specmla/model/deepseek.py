@@ -23,9 +23,10 @@ from specmla.model.tp_reduce import tp_all_reduce_
 from specmla.model.metadata import AttentionMetadata
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.ops.decode import mla_decode
+from specmla.ops.decode_prologue import mla_decode_prologue
 from specmla.ops.kv_cache import decode_rows, write_kv_cache
 from specmla.ops.kv_cache.rotation import rotate_rows_torch
-from specmla.ops.linear import fp8_block_linear
+from specmla.ops.linear import fp8_block_linear, head_matmul, linear
 from specmla.ops.linear.reference import BLOCK as FP8_BLOCK
 from specmla.ops.moe import RouteSpec, fused_moe, moe_route, moe_route_torch
 from specmla.ops.norm import rms_norm, rms_norm_pair
@@ -177,16 +178,22 @@ class MoE(nn.Module):
                 out["shared_experts.down_proj.weight_scale_inv"] = self.shared_down_scale
         return out
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output for x [T, hidden], plus `residual` where given (added in the kernel's fp32 sum
+        without tensor parallelism, after the all-reduce with it)."""
         # expert parallelism: ids relative to this rank's first expert (the others fall outside its stack)
         weights, idx = self.gate(x, 0 if self.local_experts is None else self.local_experts[0])
         shared = None if self.shared_down is None else (self.shared_gate_up, self.shared_down)
         shared_scales = None if self.shared_down_scale is None else (self.shared_gate_up_scale,
                                                                      self.shared_down_scale)
+        fused_residual = None if self.tp_reduce else residual
         out = fused_moe(x, self.w_gate_up, self.w_down, weights, idx, shared=shared,
                         w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale,
-                        shared_scales=shared_scales)
-        return tp_all_reduce_(out) if self.tp_reduce else out
+                        shared_scales=shared_scales, residual=fused_residual)
+        if self.tp_reduce:
+            out = tp_all_reduce_(out)
+            return out if residual is None else out + residual
+        return out
 
 
 class MLAttention(nn.Module):
@@ -237,7 +244,7 @@ class MLAttention(nn.Module):
         if fused is None or torch.is_grad_enabled():
             return first(x), self.kv_a_proj_with_mqa(x)
         scale = getattr(self, "input_proj_scale", None)
-        y = F.linear(x, fused) if scale is None else fp8_block_linear(x, fused, scale)
+        y = linear(x, fused) if scale is None else fp8_block_linear(x, fused, scale)
         return y.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
 
     # W_UK [H, Dn, Dc] and W_UV [H, Dv, Dc]: views into kv_b_proj.weight (no copies), or (rotated) into its copy
@@ -265,8 +272,41 @@ class MLAttention(nn.Module):
         kv_cache: torch.Tensor | None,
         force_naive: bool = False,
     ) -> torch.Tensor:
+        if meta.decode_query_len and kv_cache is not None and not force_naive and not torch.is_grad_enabled():
+            return self.output(self._decode(x, meta, cos_sin, kv_cache))
         q, c_kv, k_pe = self.project(x, meta, cos_sin, kv_cache)
         return self.output(self.attend(q, c_kv, k_pe, meta, kv_cache, force_naive))
+
+    def _decode(self, x: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """The absorbed decode at inference, `project` + `attend` in fewer launches: the latent's norm, both ropes,
+        the cache write and q_pe's place in the absorbed query are one kernel (`mla_decode_prologue`), and
+        q_nope · W_UK is written beside it (no cat). Returns o [T, H, v_head_dim]."""
+        cfg, H = self.cfg, self.num_heads
+        T, Dn, Dc = x.shape[0], cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        q, latent = self._input_projections(x)
+        if cfg.q_lora_rank is not None:
+            q = self._linear(self.q_b_proj, self.q_a_layernorm(q))
+        q = q.view(T, H, cfg.qk_head_dim)
+        q_abs = torch.empty(T, H, cfg.latent_dim, dtype=q.dtype, device=q.device)
+        norm = self.kv_a_layernorm
+        mla_decode_prologue(q, latent, norm.weight, norm.eps, meta.positions, cos_sin, kv_cache, meta.slot_mapping,
+                            q_abs, kv_format=meta.kv_format, interleave=cfg.rope_interleave)
+        rotated = meta.kv_format == "tbq4" and hasattr(self, "kv_b_rotated")
+        w_uk, w_uv = self.absorbed_weights(rotated)
+        head_matmul(q[..., :Dn], w_uk, out=q_abs[..., :Dc])
+        o_lat = mla_decode(
+            q_abs.view(-1, meta.decode_query_len, H, cfg.latent_dim), kv_cache, meta.block_table, meta.seq_lens,
+            cfg.softmax_scale, causal=True, head_dim_v=Dc, kv_format=meta.kv_format, rotated=rotated,
+        )  # [B, S, H, Dc]
+        return head_matmul(o_lat.view(T, H, Dc), w_uv.transpose(1, 2))
+
+    @staticmethod
+    def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """module(x), through `ops.linear.linear` (decode-sized 16-bit GEMVs) where it is a plain nn.Linear."""
+        if type(module) is nn.Linear:
+            return linear(x, module.weight, module.bias)
+        return module(x)
 
     def project(self, x: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor,
                 kv_cache: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -303,7 +343,7 @@ class MLAttention(nn.Module):
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """o_proj of attention's output [T, H, v_head_dim] (all-reduced under tensor parallelism)."""
-        out = self.o_proj(o.reshape(o.shape[0], -1))
+        out = self._linear(self.o_proj, o.reshape(o.shape[0], -1))
         return tp_all_reduce_(out) if getattr(self, "tp_reduce", False) else out
 
     def _naive(self, qf, c_kv, k_pe, meta, kv_cache):
@@ -367,6 +407,8 @@ class DecoderLayer(nn.Module):
         """The layer after attention: attention's projected output h added to the residual x, normed, MLP."""
         post = self.post_attention_layernorm
         normed, x = rms_norm(h, post.weight, post.eps, residual=x)  # residual add fused into the norm
+        if isinstance(self.mlp, MoE):
+            return self.mlp(normed, residual=x)  # added in the experts' sum
         return x + self.mlp(normed)
 
 
