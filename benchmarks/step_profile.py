@@ -133,6 +133,10 @@ def format_profile(res: dict, top: int = 12) -> str:
     lines = [f"B={res['batch']}, {res['prompt_len']}-token prompts: step {res['step_s'] * 1e3:.2f} ms ({floor_text}); "
              f"{res['timed']} {res['busy_us_per_step']:.0f} µs a step ({res['busy_share']:.0%} of it), "
              f"{res['steps']} steps",
+             *(["kernels overlap (more device time than step time): with programmatic dependent launch (sm_90+) a "
+                "kernel starts inside its predecessor and waits for it, so its time includes that wait; the split "
+                "below is an upper bound per kernel, the step time is the measure"]
+               if res["busy_share"] > 1.0 else []),
              "| group | µs per call | calls per step | µs per step | share of step | share of floor |",
              "|---|---|---|---|---|---|"]
 
