@@ -186,14 +186,14 @@ class MoE(nn.Module):
         shared = None if self.shared_down is None else (self.shared_gate_up, self.shared_down)
         shared_scales = None if self.shared_down_scale is None else (self.shared_gate_up_scale,
                                                                      self.shared_down_scale)
-        fused_residual = None if self.tp_reduce else residual
+        # the kernel's sum takes the residual where it has x's dtype and no all-reduce follows
+        fused = residual is not None and not self.tp_reduce and residual.dtype == x.dtype
         out = fused_moe(x, self.w_gate_up, self.w_down, weights, idx, shared=shared,
                         w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale,
-                        shared_scales=shared_scales, residual=fused_residual)
+                        shared_scales=shared_scales, residual=residual if fused else None)
         if self.tp_reduce:
             out = tp_all_reduce_(out)
-            return out if residual is None else out + residual
-        return out
+        return out if residual is None or fused else out + residual
 
 
 class MLAttention(nn.Module):

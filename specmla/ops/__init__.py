@@ -7,7 +7,7 @@ from specmla.ops.argmax import argmax_rows
 from specmla.ops.decode import mla_decode
 from specmla.ops.decode_prologue import mla_decode_prologue
 from specmla.ops.kv_cache import decode_rows, gather_kv_cache, row_spec, write_kv_cache
-from specmla.ops.linear import fp8_block_linear, head_matmul, linear
+from specmla.ops.linear import fp8_block_linear, head_matmul
 from specmla.ops.moe import RouteSpec, fused_moe, fused_moe_torch, moe_route, moe_route_torch
 from specmla.ops.ngram import ngram_propose
 from specmla.ops.norm import rms_norm, rms_norm_pair
@@ -20,7 +20,7 @@ __all__ = [
     "RouteSpec", "SamplingTensors", "accept_and_place", "advance_spec_inputs", "apply_rope", "apply_rope_",
     "apply_rope_qk_", "apply_top_k_top_p", "argmax_rows",
     "decode_rows", "fp8_block_linear", "fused_moe", "fused_moe_torch", "gather_kv_cache", "greedy_verify",
-    "head_matmul", "linear", "mla_decode", "mla_decode_prologue", "mla_prefill",
+    "head_matmul", "mla_decode", "mla_decode_prologue", "mla_prefill",
     "moe_route", "moe_route_torch", "ngram_propose", "rms_norm", "rms_norm_pair", "row_spec", "sample",
     "write_kv_cache",
 ]

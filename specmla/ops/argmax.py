@@ -30,11 +30,13 @@ def _chunk_argmax_kernel(X, VAL, IDX, V, stride_x, n_chunks, CHUNK: tl.constexpr
     launch_dependents(PDL)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)  # NaN ranks above every number, as in torch
-    m = tl.max(x, 0)
+    nan = x != x
+    first_nan = tl.min(tl.where(nan, offs, V), 0)  # NaN ranks above every number, as in torch
+    m = tl.max(tl.where(nan, float("-inf"), x), 0)
     first = tl.min(tl.where(x == m, offs, V), 0)  # the chunk's first index reaching its max (masked lanes: ≥ V)
-    tl.store(VAL + row * n_chunks + c, m)
-    tl.store(IDX + row * n_chunks + c, first)
+    has_nan = first_nan < V
+    tl.store(VAL + row * n_chunks + c, tl.where(has_nan, float("nan"), m))  # a NaN chunk's value is NaN
+    tl.store(IDX + row * n_chunks + c, tl.where(has_nan, first_nan, first))
 
 
 @triton.jit
@@ -46,8 +48,11 @@ def _row_argmax_kernel(VAL, IDX, OUT, n_chunks, V, BLOCK: tl.constexpr, PDL: tl.
     ok = c < n_chunks
     val = tl.load(VAL + row * n_chunks + c, mask=ok, other=float("-inf"))
     idx = tl.load(IDX + row * n_chunks + c, mask=ok, other=V)
-    m = tl.max(val, 0)
-    tl.store(OUT + row, tl.min(tl.where(val == m, idx, V), 0).to(tl.int64))
+    nan = val != val
+    m = tl.max(tl.where(nan, float("-inf"), val), 0)
+    best = tl.min(tl.where(val == m, idx, V), 0)
+    first_nan = tl.min(tl.where(nan, idx, V), 0)  # a NaN anywhere wins: its first index
+    tl.store(OUT + row, tl.where(first_nan < V, first_nan, best).to(tl.int64))
 
 
 def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:

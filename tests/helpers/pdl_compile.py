@@ -23,7 +23,8 @@ KERNELS = [
     "_rms_norm_kernel", "_rms_norm_pair_kernel", "_rope_kernel", "_write_quantized_kernel", "_write_rows_kernel",
     "_moe_route_kernel", "_align_count_kernel", "_align_place_kernel", "_gate_up_kernel", "_down_kernel",
     "_sum_kernel", "_act_quant_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel", "_mla_decode_split_kernel",
-    "_mla_decode_split_tbq4_kernel", "_mla_decode_combine_kernel",
+    "_mla_decode_split_tbq4_kernel", "_mla_decode_combine_kernel", "_prologue_kernel", "_gemv_kernel",
+    "_chunk_argmax_kernel", "_row_argmax_kernel",
 ]
 
 
@@ -32,6 +33,9 @@ def _launch_all() -> None:
     import torch
 
     from specmla.ops import mla_decode
+    from specmla.ops.argmax import argmax_rows_triton
+    from specmla.ops.decode_prologue import mla_decode_prologue
+    from specmla.ops.linear.gemv import head_matmul_small_m, linear_small_m
     from specmla.ops.kv_cache import row_spec
     from specmla.ops.kv_cache.triton import write_kv_cache_triton, write_kv_rows_triton
     from specmla.ops.moe.route import RouteSpec, moe_route_triton
@@ -65,6 +69,14 @@ def _launch_all() -> None:
     table, lens = torch.zeros(B, 8, dtype=torch.int32), torch.full((B,), 300, dtype=torch.int32)
     mla_decode(torch.randn(B, S, Hq, 576, dtype=bf16), torch.randn(8, 64, 576, dtype=bf16), table, lens, 0.07,
                backend="triton", num_splits=2)
+    T, Hq, dn, dc, dr = 2, 16, 128, 512, 64
+    mla_decode_prologue(torch.randn(T, Hq, dn + dr, dtype=bf16), torch.randn(T, dc + dr, dtype=bf16),
+                        torch.ones(dc, dtype=bf16), 1e-6, torch.zeros(T, dtype=torch.int64), torch.randn(16, dr),
+                        torch.zeros(8, 64, dc + dr, dtype=bf16), torch.arange(T), torch.empty(T, Hq, dc + dr, dtype=bf16),
+                        backend="triton")
+    linear_small_m(torch.randn(1, 2048, dtype=bf16), torch.randn(2112, 2048, dtype=bf16))  # split-K
+    head_matmul_small_m(torch.randn(1, Hq, dn, dtype=bf16), torch.randn(Hq, dn, dc, dtype=bf16))
+    argmax_rows_triton(torch.randn(2, 10000))
     tbq = torch.zeros(8, 64, row_spec("tbq4", 512, 64, torch.uint8)[0], dtype=torch.uint8)
     mla_decode(torch.randn(B, S, Hq, 576, dtype=bf16), tbq, table, lens, 0.07, kv_format="tbq4", backend="triton",
                num_splits=2, rotated=True)

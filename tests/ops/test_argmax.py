@@ -20,9 +20,16 @@ def test_ties_take_the_first_index_across_chunks():
     x[1, [CHUNK + 9, CHUNK + 3]] = top  # two in one chunk
     x[2] = float("-inf")  # every entry -inf: index 0, as torch
     x[3, [CHUNK - 1, 2 * CHUNK + 1]] = float("nan")  # NaN ranks above every number
+    x[3, 7] = float("inf")  # ... +inf too, earlier in the row
     out = argmax_rows(x, backend="triton")
     assert out.tolist() == [5, CHUNK + 3, 0, CHUNK - 1]
     assert torch.equal(out, x.argmax(-1))
+
+
+def test_inf_before_nan_in_one_chunk_and_all_nan_rows():
+    x = torch.tensor([[1.0, float("inf"), float("nan"), 2.0], [float("nan")] * 4, [float("inf"), 0.0, 5.0, 1.0]])
+    out = argmax_rows(x, backend="triton")
+    assert out.tolist() == [2, 0, 0] and torch.equal(out, x.argmax(-1))
 
 
 def test_strided_rows_and_empty_batch():

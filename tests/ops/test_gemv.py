@@ -112,6 +112,9 @@ def test_default_rule():
         c = default_config(T, G, N, K)
         assert 16 <= c.block_n <= max(16, N) and 16 <= c.block_k and 2 <= c.num_stages <= 8 and c.split_k >= 1
         assert (c.block_n + 16) * c.block_k * 2 * c.num_stages <= 200 << 10
+        for smem in (147 << 10, 83 << 10):  # A100's and sm_89's per-block limits less the reserve
+            c = default_config(T, G, N, K, smem=smem)
+            assert (c.block_n + 16) * c.block_k * 2 * max(1, c.num_stages - 1) <= smem and c.num_stages >= 2
 
 
 def test_empty_rows_k_zero_and_limits():

@@ -14,6 +14,7 @@ float8_e4m3fn with one fp32 `weight_scale_inv` per 128 × 128 block.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -74,7 +75,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] @ weightᵀ (+ bias) → [..., N]: `linear_small_m` for decode-sized 16-bit calls (`_small_m`), else
     F.linear (cuBLAS on CUDA). backend: "auto", "triton" (the small-M kernel; ValueError above SMALL_M rows) or
     "torch"."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = math.prod(x.shape[:-1])
     if bias is not None or not _small_m(x, weight, rows, backend):
         return F.linear(x, weight, bias)
     y = linear_small_m(x.reshape(rows, x.shape[-1]), weight)

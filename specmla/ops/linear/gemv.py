@@ -70,13 +70,33 @@ def device_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def default_config(T: int, G: int, N: int, K: int, sms: int = 132, itemsize: int = 2) -> GemvConfig:
+SMEM_BUDGET = 200 << 10  # shared memory the default rule fills with stages (H100 / H200: 227 KB a block)
+SMEM_RESERVE = 16 << 10  # kept free of stages below a smaller device's limit (the kernel's other buffers)
+
+
+@functools.cache
+def _smem_optin(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def stage_budget(device: torch.device) -> int:
+    """Shared memory the default rule may fill with pipeline stages on `device`: SMEM_BUDGET, less on GPUs whose
+    per-block limit is lower (A100 163 KB, sm_86 / sm_89 99 KB), SMEM_RESERVE below that limit."""
+    if device.type != "cuda":
+        return SMEM_BUDGET
+    limit = _smem_optin(device.index if device.index is not None else torch.cuda.current_device())
+    return min(SMEM_BUDGET, limit - SMEM_RESERVE)
+
+
+def default_config(T: int, G: int, N: int, K: int, sms: int = 132, itemsize: int = 2,
+                   smem: int = SMEM_BUDGET) -> GemvConfig:
     """The rule per shape (T rows, G heads, N output columns, K reduction terms, itemsize bytes an element), from
     the H200 sweeps (.probe/gemv_probe.py): about one program per SM, each with as much of its weight slice in
     flight as shared memory holds. 64-column tiles where they give about a wave of programs (or K ≥ 4096, where
     a K split is worth its fp32 partials), else 32 or 16 columns with 256-term tiles for long rows: a split's
     reduction costs more than it gains on short K. Stages: every tile of a program's slice in flight at once, up
-    to 8 and ~200 KB of shared memory per SM (~100 KB a program where two or more take turns on an SM)."""
+    to 8 and `smem` bytes of shared memory per SM (half a program where two or more take turns on an SM;
+    `stage_budget` gives a device's)."""
     wave = 0.8 * sms
     if G * triton.cdiv(N, 64) >= wave or K >= 4096:
         block_n = 64
@@ -94,7 +114,7 @@ def default_config(T: int, G: int, N: int, K: int, sms: int = 132, itemsize: int
         split = max(1, min(k_tiles, round(sms / slices), K // (32 * max(T, 1))))
     per_sm = min(2, triton.cdiv(slices * split, sms))
     stage_bytes = (block_n + 16) * block_k * itemsize
-    stages = min(8, triton.cdiv(k_tiles, split) + 1, (200 << 10) // per_sm // stage_bytes)
+    stages = min(8, triton.cdiv(k_tiles, split) + 1, smem // per_sm // stage_bytes)
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=max(2, stages), split_k=split)
 
 
@@ -200,7 +220,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemvCon
         return out
     if K == 0:
         return out.zero_()
-    cfg = config or default_config(T, G, N, K, device_sms(x.device), x.element_size())
+    cfg = config or default_config(T, G, N, K, device_sms(x.device), x.element_size(), stage_budget(x.device))
     k_tiles = triton.cdiv(K, cfg.block_k)
     per = triton.cdiv(k_tiles, min(cfg.split_k, k_tiles))
     split = triton.cdiv(k_tiles, per)  # no empty split
