@@ -8,7 +8,7 @@ W_UV at 16 and 128 heads, as views of kv_b_proj).
 Method: the device copy rate (`limits.copy_bandwidth`, bytes read + written); then per shape and T, cuBLAS (the
 model's F.linear / einsum) and the kernel under each config of `sweep()`, each as a CUDA graph of back-to-back calls
 over distinct weight copies (≥ 3 × L2 of weights per replay, so every call reads its weight from HBM; ≥ 20 calls),
-median of 5 replays → µs per call and the weight bytes per µs as a share of the copy rate. Every config is first
+median of 5 replays (`ops.timing.graph_call_time`, a spin kernel hiding each replay's launch) → µs per call and the weight bytes per µs as a share of the copy rate. Every config is first
 checked on the GPU against the fp32 reference (rtol = atol = 2e-2 on outputs of unit scale). The Triton kernels
 are compiled beforehand by a pool of processes sharing Triton's cache.
 """
@@ -20,7 +20,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -28,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specmla.ops.linear.gemv import GemvConfig, default_config, head_matmul_small_m, linear_small_m
+from specmla.ops.timing import graph_call_time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from limits import copy_bandwidth  # noqa: E402
@@ -145,29 +145,11 @@ class Case:
 
 
 def time_graph(fn, calls, replays=5):
-    """µs per call: a CUDA graph of `calls` back-to-back fn(i) (i cycling over the weight copies), median of the
-    replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(3, calls)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+    """µs per call: `ops.timing.graph_call_time` of `calls` back-to-back fn(i) in one CUDA graph."""
+    t = graph_call_time(fn, calls, replays)
+    if t is None:
+        raise RuntimeError("a GEMV call did not compile or launch (run with logging at DEBUG for the reason)")
+    return t * 1e6
 
 
 def _compile_worker(items):
