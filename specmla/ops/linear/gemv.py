@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specmla.ops.linear.triton import _num_sms, _prefetch_l2
 from specmla.ops.pdl import launch_dependents, pdl_args, wait
 from specmla.ops.scratch import zeroed_scratch
 
@@ -56,18 +57,6 @@ class GemvConfig:
             raise ValueError(f"GemvConfig: bad num_warps / num_stages / split_k in {self}")
         if self.prefetch < 0 or self.prefetch & (self.prefetch - 1):
             raise ValueError(f"GemvConfig: prefetch must be 0 or a power of two, got {self.prefetch}")
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (132 elsewhere: an H100 / H200, for the default rule's arithmetic)."""
-    if device.type != "cuda":
-        return 132
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 SMEM_BUDGET = 200 << 10  # shared memory the default rule fills with stages (H100 / H200: 227 KB a block)
@@ -116,13 +105,6 @@ def default_config(T: int, G: int, N: int, K: int, sms: int = 132, itemsize: int
     stage_bytes = (block_n + 16) * block_k * itemsize
     stages = min(8, triton.cdiv(k_tiles, split) + 1, smem // per_sm // stage_bytes)
     return GemvConfig(block_n=block_n, block_k=block_k, num_warps=4, num_stages=max(2, stages), split_k=split)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines at ptrs (a hint: nothing is read into registers, no ordering implied)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit
@@ -220,7 +202,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemvCon
         return out
     if K == 0:
         return out.zero_()
-    cfg = config or default_config(T, G, N, K, device_sms(x.device), x.element_size(), stage_budget(x.device))
+    cfg = config or default_config(T, G, N, K, _num_sms(x.device), x.element_size(), stage_budget(x.device))
     k_tiles = triton.cdiv(K, cfg.block_k)
     per = triton.cdiv(k_tiles, min(cfg.split_k, k_tiles))
     split = triton.cdiv(k_tiles, per)  # no empty split

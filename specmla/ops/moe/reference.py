@@ -41,9 +41,14 @@ def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_
                          "other shared experts none")
     if out is not None and (tuple(out.shape) != (T, H) or out.dtype != x.dtype or out.device != x.device):
         raise ValueError(f"fused_moe: out must be [{T}, {H}] {x.dtype} on {x.device}")
-    if residual is not None and (tuple(residual.shape) != (T, H) or residual.dtype != x.dtype
+    check_residual(residual, x)
+
+
+def check_residual(residual, x) -> None:
+    """A `fused_moe` residual (or None) fits x [T, H]: the same shape, dtype and device; else ValueError."""
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype
                                  or residual.device != x.device):
-        raise ValueError(f"fused_moe: residual must be [{T}, {H}] {x.dtype} on {x.device}, got "
+        raise ValueError(f"fused_moe: residual must be {list(x.shape)} {x.dtype} on {x.device}, got "
                          f"{list(residual.shape)} {residual.dtype} on {residual.device}")
 
 

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from specmla.ops.linear.reference import BLOCK, E4M3_MAX
 from specmla.ops.linear.triton import act_quant, interpreting, quant_tile
+from specmla.ops.moe.reference import check_residual
 from specmla.ops.moe.tuning import Config, fit, fit_fp8, lookup, shared_memory
 from specmla.ops.pdl import launch_dependents, pdl_args, wait
 from specmla.ops.scratch import zeroed_scratch
@@ -365,11 +366,9 @@ def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
 
 def _unit_stride_residual(residual, x):
     """The residual as [T, H] rows contiguous in H (a copy if it is not), after checking it fits x."""
+    check_residual(residual, x)
     if residual is None:
         return None
-    if tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(f"fused_moe: residual must be {list(x.shape)} {x.dtype} on {x.device}, got "
-                         f"{list(residual.shape)} {residual.dtype} on {residual.device}")
     return residual if residual.stride(-1) == 1 else residual.contiguous()
 
 
