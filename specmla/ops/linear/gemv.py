@@ -80,7 +80,7 @@ def stage_budget(device: torch.device) -> int:
 def default_config(T: int, G: int, N: int, K: int, sms: int = 132, itemsize: int = 2,
                    smem: int = SMEM_BUDGET) -> GemvConfig:
     """The rule per shape (T rows, G heads, N output columns, K reduction terms, itemsize bytes an element), from
-    the H200 sweeps (.probe/gemv_probe.py): about one program per SM, each with as much of its weight slice in
+    the H200 sweeps (benchmarks/bench_gemv.py): about one program per SM, each with as much of its weight slice in
     flight as shared memory holds. 64-column tiles where they give about a wave of programs (or K ≥ 4096, where
     a K split is worth its fp32 partials), else 32 or 16 columns with 256-term tiles for long rows: a split's
     reduction costs more than it gains on short K. Stages: every tile of a program's slice in flight at once, up
