@@ -45,16 +45,34 @@ class _FakeCudaDriver:
 
 
 def resource_usage(kernel) -> dict:
-    """Registers / spills / shared memory of a compiled kernel, from cuobjdump on its cubin."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    """Registers / spills / shared memory of a compiled kernel, from cuobjdump on its cubin, and whether ptxas
+    serialised its wgmmas (each waiting for the one before: too few registers to keep them in flight), from a
+    verbose ptxas run on its PTX."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        text = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                              capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
     regs, stack, shared_static, local = (int(x) for x in m.groups()) if m else (-1, -1, -1, -1)
     return dict(name=kernel.name, regs=regs, stack=stack, local=local, shared=kernel.metadata.shared,
-                warps=kernel.metadata.num_warps, stages=getattr(kernel.metadata, "num_stages", None))
+                warps=kernel.metadata.num_warps, stages=getattr(kernel.metadata, "num_stages", None),
+                wgmma_serialized=_wgmma_serialized(kernel.asm["ptx"], os.path.join(tools, "ptxas")))
+
+
+def _wgmma_serialized(ptx: str, ptxas: str) -> bool:
+    """Whether ptxas reports serialising the wgmmas of this PTX (its C7512 performance note)."""
+    if "wgmma" not in ptx:
+        return False
+    arch = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    return "wgmma.mma_async instructions are serialized" in log.stderr + log.stdout
 
 
 @contextlib.contextmanager

@@ -56,6 +56,7 @@ def test_dequant_seesaw_compiles_for_sm90():
         (k,) = row["kernels"]
         assert k["name"] == "_mla_decode_dequant_seesaw_kernel" and k["warps"] == 12, row
         assert 0 < k["regs"] <= 255 and k["local"] == 0 and k["stack"] <= 640 and k["shared"] <= 227 * 1024, row
+        assert not k["wgmma_serialized"], row
 
 
 @pytest.mark.gpu

@@ -294,3 +294,4 @@ def test_fp8_kernel_compiles_for_sm90():
                                   [16, 1, 512, 64, "e4m3_fp8", False]]):
         (k,) = row["kernels"]
         assert k["name"] == "_mla_decode_fp8_kernel" and k["shared"] <= 232448 and k["regs"] > 0
+        assert not k["wgmma_serialized"], row

@@ -142,3 +142,4 @@ def test_tbq4_kernel_compiles_for_sm90():
                                   [16, 1, 512, 64, "e4m3_tbq4", False, 64, {"num_raw": 4}]]):
         (k,) = row["kernels"]
         assert k["name"] == "_mla_decode_tbq4_kernel" and k["shared"] <= 232448 and k["regs"] > 0
+        assert not k["wgmma_serialized"], row

@@ -97,7 +97,7 @@ def test_hopper_prefill_compiles_for_sm90():
         (use,) = r["kernels"]
         assert use["name"] == "_mla_prefill_ws_kernel", r
         # two consumer warpgroups + the producer warp's warpgroup; registers are re-split by setmaxnreg
-        assert use["warps"] == 12 and 0 < use["regs"] <= 168 and use["local"] == 0, r
+        assert use["warps"] == 12 and 0 < use["regs"] <= 168 and use["local"] == 0 and not use["wgmma_serialized"], r
         assert use["stack"] <= stack, r
         assert 0 < use["shared"] <= 227 * 1024, r
 
