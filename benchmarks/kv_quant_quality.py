@@ -47,8 +47,8 @@ from specmla.ops.decode.hopper.e4m3_reference import mla_decode_e4m3
 from specmla.ops.decode.hopper.tile_reference import mla_decode_tiles
 from specmla.ops.rope import apply_rope
 
-FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-tile", "fp8-folded", "fp8-folded-q2", "fp8_ds_mla", "fp8_ds_mla-kernel",
-           "tbq4", "tbq4-kernel", "tbq4-tile")
+FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-tile", "fp8_ds_mla", "fp8_ds_mla-kernel", "tbq4", "tbq4-kernel",
+           "tbq4-tile")
 # format → (its cache format, the emulation of a kernel's arithmetic on the same cache, its settings)
 KERNEL_FORMATS = {
     # q in two e4m3 terms, P·V in fp16 (hopper/fp8.py)
@@ -56,9 +56,6 @@ KERNEL_FORMATS = {
     "fp8_ds_mla-kernel": ("fp8_ds_mla", mla_decode_e4m3, dict(q_split=True, p_format="fp16")),  # on 656-byte rows
     "tbq4-kernel": ("tbq4", mla_decode_e4m3, {}),  # q and P in one e4m3 term each (hopper/tbq4.py)
     "fp8-tile": ("fp8", mla_decode_tiles, {}),  # keys dequantised once into fp16 tiles (hopper/dequant_seesaw.py)
-    # q in one (q2: two) e4m3 terms against the codes, code · scale in fp16 for P·V (hopper/fp8_folded.py)
-    "fp8-folded": ("fp8", mla_decode_tiles, dict(e4m3_scores=True, q_split=False)),
-    "fp8-folded-q2": ("fp8", mla_decode_tiles, dict(e4m3_scores=True)),
     "tbq4-tile": ("tbq4", mla_decode_tiles, {}),
 }
 
