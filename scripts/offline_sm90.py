@@ -103,8 +103,9 @@ def gluon_decode_usage(cases) -> list[dict]:
     turns on, cannot compile). dtype "fp8_ds_mla" / "tbq4": the kernel that dequantises those rows
     (`hopper.dequant`) with bf16 queries; "e4m3_fp8" / "e4m3_fp8_ds_mla": the e4m3 kernel of fp8 rows (`hopper.fp8`),
     "e4m3_tbq4": that of tbq4 rows (`hopper.tbq4`); "seesaw_fp8" / "seesaw_fp8_ds_mla" / "seesaw_tbq4": the 64-row
-    kernel that dequantises those rows into fp16 tiles (`hopper.dequant_seesaw`). The optional options item holds
-    fields of the module's `Options`, e.g. {"num_raw": 4}."""
+    kernel that dequantises those rows into fp16 tiles (`hopper.dequant_seesaw`); "folded_fp8" /
+    "folded_fp8_ds_mla" / "folded_tbq4": the 64-row kernel with e4m3 Q·Kᵀ on the codes (`hopper.fp8_folded`). The optional options
+    item holds fields of the module's `Options`, e.g. {"num_raw": 4}."""
     import importlib
 
     import torch
@@ -117,8 +118,9 @@ def gluon_decode_usage(cases) -> list[dict]:
     for H, S, dc, dr, dtype_name, direct, *rest in cases:
         settings = rest[1] if len(rest) > 1 else {}  # Options fields of an e4m3 kernel
         e4m3, seesaw = dtype_name.startswith("e4m3_"), dtype_name.startswith("seesaw_")
-        kv_format = dtype_name.split("_", 1)[1] if e4m3 or seesaw else dtype_name
-        quant = e4m3 or seesaw or kv_format in ("fp8_ds_mla", "tbq4")  # a quantised cache, bf16 queries
+        folded = dtype_name.startswith("folded_")
+        kv_format = dtype_name.split("_", 1)[1] if e4m3 or seesaw or folded else dtype_name
+        quant = e4m3 or seesaw or folded or kv_format in ("fp8_ds_mla", "tbq4")  # a quantised cache
         dtype = torch.bfloat16 if quant else getattr(torch, dtype_name)
         B = 2
         q = torch.randn(B, S, H, dc + dr, dtype=dtype)
@@ -132,8 +134,9 @@ def gluon_decode_usage(cases) -> list[dict]:
         out, lse = torch.empty(B, S, H, dc, dtype=dtype), torch.empty(B, S, H)
         mid_o, mid_lse = torch.empty(B, S, H, 2, dc), torch.empty(B, S, H, 2)
         with offline_sm90() as kernels:
-            if seesaw:
-                module = importlib.import_module("specmla.ops.decode.hopper.dequant_seesaw")
+            if seesaw or folded:
+                module = importlib.import_module("specmla.ops.decode.hopper."
+                                                 + ("fp8_folded" if folded else "dequant_seesaw"))
                 module.launch(q, kv, table, lens, mid_o, mid_lse, out, lse, 0.1, cfg, causal=True,
                               num_splits=1 if direct else 2, kv_format=kv_format, opts=module.Options(**settings))
             elif e4m3:

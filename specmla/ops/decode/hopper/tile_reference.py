@@ -38,11 +38,43 @@ def tile_rows(kv_format: str, rows: torch.Tensor, dc: int, dr: int) -> torch.Ten
     return torch.cat([latent.float(), decode_rope(kv_format, rows, dc, dr).bfloat16().float()], dim=-1)
 
 
+def e4m3_codes(kv_format: str, rows: torch.Tensor, dc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The e4m3 values `fp8_folded` multiplies and their per-key, per-chunk fp32 scales, from quantised rows
+    [B, L, W]: fp8 formats' codes and scales; tbq4's codes decoded to e4m3 centroid·k (`tbq4.e4m3_centroids`) and
+    norm / k. Returns ([B, L, nc, 128], [B, L, nc])."""
+    from specmla.ops.decode.hopper.e4m3_reference import _cache_fields
+
+    codes, scales, _ = _cache_fields(kv_format, rows, dc, 64)
+    if kv_format == "tbq4":
+        scales = scales * torch.tensor(1.0 / tbq4.e4m3_centroids()[0], dtype=torch.float32)
+    return codes, scales
+
+
+def e4m3_latent_scores(q_lat: torch.Tensor, rows: torch.Tensor, dc: int, q_split: bool = True,
+                       kv_format: str = "fp8") -> torch.Tensor:
+    """q's latent part [B, S, H, Dc] (tbq4: rotated) against quantised rows [B, L, W] as `fp8_folded` computes it:
+    q as two e4m3 terms (hi + lo; one with q_split False) of q / sq with one scale sq per row
+    (`e4m3_reference.quantize_q`), times the e4m3 values per 128-column chunk (`e4m3_codes`), each chunk's partial
+    times the key's fp32 scale, the sum times sq: [B, S, H, L] fp32."""
+    from specmla.ops.decode.hopper.e4m3_reference import quantize_q
+
+    nc = dc // FP8_BLOCK
+    q8, sq = quantize_q(q_lat, q_split=q_split)
+    codes, scales = e4m3_codes(kv_format, rows, dc)
+    partial = torch.einsum("bshcd,blcd->bshlc", q8.view(*q8.shape[:-1], nc, FP8_BLOCK).double(), codes.double())
+    return ((partial * scales[:, None, None].double()).sum(-1) * sq[..., None].double()).float()
+
+
 def mla_decode_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                           softmax_scale: float, *, causal: bool = True, kv_format: str = "fp8",
-                          head_dim_v: int | None = None, return_lse: bool = False):
+                          head_dim_v: int | None = None, return_lse: bool = False, e4m3_scores: bool = False,
+                          q_split: bool = True):
     """`mla_decode_torch`'s contract with `dequant_seesaw`'s rounding: out [B, S, H, Dc] in q's dtype, and with
-    return_lse the natural-log sum of exp of the scores [B, S, H] in fp32 (-inf for rows that see no key)."""
+    return_lse the natural-log sum of exp of the scores [B, S, H] in fp32 (-inf for rows that see no key).
+    e4m3_scores: `fp8_folded`'s rounding instead: the latent part of the scores from q in two e4m3 terms or
+    (q_split False) one against the e4m3 values (`e4m3_latent_scores`); P·V as before for fp8 formats (the two kernels
+    build the same fp16 values), for tbq4 on the e4m3 centroid·k times norm / k in fp16."""
+
     if kv_format not in FORMATS:
         raise ValueError(f"mla_decode_tiles emulates the quantised formats {FORMATS}; got {kv_format!r}")
     head_dim_v = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
@@ -53,6 +85,10 @@ def mla_decode_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     L = block_table.shape[1] * page_size
     pages = kv_cache[block_table.long().clamp(0, kv_cache.shape[0] - 1)].reshape(B * L, kv_cache.shape[-1])
     kv = tile_rows(kv_format, pages, dc, dr).float().view(B, L, D)
+    if e4m3_scores and kv_format == "tbq4":  # P·V on e4m3 centroid·k times norm / k in fp16, rounded once
+        codes, scales = e4m3_codes(kv_format, pages.view(B, L, -1), dc)
+        lat = (codes.half().float() * scales.half().float()[..., None]).half().float().view(B, L, dc)
+        kv = torch.cat([lat, kv[..., dc:]], dim=-1)
     pos = torch.arange(L, device=q.device)
     seq = seq_lens.long().to(q.device)
     valid = pos[None, :] < seq[:, None]
@@ -61,8 +97,13 @@ def mla_decode_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if kv_format == "tbq4":  # attention in the rotated domain: q's latent part rotated once
         qb = rotate_rows_torch(qb.reshape(-1, D), dc).view(B, S, H, D)
     qb = qb.bfloat16().float()
+    q_lat = qb[..., :dc]  # as the e4m3 kernel reads it (bf16)
     qb = torch.cat([qb[..., :dc].half().float(), qb[..., dc:]], dim=-1)  # the latent part as the kernel's fp16
-    scores = torch.einsum("bshd,bld->bshl", qb, kv) * softmax_scale
+    if e4m3_scores:
+        lat = e4m3_latent_scores(q_lat, pages.view(B, L, -1), dc, q_split, kv_format)
+        scores = (lat + torch.einsum("bshd,bld->bshl", qb[..., dc:], kv[..., dc:])) * softmax_scale
+    else:
+        scores = torch.einsum("bshd,bld->bshl", qb, kv) * softmax_scale
     mask = valid[:, None, None, :]
     if causal:
         limit = seq[:, None] - S + torch.arange(S, device=q.device)[None, :] + 1
