@@ -42,13 +42,14 @@ from specmla.model import deepseek
 from specmla.model.default import default_model_path
 from specmla.model.metadata import AttentionMetadata
 from specmla.ops.kv_cache import row_spec, write_kv_cache
+from specmla.ops.kv_cache.rotation import rotate_rows_torch
 from specmla.ops.decode import mla_decode
 from specmla.ops.decode.hopper.e4m3_reference import mla_decode_e4m3
 from specmla.ops.decode.hopper.tile_reference import mla_decode_tiles
 from specmla.ops.rope import apply_rope
 
-FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-tile", "fp8_ds_mla", "fp8_ds_mla-kernel", "tbq4", "tbq4-kernel",
-           "tbq4-tile")
+FORMATS = ("bf16", "fp8", "fp8-kernel", "fp8-tile", "fp8-folded", "fp8_ds_mla", "fp8_ds_mla-kernel", "tbq4",
+           "tbq4-kernel", "tbq4-tile", "tbq4-folded")
 # format → (its cache format, the emulation of a kernel's arithmetic on the same cache, its settings)
 KERNEL_FORMATS = {
     # q in two e4m3 terms, P·V in fp16 (hopper/fp8.py)
@@ -56,6 +57,10 @@ KERNEL_FORMATS = {
     "fp8_ds_mla-kernel": ("fp8_ds_mla", mla_decode_e4m3, dict(q_split=True, p_format="fp16")),  # on 656-byte rows
     "tbq4-kernel": ("tbq4", mla_decode_e4m3, {}),  # q and P in one e4m3 term each (hopper/tbq4.py)
     "fp8-tile": ("fp8", mla_decode_tiles, {}),  # keys dequantised once into fp16 tiles (hopper/dequant_seesaw.py)
+    # q in one e4m3 term against the codes (tbq4: their e4m3 centroids), code · scale in fp16 for P·V
+    # (hopper/fp8_folded.py)
+    "fp8-folded": ("fp8", mla_decode_tiles, dict(e4m3_scores=True, q_split=False)),
+    "tbq4-folded": ("tbq4", mla_decode_tiles, dict(e4m3_scores=True, q_split=False)),
     "tbq4-tile": ("tbq4", mla_decode_tiles, {}),
 }
 
@@ -77,8 +82,9 @@ def attend(fmt: str, q, cache, table, seq_lens, scale, dc):
 @contextlib.contextmanager
 def kernel_reads(fmt: str):
     """Within: the model's decode / verify reads of the cache (`deepseek.mla_decode`, the absorbed path) go
-    through `fmt`'s emulation (`KERNEL_FORMATS`) when fmt is a -kernel or -tile format. Yields a one-element call
-    counter, so that callers can check the reads did go there."""
+    through `fmt`'s emulation (`KERNEL_FORMATS`) when fmt is a -kernel, -tile or -folded format; a `rotated` read
+    (tbq4 with the rotation folded into the model's weights) has q rotated back before and the output rotated after,
+    as `mla_decode` does. Yields a one-element call counter, so that callers can check the reads did go there."""
     calls = [0]
     if fmt not in KERNEL_FORMATS:
         yield calls
@@ -92,8 +98,13 @@ def kernel_reads(fmt: str):
             return original(q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
                             head_dim_v=head_dim_v, **rest)
         calls[0] += 1
-        return emulation(q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
-                         head_dim_v=head_dim_v, **settings)
+        rotated = rest.pop("rotated", False)
+        dc = q.shape[-1] - 64 if head_dim_v is None else head_dim_v
+        if rotated:  # the emulations attend in the original domain; the rotation is its own inverse
+            q = rotate_rows_torch(q, dc)
+        o = emulation(q, kv_cache, block_table, seq_lens, softmax_scale, causal=causal, kv_format=kv_format,
+                      head_dim_v=head_dim_v, **settings)
+        return rotate_rows_torch(o, dc) if rotated else o
 
     deepseek.mla_decode = read
     try:
