@@ -10,6 +10,8 @@ Kernels (module names under `specmla.ops.decode`):
 - "dequant": Hopper kernel that dequantises fp8_ds_mla / tbq4 blocks to bf16 tiles, up to 32 rows.
 - "dequant_seesaw": Hopper kernel that dequantises fp8 / fp8_ds_mla / tbq4 blocks once into fp16 tiles for up to
   64 rows (S > 1 tokens folded), consumed by the seesaw schedule.
+- "fp8_folded": Hopper kernel for fp8 / fp8_ds_mla / tbq4 caches at up to 64 rows (S > 1 tokens folded): Q·Kᵀ as
+  e4m3 matmuls on the codes (tbq4: decoded to e4m3 centroids), P·V from Vᵀ built in registers.
 
 The split count comes from shapes only (B, S, H, SM count, the block table's capacity), never from the
 device-side lengths: no host synchronisation, a fixed workspace, and graph-capturable launches.
@@ -32,15 +34,17 @@ from triton import cdiv, next_power_of_2
 from specmla.ops import tuned
 from specmla.ops.kv_cache.layout import QUANTIZED
 
-KERNELS = ("triton", "bf16", "bf16_seesaw", "dequant", "dequant_seesaw", "fp8", "tbq4")
+KERNELS = ("triton", "bf16", "bf16_seesaw", "dequant", "dequant_seesaw", "fp8", "fp8_folded", "tbq4")
 E4M3_KERNEL = {"fp8": "fp8", "fp8_ds_mla": "fp8", "tbq4": "tbq4"}  # the 16-row Hopper kernel of each format
 E4M3_ROWS = 16
 MAX_ROWS = 64  # rows (folded tokens × heads) per program
+FOLD_KERNELS = ("dequant_seesaw", "fp8_folded")  # the quantised-cache kernels that fold S > 1 tokens into 64 rows
+FOLD_KERNEL = "fp8_folded"  # the rules' folded kernel (e4m3 scores: faster than dequant_seesaw's tiles at S ≥ 2)
 HOPPER_BLOCK_N = 64  # keys per block of the Hopper kernels for quantised caches
-# auto rule: quantised calls of S ≥ FOLD_MIN_S tokens fold them onto dequant_seesaw (the codes read once for all)
-# where the folded splits hold FOLD_MIN_KEYS keys, twice that where FOLD · BLOCK_H rows leave part of the tile empty;
-# on shorter splits one token per program wins (its extra reads of the keys cost less than the folded kernel's start)
-FOLD_MIN_S, FOLD_MIN_KEYS = 3, 1024
+# auto rule: quantised calls of S ≥ FOLD_MIN_S tokens fold them onto FOLD_KERNEL (the codes read once)
+# where the folded splits hold FOLD_MIN_KEYS keys, twice that at S = 2 (one token per program reads the keys only
+# twice); on shorter splits one token per program wins (its extra reads cost less than the folded kernel's start)
+FOLD_MIN_S, FOLD_MIN_KEYS = 2, 1024
 MIN_HOPPER_KEYS = 2 * HOPPER_BLOCK_N  # auto route: fp8 Hopper kernels at S = 1 take splits of two blocks or more
 # fp8 formats at S = 1 on dequant_seesaw (rows past the e4m3 and dequant kernels' tiles): splits of 8 blocks or more
 # (its producer's start costs more than the Triton kernel's whole split below that)
@@ -171,9 +175,9 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     kernel supports it and (a quantised Hopper kernel) its splits hold `min_hopper_keys` keys or the measured
     point's own splits were as short. The rules (auto):
     16-bit caches → bf16_seesaw when its splits hold SEESAW_MIN_KEYS keys (SEESAW_MIN_KEYS_SHARED with several head
-    blocks), else bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on dequant_seesaw (the codes read
+    blocks), else bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on FOLD_KERNEL (the codes read
     once for all of them) from FOLD_MIN_S tokens a request where those splits hold FOLD_MIN_KEYS keys (twice that
-    where the folded rows leave part of the tile empty), else one token per program on the format's 16-row e4m3
+    at S = 2), else one token per program on the format's 16-row e4m3
     kernel; S = 1: the e4m3 kernel when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else
     dequant_seesaw (up to 64 rows); a quantised Hopper kernel needs splits of `min_hopper_keys` keys, else triton."""
     if backend not in ("auto", "triton", "hopper"):
@@ -219,11 +223,12 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     e4m3 = E4M3_KERNEL.get(kv_format)
     min_keys = min_hopper_keys(kv_format, S, H)
     fold_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)
-    fold_keys = FOLD_MIN_KEYS * (1 if fold_plan["FOLD"] * fold_plan["BLOCK_H"] == fold_plan["BLOCK_M"] else 2)
-    folded = (on_hopper and quant and S > 1 and kernel in (None, "dequant_seesaw")
+    fold_keys = FOLD_MIN_KEYS * (2 if S == 2 else 1)
+    fold_kernel = kernel if kernel in FOLD_KERNELS else FOLD_KERNEL
+    folded = (on_hopper and quant and S > 1 and kernel in (None, *FOLD_KERNELS)
               and (kernel is not None or S >= FOLD_MIN_S and fold_plan["FOLD"] > 1
                    and fold_plan["keys_per_split"] >= fold_keys)
-              and supports("dequant_seesaw", row_tile(S, H, max_rows))
+              and supports(fold_kernel, row_tile(S, H, max_rows))
               and (forced or fold_plan["keys_per_split"] >= min_keys))
     if (on_hopper and quant and S > 1 and H <= E4M3_ROWS and not folded and kernel in (None, e4m3)
             and supports(e4m3, E4M3_ROWS)):
@@ -240,8 +245,8 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     choice = None
     if on_hopper:
         if quant:
-            candidates = ("dequant_seesaw",) if folded else ((e4m3,) + (("dequant",) if kv_format != "fp8" else ())
-                                                             + ("dequant_seesaw",))
+            candidates = (fold_kernel,) if folded else ((e4m3,) + (("dequant",) if kv_format != "fp8" else ())
+                                                        + ("dequant_seesaw", "fp8_folded"))
         else:
             candidates = ("bf16",)
         if kernel is not None:

@@ -19,8 +19,9 @@ from specmla.ops.kv_cache import row_spec, write_kv_cache
 
 ROUTE_CANDIDATES = {  # the kernels timed per format (each where it takes the call)
     "bf16": ("bf16", "bf16_seesaw", "triton"), "fp16": ("bf16", "bf16_seesaw", "triton"),
-    "fp8": ("fp8", "dequant_seesaw", "triton"), "fp8_ds_mla": ("fp8", "dequant", "dequant_seesaw", "triton"),
-    "tbq4": ("tbq4", "dequant", "dequant_seesaw", "triton"),
+    "fp8": ("fp8", "fp8_folded", "dequant_seesaw", "triton"),
+    "fp8_ds_mla": ("fp8", "fp8_folded", "dequant", "dequant_seesaw", "triton"),
+    "tbq4": ("tbq4", "fp8_folded", "dequant", "dequant_seesaw", "triton"),
 }
 GRID_B = (1, 4, 16, 64, 128)
 GRID_T = (2048, 8192, 32768)
