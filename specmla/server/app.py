@@ -342,10 +342,10 @@ def create_app(load_llm, model_name: str, api_key: str | None = None, host: str 
         try:
             llm = load_llm()
             state.update(check_model_dir(llm))
-            state["engine"] = AsyncEngine(llm.engine, on_finish=metrics.finished)
-            state["llm"] = llm
+            engine = AsyncEngine(llm.engine, on_finish=metrics.finished)
             gc.collect()  # the start-up heap (modules, graphs, kernels) leaves the collector's view: a full
             gc.freeze()  # collection over it would stall every stream at once
+            state["engine"], state["llm"] = engine, llm  # ready (/health 200) only once frozen
         except Exception as e:  # /health reports that it failed; the reason (which may name paths) is reported
             on_load_error(e)
             state["error"] = "the model failed to load; see the server log"
