@@ -24,7 +24,7 @@ ROUTE_CANDIDATES = {  # the kernels timed per format (each where it takes the ca
     "tbq4": ("tbq4", "fp8_folded", "dequant", "dequant_seesaw", "triton"),
 }
 GRID_B = (1, 4, 16, 64, 128)
-GRID_T = (2048, 8192, 32768)
+GRID_T = (2048, 8192, 32768, 131072)  # 128k: long contexts at small B, where the folded kernels win
 PAGE = 64
 SCALE = 0.1352
 MAX_CACHE_BYTES = 8 << 30  # a grid point whose cache copies would pass this is left out
