@@ -59,6 +59,8 @@ def pick(B, S, H, T, kv_format, hopper=True, **kw):
     (8, 1, 32, 16384, "fp8", "dequant_seesaw"),  # the fp8 kernel takes 16 rows only, and dequant no 608-byte rows
     (4, 1, 64, 16384, "tbq4", "dequant_seesaw"),  # 64 rows
     (128, 1, 16, 64, "fp8", "triton"),  # one-block splits: the Triton kernel
+    (1, 4, 4, 131072, "tbq4", "tbq4"),  # 4 tokens × 4 heads: folded into the 16-row kernel's own rows
+    (1, 4, 4, 131072, "fp8", "fp8"),
     (1, 4, 16, 4096, "tbq4", "tbq4"),  # folded splits too short, one token per program's long enough: 16 rows
     (4, 2, 16, 2048, "fp8", "fp8"),
     (1, 4, 16, 256, "tbq4", "tbq4"),  # one-block splits: tbq4's Triton kernel is slower still, 16 rows per token

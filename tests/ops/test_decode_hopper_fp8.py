@@ -295,3 +295,24 @@ def test_fp8_kernel_compiles_for_sm90():
         (k,) = row["kernels"]
         assert k["name"] == "_mla_decode_fp8_kernel" and k["shared"] <= 232448 and k["regs"] > 0
         assert not k["wgmma_serialized"], row
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("kv_format", ["fp8", "fp8_ds_mla"])
+@pytest.mark.parametrize("H,S,lens", [(4, 4, [3000, 1, 64, 65, 700]), (8, 2, [1000, 129])])
+def test_fp8_kernel_folds_tokens_whose_rows_fit_16(kv_format, H, S, lens):
+    """S · H ≤ 16 (the embedded model's 4 heads under MTP): the default route folds the tokens into this kernel's own
+    16 rows; against the fp64 reference with NaN bytes past each request's end (measured 2.5–3.0e-3)."""
+    from helpers.decode_kernels import poisoned_case
+    from helpers.mla_cases import rel_err
+
+    from specmla.ops.decode import mla_decode, route
+
+    q, cache, table, seq, want, _ = poisoned_case(kv_format, H + S, lens, S, H, 64, True)
+    q, cache, table, seq = q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda()
+    r = route(q, cache, table, kv_format=kv_format, head_dim_v=512)
+    assert r.kernel == "fp8" and r.plan["FOLD"] == S
+    got = mla_decode(q, cache, table, seq, 0.0721, kv_format=kv_format, head_dim_v=512).float().cpu()
+    assert not got.isnan().any()
+    assert rel_err(got, want) < 1e-2

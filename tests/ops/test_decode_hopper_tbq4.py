@@ -143,3 +143,23 @@ def test_tbq4_kernel_compiles_for_sm90():
         (k,) = row["kernels"]
         assert k["name"] == "_mla_decode_tbq4_kernel" and k["shared"] <= 232448 and k["regs"] > 0
         assert not k["wgmma_serialized"], row
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("H,S,lens", [(4, 4, [3000, 1, 64, 65, 700]), (8, 2, [1000, 129])])
+def test_tbq4_kernel_folds_tokens_whose_rows_fit_16(H, S, lens):
+    """S · H ≤ 16: the default route folds the tokens into this kernel's own 16 rows; against the fp64 reference with
+    NaN bytes past each request's end (q and P in one e4m3 term each: measured 3.8–4.8e-2)."""
+    from helpers.decode_kernels import poisoned_case
+    from helpers.mla_cases import rel_err
+
+    from specmla.ops.decode import mla_decode, route
+
+    q, cache, table, seq, want, _ = poisoned_case("tbq4", H + S, lens, S, H, 64, True)
+    q, cache, table, seq = q.bfloat16().cuda(), cache.cuda(), table.cuda(), seq.cuda()
+    r = route(q, cache, table, kv_format="tbq4", head_dim_v=512)
+    assert r.kernel == "tbq4" and r.plan["FOLD"] == S
+    got = mla_decode(q, cache, table, seq, 0.0721, kv_format="tbq4", head_dim_v=512).float().cpu()
+    assert not got.isnan().any()
+    assert rel_err(got, want) < 6e-2

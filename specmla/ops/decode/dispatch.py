@@ -177,8 +177,8 @@ def select_kernel(B: int, S: int, H: int, D: int, kv_format: str, *, hopper: boo
     16-bit caches → bf16_seesaw when its splits hold SEESAW_MIN_KEYS keys (SEESAW_MIN_KEYS_SHARED with several head
     blocks), else bf16. Quantised caches → S > 1 tokens folded into up to 64 rows on FOLD_KERNEL (the codes read
     once for all of them) from FOLD_MIN_S tokens a request where those splits hold FOLD_MIN_KEYS keys (twice that
-    at S = 2), else one token per program on the format's 16-row e4m3
-    kernel; S = 1: the e4m3 kernel when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else
+    at S = 2) and S · H passes 16 (else they fold into the format's 16-row e4m3 kernel), else one token per program on
+    the format's 16-row e4m3 kernel; S = 1: the e4m3 kernel when the rows fit 16, else dequant (fp8_ds_mla, tbq4 up to 32 rows), else
     dequant_seesaw (up to 64 rows); a quantised Hopper kernel needs splits of `min_hopper_keys` keys, else triton."""
     if backend not in ("auto", "triton", "hopper"):
         raise ValueError(f"unknown backend {backend!r} (auto | torch | triton | hopper)")
@@ -225,8 +225,10 @@ def _select(B: int, S: int, H: int, D: int, kv_format: str, on_hopper: bool, sm_
     fold_plan = plan(B, S, H, max_seq, sm_count, HOPPER_BLOCK_N, max_rows, waves=1)
     fold_keys = FOLD_MIN_KEYS * (2 if S == 2 else 1)
     fold_kernel = kernel if kernel in FOLD_KERNELS else FOLD_KERNEL
+    # S · H ≤ 16 rows: the tokens fold into the 16-row e4m3 kernel itself (the codes read once, no empty rows)
+    fits_e4m3 = quant and S * H <= E4M3_ROWS and supports(e4m3, E4M3_ROWS)
     folded = (on_hopper and quant and S > 1 and kernel in (None, *FOLD_KERNELS)
-              and (kernel is not None or S >= FOLD_MIN_S and fold_plan["FOLD"] > 1
+              and (kernel is not None or S >= FOLD_MIN_S and fold_plan["FOLD"] > 1 and not fits_e4m3
                    and fold_plan["keys_per_split"] >= fold_keys)
               and supports(fold_kernel, row_tile(S, H, max_rows))
               and (forced or fold_plan["keys_per_split"] >= min_keys))
