@@ -1,9 +1,11 @@
-"""Hopper MLA decode over an fp8 cache (608-byte `fp8` rows, 656-byte `fp8_ds_mla` rows) for up to 64 query rows
-(S > 1 tokens folded, so each block's codes are read once for all of them), with Q·Kᵀ as e4m3 matmuls on the codes
-themselves and no dequantised tile in shared memory.
+"""Hopper MLA decode over an fp8 cache (608-byte `fp8` rows, 656-byte `fp8_ds_mla` rows) or a tbq4 cache (400-byte
+rows, its 4-bit codes decoded to e4m3 centroids) for up to 64 query rows (S > 1 tokens folded, so each block's codes
+are read once for all of them), with Q·Kᵀ as e4m3 matmuls on the codes themselves and no dequantised tile in shared
+memory.
 
 - A one-warp loader TMA-copies whole rows of each 64-key block into a ring of stages (`fp8._issue_block`: the codes
-  as four [64, 128] e4m3 tiles, the rope part, the per-chunk scales).
+  as four [64, 128] e4m3 tiles, the rope part, the per-chunk scales; tbq4: the raw rows, which the two P·V
+  warpgroups decode into the e4m3 tiles, centroid·k, with norm / k as the scales, before the block is scored).
 - The scoring warpgroup takes every block: S [64 rows, 64 keys] as q's latent part in e4m3 (one term, one scale per
   row) against each 128-column chunk of codes, every chunk's partial scaled by its keys' fp32
   scales and added in fp32 (DeepGEMM's promotion), plus the rope part in bf16 (608-byte rows: its int8 values
