@@ -59,8 +59,8 @@ KERNEL_FORMATS = {
     "fp8-tile": ("fp8", mla_decode_tiles, {}),  # keys dequantised once into fp16 tiles (hopper/dequant_seesaw.py)
     # q in one e4m3 term against the codes (tbq4: their e4m3 centroids), code · scale in fp16 for P·V
     # (hopper/fp8_folded.py)
-    "fp8-folded": ("fp8", mla_decode_tiles, dict(e4m3_scores=True, q_split=False)),
-    "tbq4-folded": ("tbq4", mla_decode_tiles, dict(e4m3_scores=True, q_split=False)),
+    "fp8-folded": ("fp8", mla_decode_tiles, dict(e4m3_scores=True)),
+    "tbq4-folded": ("tbq4", mla_decode_tiles, dict(e4m3_scores=True)),
     "tbq4-tile": ("tbq4", mla_decode_tiles, {}),
 }
 

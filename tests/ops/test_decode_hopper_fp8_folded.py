@@ -45,7 +45,7 @@ def test_fp8_folded_matches_the_reference(fmt, H, S, page, lens, splits, causal)
     assert torch.equal(torch.isfinite(got_lse), seen)
     assert (got[~seen].abs() == 0).all()  # rows that see no key (causal, before the request's first) are zeros
     emul, emul_lse = mla_decode_tiles(q.bfloat16().float(), cache, table, seq, 0.0721, causal=causal, kv_format=fmt,
-                                      head_dim_v=512, return_lse=True, e4m3_scores=True, q_split=False)
+                                      head_dim_v=512, return_lse=True, e4m3_scores=True)
     # both rounded to bf16 (2⁻⁹ relative): the rest is the fp8 tensor cores' accumulation and the summation order;
     # tbq4's output is rounded twice (in the rotated domain, then after the rotation back): 2.5–2.6e-3 from that alone
     assert rel_err(got, emul.bfloat16().float()) < (4e-3 if fmt == "tbq4" else 2e-3)

@@ -58,7 +58,7 @@ def test_e4m3_scores_follow_q_in_e4m3_terms(fmt):
     scale): with q in two terms they are the exact scores within 2⁻⁷ of their spread (0.3 % measured), in one term
     within a fifth of it (11 % measured: q's own rounding to 3 mantissa bits); the
     NaN-poisoned rows past each end are hidden."""
-    from specmla.ops.decode.hopper.tile_reference import e4m3_latent_scores
+    from specmla.ops.decode.hopper.tile_reference import e4m3_codes, e4m3_latent_scores
 
     q, cache, table, seq, want, want_lse = poisoned_case(fmt, 29, [333, 1, 65], 4, 16, 16, True)
     rows = cache[table.long()].view(3, -1, cache.shape[-1])
@@ -68,10 +68,11 @@ def test_e4m3_scores_follow_q_in_e4m3_terms(fmt):
     valid = torch.arange(rows.shape[1])[None, :] < seq[:, None]
     spread = exact[valid[:, None, None].expand_as(exact)].std()
     for split, bound in ((True, 2 ** -7), (False, 0.2)):
-        got = e4m3_latent_scores(q[..., :512].bfloat16().float(), rows, 512, q_split=split).double()
+        got = e4m3_latent_scores(q[..., :512].bfloat16().float(), *e4m3_codes(fmt, rows, 512), q_split=split).double()
         err = (got - exact)[valid[:, None, None].expand_as(exact)].abs()
         assert 0 < err.max() < bound * spread
-    out, lse = mla_decode_tiles(q, cache, table, seq, 0.0721, kv_format=fmt, return_lse=True, e4m3_scores=True)
+    out, lse = mla_decode_tiles(q, cache, table, seq, 0.0721, kv_format=fmt, return_lse=True, e4m3_scores=True,
+                                q_split=True)
     seen = torch.isfinite(want_lse)
     assert not out.isnan().any() and torch.equal(torch.isfinite(lse), seen)
     assert rel_err(out, want) < 1e-2
@@ -82,7 +83,8 @@ def test_e4m3_scores_on_tbq4_rows():
     e4m3 terms): within 4 % of the exact reference and of `dequant_seesaw`'s emulation (2.0 % here: the e4m3
     centroids are within 2 % of the exact ones; the 16-row e4m3 kernel's emulation is 3.5 % off on this case)."""
     q, cache, table, seq, want, want_lse = poisoned_case("tbq4", 31, [333, 1, 65], 4, 16, 16, True)
-    out, lse = mla_decode_tiles(q, cache, table, seq, 0.0721, kv_format="tbq4", return_lse=True, e4m3_scores=True)
+    out, lse = mla_decode_tiles(q, cache, table, seq, 0.0721, kv_format="tbq4", return_lse=True, e4m3_scores=True,
+                                q_split=True)
     tile = mla_decode_tiles(q, cache, table, seq, 0.0721, kv_format="tbq4")
     seen = torch.isfinite(want_lse)
     assert not out.isnan().any() and torch.equal(torch.isfinite(lse), seen)

@@ -50,17 +50,16 @@ def e4m3_codes(kv_format: str, rows: torch.Tensor, dc: int) -> tuple[torch.Tenso
     return codes, scales
 
 
-def e4m3_latent_scores(q_lat: torch.Tensor, rows: torch.Tensor, dc: int, q_split: bool = True,
-                       kv_format: str = "fp8") -> torch.Tensor:
-    """q's latent part [B, S, H, Dc] (tbq4: rotated) against quantised rows [B, L, W] as `fp8_folded` computes it:
-    q as two e4m3 terms (hi + lo; one with q_split False) of q / sq with one scale sq per row
-    (`e4m3_reference.quantize_q`), times the e4m3 values per 128-column chunk (`e4m3_codes`), each chunk's partial
+def e4m3_latent_scores(q_lat: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                       q_split: bool = False) -> torch.Tensor:
+    """q's latent part [B, S, H, Dc] (tbq4: rotated) against the e4m3 values and scales of `e4m3_codes` as
+    `fp8_folded` computes it: q as one e4m3 term (two, hi + lo, with q_split: the rejected variant) of q / sq with one
+    scale sq per row (`e4m3_reference.quantize_q`), times the e4m3 values per 128-column chunk, each chunk's partial
     times the key's fp32 scale, the sum times sq: [B, S, H, L] fp32."""
     from specmla.ops.decode.hopper.e4m3_reference import quantize_q
 
-    nc = dc // FP8_BLOCK
+    nc = codes.shape[-2]
     q8, sq = quantize_q(q_lat, q_split=q_split)
-    codes, scales = e4m3_codes(kv_format, rows, dc)
     partial = torch.einsum("bshcd,blcd->bshlc", q8.view(*q8.shape[:-1], nc, FP8_BLOCK).double(), codes.double())
     return ((partial * scales[:, None, None].double()).sum(-1) * sq[..., None].double()).float()
 
@@ -68,12 +67,12 @@ def e4m3_latent_scores(q_lat: torch.Tensor, rows: torch.Tensor, dc: int, q_split
 def mla_decode_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                           softmax_scale: float, *, causal: bool = True, kv_format: str = "fp8",
                           head_dim_v: int | None = None, return_lse: bool = False, e4m3_scores: bool = False,
-                          q_split: bool = True):
+                          q_split: bool = False):
     """`mla_decode_torch`'s contract with `dequant_seesaw`'s rounding: out [B, S, H, Dc] in q's dtype, and with
     return_lse the natural-log sum of exp of the scores [B, S, H] in fp32 (-inf for rows that see no key).
-    e4m3_scores: `fp8_folded`'s rounding instead: the latent part of the scores from q in two e4m3 terms or
-    (q_split False) one against the e4m3 values (`e4m3_latent_scores`); P·V as before for fp8 formats (the two kernels
-    build the same fp16 values), for tbq4 on the e4m3 centroid·k times norm / k in fp16."""
+    e4m3_scores: `fp8_folded`'s rounding instead: the latent part of the scores from q in one e4m3 term (two with
+    q_split) against the e4m3 values (`e4m3_latent_scores`); P·V as before for fp8 formats (the two kernels build the
+    same fp16 values), for tbq4 on the e4m3 centroid·k times norm / k in fp16."""
 
     if kv_format not in FORMATS:
         raise ValueError(f"mla_decode_tiles emulates the quantised formats {FORMATS}; got {kv_format!r}")
@@ -85,8 +84,9 @@ def mla_decode_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     L = block_table.shape[1] * page_size
     pages = kv_cache[block_table.long().clamp(0, kv_cache.shape[0] - 1)].reshape(B * L, kv_cache.shape[-1])
     kv = tile_rows(kv_format, pages, dc, dr).float().view(B, L, D)
-    if e4m3_scores and kv_format == "tbq4":  # P·V on e4m3 centroid·k times norm / k in fp16, rounded once
+    if e4m3_scores:
         codes, scales = e4m3_codes(kv_format, pages.view(B, L, -1), dc)
+    if e4m3_scores and kv_format == "tbq4":  # P·V on e4m3 centroid·k times norm / k in fp16, rounded once
         lat = (codes.half().float() * scales.half().float()[..., None]).half().float().view(B, L, dc)
         kv = torch.cat([lat, kv[..., dc:]], dim=-1)
     pos = torch.arange(L, device=q.device)
@@ -100,7 +100,7 @@ def mla_decode_tiles(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     q_lat = qb[..., :dc]  # as the e4m3 kernel reads it (bf16)
     qb = torch.cat([qb[..., :dc].half().float(), qb[..., dc:]], dim=-1)  # the latent part as the kernel's fp16
     if e4m3_scores:
-        lat = e4m3_latent_scores(q_lat, pages.view(B, L, -1), dc, q_split, kv_format)
+        lat = e4m3_latent_scores(q_lat, codes, scales, q_split)
         scores = (lat + torch.einsum("bshd,bld->bshl", qb[..., dc:], kv[..., dc:])) * softmax_scale
     else:
         scores = torch.einsum("bshd,bld->bshl", qb, kv) * softmax_scale
