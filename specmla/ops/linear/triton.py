@@ -38,6 +38,7 @@ from specmla.ops.scratch import zeroed_scratch
 
 SPLITK_COUNTERS = 1 << 16  # arrival counters (one per N tile) kept zeroed for the split-K kernel
 PREFETCH_BLOCKS = 4  # K blocks of its weights a decode program asks L2 for before it waits on act_quant
+ACT_QUANT_SMALL_M = 512  # act_quant's programs hold 8 rows up to here, 32 above (measured on an H200)
 
 
 def interpreting() -> bool:
@@ -82,10 +83,11 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _act_quant_kernel(X, Q, S, M, K, KB, stride_xm, ROWS: tl.constexpr, GBLK: tl.constexpr, E4M3: tl.constexpr,
-                      INTERP: tl.constexpr, PDL: tl.constexpr):
-    """Program (i, j): rows i·ROWS.., column group j (GBLK columns) of x → e4m3 Q [M, K] and scales S [M, KB].
-    PDL: x may come from the kernel before (wait for it), and the kernel after may launch at once."""
+def _act_quant_kernel(X, Q, S, M, K, stride_xm, stride_sm, stride_sk, ROWS: tl.constexpr, GBLK: tl.constexpr,
+                      E4M3: tl.constexpr, INTERP: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): rows i·ROWS.., column group j (GBLK columns) of x → e4m3 Q [M, K] and scales S[m, j] at
+    m·stride_sm + j·stride_sk. PDL: x may come from the kernel before (wait for it), and the kernel after may
+    launch at once."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -95,30 +97,39 @@ def _act_quant_kernel(X, Q, S, M, K, KB, stride_xm, ROWS: tl.constexpr, GBLK: tl
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     q, s = quant_tile(x, E4M3, INTERP)
     tl.store(Q + rows[:, None].to(tl.int64) * K + cols[None, :], q, mask=ok)
-    tl.store(S + rows.to(tl.int64) * KB + tl.program_id(1), s, mask=rows < M)
+    tl.store(S + rows.to(tl.int64) * stride_sm + tl.program_id(1) * stride_sk, s, mask=rows < M)
 
 
-def act_quant(x: torch.Tensor, block: int = BLOCK, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, block: int = BLOCK, *, pdl: bool = False,
+              scales_mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (bf16 / fp16 / fp32) → (float8_e4m3fn [..., K], fp32 scales [..., ⌈K/block⌉]): per row, per group
     of `block` columns (the last one partial), scale = amax / 448 (1 for a group of zeros); `act_quant_torch`'s rule.
-    pdl: launch as a programmatic dependent launch that lets the next kernel start early (sm_90+; see `use_pdl`)."""
+    pdl: launch as a programmatic dependent launch that lets the next kernel start early (sm_90+; see `use_pdl`).
+    scales_mn_major: x must be 2-D [M, K]; the scales come as an [M, KB] view with strides (1, M rounded up to 4)
+    (column-major, each column 16-byte aligned: the layout DeepGEMM's sm_90 kernels load by TMA)."""
     if block != BLOCK:
         raise ValueError(f"act_quant: block must be {BLOCK}, got {block}")
     if not x.is_floating_point() or x.dtype == torch.float8_e4m3fn or x.dim() < 1:
         raise ValueError(f"act_quant: x must be a bf16 / fp16 / fp32 tensor [..., K], got {x.dtype} {tuple(x.shape)}")
+    if scales_mn_major and x.dim() != 2:
+        raise ValueError(f"act_quant: scales_mn_major needs x [M, K], got {tuple(x.shape)}")
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(math.prod(lead), K)
     if K > 0 and x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, KB = x2.shape[0], triton.cdiv(K, BLOCK)
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    if scales_mn_major:
+        ma = -(-M // 4) * 4
+        s = torch.empty(KB * ma, dtype=torch.float32, device=x.device).as_strided((M, KB), (1, ma))
+    else:
+        s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
     if M > 0 and K > 0:
-        rows = 8
+        rows = 8 if M <= ACT_QUANT_SMALL_M else 32  # more programs while few rows; fewer, fuller ones for many
         _act_quant_kernel[(triton.cdiv(M, rows), KB)](
-            x2, q, s, M, K, KB, x2.stride(0), ROWS=rows, GBLK=BLOCK, E4M3=E4M3_MAX, INTERP=interpreting(), PDL=pdl,
-            num_warps=4, launch_pdl=pdl)
-    return q.view(*lead, K), s.view(*lead, KB)
+            x2, q, s, M, K, x2.stride(0), s.stride(0), s.stride(1), ROWS=rows, GBLK=BLOCK, E4M3=E4M3_MAX,
+            INTERP=interpreting(), PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return q.view(*lead, K), (s if scales_mn_major else s.view(*lead, KB))
 
 
 @triton.jit
