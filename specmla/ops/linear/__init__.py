@@ -6,6 +6,8 @@ float8_e4m3fn with one fp32 `weight_scale_inv` per 128 × 128 block.
 - `triton.py`: `fp8_block_linear_triton` (w8a8: activations quantised per token per 128 columns, e4m3 tensor-core
   products promoted to fp32 every 128 K with both scales; a split-K swap-AB kernel up to 64 rows, a tiled GEMM
   above) and `act_quant` (the activation rule as a kernel);
+- `deepgemm.py`: `fp8_block_linear_deepgemm`, the same product on DeepGEMM's sm_90 kernel (the optional extra
+  `specmla[hopper]`), which "auto" takes where it is available and measured faster (`deepgemm.preferred`);
 - `gemv.py`: 16-bit products of at most `SMALL_M` rows (decode at small batch), which stream the weight where cuBLAS
   leaves most of the copy rate unused: `linear_small_m` (x @ weightᵀ) and `head_matmul_small_m` (one matrix per
   head, MLA's absorbed projections); `linear` and `head_matmul` pick them or torch.
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specmla.ops.backend import pick_backend
+from specmla.ops.linear import deepgemm
 from specmla.ops.linear.gemv import SMALL_M, head_matmul_small_m, linear_small_m
 from specmla.ops.linear.reference import (act_quant_torch, fp8_block_linear_torch, weight_dequant,
                                           weight_quant)
@@ -50,11 +53,18 @@ def e4m3_backend(backend: str, *tensors) -> str:
 
 def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, backend="auto"):
     """Contract C7: x [..., K] @ (weight · scale)ᵀ (+ bias) → [..., N] in out_dtype (default x's dtype); weight
-    float8_e4m3fn [N, K], weight_scale_inv fp32 [⌈N/128⌉, ⌈K/128⌉]. backend: "auto" (the Triton kernels on CUDA
-    when no tensor needs a gradient, else the torch reference), "triton" (also under TRITON_INTERPRET=1 on CPU
-    tensors; activations quantised per token per 128 columns) or "torch" (the weights dequantised, activations
-    exact). No host synchronisation; graph-capturable once called eagerly (its split-K counters are allocated then)."""
+    float8_e4m3fn [N, K], weight_scale_inv fp32 [⌈N/128⌉, ⌈K/128⌉]. backend: "auto" (on CUDA when no tensor needs
+    a gradient: DeepGEMM where it is installed, the call fits it and `deepgemm.preferred` its row count, else the
+    Triton kernels; the torch reference otherwise), "triton" (also under TRITON_INTERPRET=1 on CPU tensors;
+    activations quantised per token per 128 columns), "deepgemm" (RuntimeError where it is not available),
+    or "torch" (the weights dequantised, activations exact). No host synchronisation; graph-capturable once called
+    eagerly (the split-K counters are allocated, DeepGEMM's kernels compiled, then)."""
+    if backend == "deepgemm":
+        return deepgemm.fp8_block_linear_deepgemm(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     if e4m3_backend(backend, x, weight, weight_scale_inv, bias) == "triton":
+        if (backend == "auto" and x.dim() >= 1 and deepgemm.preferred(math.prod(x.shape[:-1]), weight.shape[-1])
+                and deepgemm.available(x.device) and deepgemm.supported(x, weight, bias, out_dtype)):
+            return deepgemm.fp8_block_linear_deepgemm(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
         return fp8_block_linear_triton(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     return fp8_block_linear_torch(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
 
