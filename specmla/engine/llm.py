@@ -31,6 +31,7 @@ from specmla.engine.tp_channel import GlooChannel, ShmChannel
 from specmla.engine.tp_worker import TPEngine, follow_engine
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.default import default_model_path
+from specmla.model.fp8 import FP8_NUMERICS, fp8_numerics_of, use_fp8_numerics_
 from specmla.model.loader import WEIGHTS, load_model
 from specmla.ops.all_reduce import symmetric_bytes
 from specmla.ops.kv_cache import QUANTIZED
@@ -56,6 +57,7 @@ class LLM:
         device: str | None = None,
         dtype: str | torch.dtype | None = None,
         weights: str = "auto",
+        fp8_numerics: str = "auto",
         load_format: str = "safetensors",
         speculative: str | None = None,
         num_speculative_tokens: int = 3,
@@ -82,6 +84,10 @@ class LLM:
         """`model`: a model directory, None (the embedded default), or an already built
         `DeepseekForCausalLM` (then `tokenizer` may be given; device and dtype are the model's). weights: "auto"
         runs an FP8 checkpoint's block-scaled weights as stored, "dequantize" turns them into dtype at load.
+        fp8_numerics: what those FP8 layers run, "auto" (the w8a8 kernels on CUDA, the dequantised reference on CPU)
+        or "emulate" (`model.fp8.use_fp8_numerics_`: the torch emulation of the kernels' w8a8 arithmetic,
+        DeepSeek's act_quant numerics, on any device; a reference for the kernels, run without CUDA graphs since its
+        MoE reads the chosen experts on the host; a built `model` keeps its own setting under "auto").
         load_format: "safetensors" loads the directory's weights, "dummy" builds random ones of its config.json's
         shapes on the device (benchmarks of models too large to write to disk; every rank builds its shard).
         custom_all_reduce: under tensor parallelism on GPUs of one host, small all-reduces use the one-shot kernel
@@ -98,6 +104,8 @@ class LLM:
             on_phase("loading")
         if weights not in WEIGHTS:
             raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
+        if fp8_numerics not in FP8_NUMERICS:
+            raise ValueError(f"fp8_numerics={fp8_numerics!r}: expected one of {tuple(FP8_NUMERICS)}")
         if speculative not in (None, "auto", "ngram", "mtp", "hybrid"):
             raise ValueError(f"speculative={speculative!r}: expected None, 'auto', 'ngram', 'mtp' or 'hybrid'")
         if tensor_parallel_size < 1:
@@ -112,6 +120,8 @@ class LLM:
             self.model_path = None
             self.model, self.tokenizer = model, tokenizer
             device = next(model.parameters()).device
+            if fp8_numerics != "auto":
+                use_fp8_numerics_(model, fp8_numerics)
         else:
             if model is None:
                 model = default_model_path()
@@ -123,7 +133,8 @@ class LLM:
             shard = (_tp_rank, _tp_world) if _tp_rank is not None else (
                 (0, tensor_parallel_size) if tensor_parallel_size > 1 else None)
             self.model = load_model(self.model_path, device=device, dtype=dtype, max_positions=max_model_len,
-                                    progress=progress, shard=shard, weights=weights, load_format=load_format)
+                                    progress=progress, shard=shard, weights=weights, load_format=load_format,
+                                    fp8_numerics=fp8_numerics)
             has_tok = (self.model_path / "tokenizer.json").exists()
             self.tokenizer = tokenizer or (Tokenizer(self.model_path) if has_tok else None)
         cache_dtype = next(self.model.parameters()).dtype
@@ -150,7 +161,8 @@ class LLM:
                                  "(num_nextn_predict_layers)")
             proposer = (MtpProposer(num_speculative_tokens) if speculative == "mtp"
                         else HybridProposer(num_speculative_tokens, ngram_min, ngram_max))
-        use_graphs = device.type == "cuda" and not enforce_eager
+        # the emulation's MoE reads the chosen experts on the host: no CUDA graphs
+        use_graphs = device.type == "cuda" and not enforce_eager and fp8_numerics_of(self.model) != "emulate"
 
         tp = tensor_parallel_size > 1 or _tp_rank is not None
 
@@ -203,7 +215,8 @@ class LLM:
             # every rank builds this same engine (graphs included, their all-reduces captured in lockstep); the
             # other ranks mirror rank 0's pool page for page (sizing from their own free memory could differ)
             self._start_tensor_parallel(tensor_parallel_size, device, dict(
-                device=str(device), dtype=dtype, weights=weights, load_format=load_format, speculative=speculative,
+                device=str(device), dtype=dtype, weights=weights, fp8_numerics=fp8_numerics, load_format=load_format,
+                speculative=speculative,
                 num_speculative_tokens=num_speculative_tokens, ngram_min=ngram_min, ngram_max=ngram_max,
                 kv_cache_dtype=kv_cache_dtype, page_size=page_size, num_pages=pool.num_pages,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

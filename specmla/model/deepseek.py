@@ -112,6 +112,7 @@ class MoE(nn.Module):
 
     tp_reduce = False
     local_experts: tuple[int, int] | None = None  # expert parallelism: the global ids [e0, e1) held here
+    backend = "auto"  # `ops.fused_moe`'s backend (fp8 stacks: "w8a8_torch" under `model.fp8.use_fp8_numerics_`)
 
     def use_fp8_(self) -> None:
         """Replace the stacks by float8_e4m3fn ones with fp32 scales per FP8_BLOCK × FP8_BLOCK block
@@ -190,7 +191,7 @@ class MoE(nn.Module):
         fused = residual is not None and not self.tp_reduce and residual.dtype == x.dtype
         out = fused_moe(x, self.w_gate_up, self.w_down, weights, idx, shared=shared,
                         w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale,
-                        shared_scales=shared_scales, residual=residual if fused else None)
+                        shared_scales=shared_scales, residual=residual if fused else None, backend=self.backend)
         if self.tp_reduce:
             out = tp_all_reduce_(out)
         return out if residual is None or fused else out + residual
@@ -238,13 +239,14 @@ class MLAttention(nn.Module):
 
     def _input_projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM where `fuse_input_projections_` made the
-        fused weight and no gradient is wanted, else the two modules."""
+        fused weight and no gradient is wanted, else the two modules (FP8: the fused GEMM runs on the first
+        module's `Fp8Linear.backend`)."""
         first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
         fused = getattr(self, "input_proj_weight", None)
         if fused is None or torch.is_grad_enabled():
             return first(x), self.kv_a_proj_with_mqa(x)
         scale = getattr(self, "input_proj_scale", None)
-        y = linear(x, fused) if scale is None else fp8_block_linear(x, fused, scale)
+        y = linear(x, fused) if scale is None else fp8_block_linear(x, fused, scale, backend=first.backend)
         return y.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
 
     # W_UK [H, Dn, Dc] and W_UV [H, Dv, Dc]: views into kv_b_proj.weight (no copies), or (rotated) into its copy

@@ -5,6 +5,10 @@ What stays in the model dtype: every tensor the checkpoint keeps unquantised (em
 router, `e_score_correction_bias`) and kv_b_proj, dequantised at load (`loader`): the absorbed decode folds its
 W_UK / W_UV blocks into the queries and the output per head (`MLAttention.absorbed_weights`), which takes them
 as 16-bit matrices, and it is a small part of a layer's weight bytes.
+
+`use_fp8_numerics_` chooses what the FP8 layers run: the ops' "auto" (the w8a8 kernels on CUDA, the dequantised
+reference on CPU) or "emulate" (the torch emulation of the kernels' w8a8 arithmetic, DeepSeek's act_quant
+numerics, on any device).
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ DEQUANTISED_AT_LOAD = ("kv_b_proj",)  # linear layers that stay in the model dty
 
 class Fp8Linear(nn.Module):
     """y = x @ (weight · scale)ᵀ (+ bias) with weight float8_e4m3fn [out, in] and weight_scale_inv fp32
-    [⌈out/128⌉, ⌈in/128⌉] (the checkpoint's names); the output has x's dtype. No gradients."""
+    [⌈out/128⌉, ⌈in/128⌉] (the checkpoint's names); the output has x's dtype. No gradients. `backend`: the
+    `fp8_block_linear` backend it runs (`use_fp8_numerics_` sets it)."""
+
+    backend = "auto"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
         super().__init__()
@@ -35,7 +42,7 @@ class Fp8Linear(nn.Module):
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_block_linear(x, self.weight, self.weight_scale_inv, bias=self.bias)
+        return fp8_block_linear(x, self.weight, self.weight_scale_inv, bias=self.bias, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 block {BLOCK}"
@@ -62,6 +69,35 @@ def use_fp8_weights_(model: nn.Module, fp8_names: set[str], checkpoint_name) -> 
                     child.use_fp8_()
                     converted.append(full)
     return converted
+
+
+FP8_NUMERICS = {"auto": "auto", "emulate": "w8a8_torch"}  # fp8_numerics → the ops' backend of the FP8 layers
+
+
+def use_fp8_numerics_(model: nn.Module, numerics: str) -> int:
+    """Set the backend of every FP8 layer of `model` (`Fp8Linear`, MoE stacks in float8; the fused input projections
+    follow their first `Fp8Linear`): numerics "auto" → the ops' "auto" (w8a8 kernels on CUDA, the dequantised
+    reference on CPU), "emulate" → "w8a8_torch" (activations quantised per token per 128 columns as DeepSeek's
+    act_quant, block-scaled weights, fp32 products; its MoE reads the chosen experts on the host, so it runs outside
+    CUDA graphs). Returns how many layers it set; ValueError for another value, or "emulate" on a model without FP8
+    layers."""
+    if numerics not in FP8_NUMERICS:
+        raise ValueError(f"fp8_numerics={numerics!r}: expected one of {tuple(FP8_NUMERICS)}")
+    backend = FP8_NUMERICS[numerics]
+    layers = [m for m in model.modules()
+              if isinstance(m, Fp8Linear) or (isinstance(m, MoE) and m.w_gate_up_scale is not None)]
+    if numerics == "emulate" and not layers:
+        raise ValueError("fp8_numerics='emulate' needs FP8 layers: an FP8 checkpoint loaded with weights='auto'")
+    for m in layers:
+        m.backend = backend
+    return len(layers)
+
+
+def fp8_numerics_of(model: nn.Module) -> str:
+    """The fp8_numerics `model` runs: "emulate" where any FP8 layer runs the w8a8 emulation (`use_fp8_numerics_`),
+    else "auto"."""
+    emulated = any(isinstance(m, (Fp8Linear, MoE)) and m.backend == FP8_NUMERICS["emulate"] for m in model.modules())
+    return "emulate" if emulated else "auto"
 
 
 # linear layers DeepSeek's FP8 checkpoints leave in bf16 or that load dequantised (embedding, head, norms and router

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from specmla.config import ModelConfig
 from specmla.model.deepseek import DeepseekForCausalLM, MoE, checkpoint_name
 from specmla.model.dummy import dummy_model
-from specmla.model.fp8 import use_fp8_weights_
+from specmla.model.fp8 import FP8_NUMERICS, use_fp8_numerics_, use_fp8_weights_
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.model.sharding import shard_model_
 from specmla.ops.linear.reference import weight_dequant
@@ -196,6 +196,7 @@ def load_model(
     shard: tuple[int, int] | None = None,
     weights: str = "auto",
     load_format: str = "safetensors",
+    fp8_numerics: str = "auto",
 ) -> DeepseekForCausalLM:
     """Build the model for the directory `path` and load its weights.
 
@@ -208,9 +209,14 @@ def load_model(
     memory holds one tensor's part at a time.
     load_format: "safetensors" reads the directory's weights; "dummy" needs its config.json only and builds random
     weights on `device` (`dummy_model`: the shard only, FP8 for an FP8 config unless weights="dequantize").
+    fp8_numerics: what the FP8 layers run (`model.fp8.use_fp8_numerics_`): "auto" (the w8a8 kernels on CUDA, the
+    dequantised reference on CPU) or "emulate" (the torch emulation of the kernels' w8a8 arithmetic, any device;
+    ValueError on a model without FP8 layers).
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
+    if fp8_numerics not in FP8_NUMERICS:
+        raise ValueError(f"fp8_numerics={fp8_numerics!r}: expected one of {tuple(FP8_NUMERICS)}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {LOAD_FORMATS}")
     path = Path(path)
@@ -225,11 +231,14 @@ def load_model(
             dtype = {"float32": torch.float32, "float16": torch.float16}.get(cfg.torch_dtype or "", torch.bfloat16)
     if load_format == "dummy":
         fp8 = cfg.quantization == "fp8" and weights == "auto"
-        return dummy_model(cfg, device, dtype, max_positions, shard, fp8=fp8)
-    fp8_names = set(_checkpoint_files(path)) if cfg.quantization and weights == "auto" else None
-    model = empty_model(cfg, device, dtype, max_positions, fp8_names, shard)
-    load_weights(model, path, progress=progress, shard=shard)
-    return model.eval()
+        model = dummy_model(cfg, device, dtype, max_positions, shard, fp8=fp8)
+    else:
+        fp8_names = set(_checkpoint_files(path)) if cfg.quantization and weights == "auto" else None
+        model = empty_model(cfg, device, dtype, max_positions, fp8_names, shard)
+        load_weights(model, path, progress=progress, shard=shard)
+        model.eval()
+    use_fp8_numerics_(model, fp8_numerics)
+    return model
 
 
 def empty_model(cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,

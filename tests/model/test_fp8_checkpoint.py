@@ -14,6 +14,7 @@ from specmla.model.deepseek import DeepseekForCausalLM, MoE, checkpoint_name
 from specmla.model.fp8 import Fp8Linear, use_fp8_weights_
 from specmla.model.loader import CheckpointError, load_model, save_tensors
 from specmla.model.metadata import AttentionMetadata
+from specmla.ops.linear import fp8_block_linear
 from helpers.fp8_checkpoint import dequantized_dir, fp8_checkpoint_dir, quantized, read_checkpoint
 from helpers.hf_models import V3_BASE, build_hf_model, save_hf_model
 
@@ -52,6 +53,23 @@ def _logits(model, ids):
     meta = AttentionMetadata.for_contiguous([T], device=ids.device)
     with torch.no_grad():
         return model.compute_logits(model(ids, meta))
+
+
+@pytest.fixture(scope="module")
+def embedded_fp8_dir(tmp_path_factory):
+    """The trained embedded model quantised as DeepSeek's FP8 checkpoints are (written once, never modified)."""
+    from specmla.model.default import ASSETS
+
+    return fp8_checkpoint_dir(ASSETS, tmp_path_factory.mktemp("embedded") / "fp8", shard_bytes=10 ** 12)
+
+
+def _code_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n code prompts of growing length: slices of the json encoder's source."""
+    import inspect
+    import json as json_module
+
+    src = inspect.getsource(json_module.encoder)
+    return [tokenizer.encode(src[300 * i: 300 * i + 30 + 41 * i]) for i in range(n)]
 
 
 def test_fp8_directory_keeps_float8_weights_with_their_scales(dirs):
@@ -241,6 +259,71 @@ def test_in_memory_quantisation_equals_loading_the_fp8_directory(dirs):
         assert same, name
 
 
+def test_fp8_numerics_option_is_validated_and_reaches_every_fp8_layer(dirs):
+    """fp8_numerics: a value other than "auto" / "emulate" is refused by LLM and load_model, "emulate" on a model
+    without FP8 layers too; "emulate" sets every Fp8Linear and float8 MoE to the "w8a8_torch" backend, and the
+    logits then leave the dequantised reference's by about the activations' e4m3 rounding."""
+    from specmla import LLM
+    from specmla.model.fp8 import fp8_numerics_of
+
+    fp8_dir, deq_dir = dirs
+    with pytest.raises(ValueError, match="fp8_numerics='bogus'"):
+        LLM(fp8_dir, device="cpu", fp8_numerics="bogus")
+    with pytest.raises(ValueError, match="fp8_numerics='w8a8'"):
+        load_model(fp8_dir, device="cpu", progress=False, fp8_numerics="w8a8")
+    with pytest.raises(ValueError, match="needs FP8 layers"):
+        load_model(fp8_dir, device="cpu", progress=False, weights="dequantize", fp8_numerics="emulate")
+    with pytest.raises(ValueError, match="needs FP8 layers"):
+        LLM(deq_dir, device="cpu", fp8_numerics="emulate")
+    exact = load_model(fp8_dir, device="cpu", progress=False)
+    emulated = load_model(fp8_dir, device="cpu", progress=False, fp8_numerics="emulate")
+    assert fp8_numerics_of(exact) == "auto" and fp8_numerics_of(emulated) == "emulate"
+    layers = [m for m in emulated.modules() if isinstance(m, Fp8Linear) or isinstance(m, MoE)]
+    assert len(layers) > 10 and {m.backend for m in layers} == {"w8a8_torch"}
+    assert {m.backend for m in exact.modules() if isinstance(m, (Fp8Linear, MoE))} == {"auto"}
+    ids = _ids(FP8_V3["vocab_size"], 23, 0)
+    rel = _rel(_logits(emulated, ids), _logits(exact, ids))
+    assert 1e-3 <= rel <= 0.35  # see test_gpu_fp8_model_w8a8_logits_and_greedy_tokens for the random model's gain
+
+
+def test_embedded_fp8_model_runs_the_emulation_through_llm(embedded_fp8_dir, monkeypatch):
+    """CPU, the embedded model in FP8 with LLM(fp8_numerics="emulate"): every FP8 product of the engine's steps
+    (the fused input projections included) runs the w8a8 emulation, none the dequantised reference, and the greedy
+    tokens (2 prompts × 6) equal a step-by-step greedy decode of the same model's cache-free forward."""
+    import specmla.ops.linear as linear_ops
+    import specmla.ops.moe as moe_ops
+    from specmla import LLM, SamplingParams
+
+    calls = {"w8a8": 0, "exact": 0, "moe_act_quant": 0, "moe_exact": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def counted_moe(*args, act_quant=False, **kwargs):
+        calls["moe_act_quant" if act_quant else "moe_exact"] += 1
+        return fused_moe_torch(*args, act_quant=act_quant, **kwargs)
+
+    from specmla.ops.moe.reference import fused_moe_torch
+    monkeypatch.setattr(linear_ops, "fp8_block_linear_w8a8_torch",
+                        counted(linear_ops.fp8_block_linear_w8a8_torch, "w8a8"))
+    monkeypatch.setattr(linear_ops, "fp8_block_linear_torch", counted(linear_ops.fp8_block_linear_torch, "exact"))
+    monkeypatch.setattr(moe_ops, "fused_moe_torch", counted_moe)
+    llm = LLM(embedded_fp8_dir, device="cpu", num_pages=32, page_size=16, fp8_numerics="emulate")
+    assert llm.model.model.layers[0].self_attn.input_proj_weight.dtype == torch.float8_e4m3fn  # fused
+    prompts = _code_prompts(llm.tokenizer, 2)
+    got = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert calls["w8a8"] > 0 and calls["moe_act_quant"] > 0 and calls["exact"] == calls["moe_exact"] == 0
+    model = load_model(embedded_fp8_dir, device="cpu", progress=False, fp8_numerics="emulate")
+    for prompt, out in zip(prompts, got):
+        ids = torch.tensor(prompt)
+        for _ in range(6):
+            ids = torch.cat([ids, _logits(model, ids)[-1].argmax().view(1)])
+        assert out.token_ids == ids[len(prompt):].tolist()
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_model_w8a8_logits_and_greedy_tokens(dirs):
     """On the GPU the FP8 layers run the w8a8 kernels (activations rounded to e4m3 per token and 128 columns: 3
@@ -294,26 +377,94 @@ def test_gpu_fp8_greedy_mtp_speculation_equals_plain(dirs):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_embedded_model_greedy_agreement(tmp_path):
+def test_gpu_fp8_embedded_model_greedy_agreement(embedded_fp8_dir):
     """The trained embedded model quantised as DeepSeek's FP8 checkpoints are: greedy 32-token continuations of
     code prompts on the GPU's w8a8 path (bf16 activations) against the same FP8 directory on the CPU reference (fp32,
-    weights dequantised). Measured on an H100: all 32 tokens equal on 42 % of 12 prompts, 67 % of tokens at equal
-    positions; printed, and bounded at a third of the prompts here."""
-    import inspect
-    import json as json_module
-
+    weights dequantised, activations exact): what w8a8 costs against exact activations. Measured on an H100: all 32
+    tokens equal on 42 % of 12 prompts, 67 % of tokens at equal positions; printed, and bounded at a third of the
+    prompts here. (`test_gpu_fp8_embedded_model_kernels_match_the_w8a8_emulation` holds the kernels to DeepSeek's
+    w8a8 numerics themselves.)"""
     from specmla import LLM, SamplingParams
-    from specmla.model.default import ASSETS
 
-    fp8_dir = fp8_checkpoint_dir(ASSETS, tmp_path / "fp8", shard_bytes=10 ** 12)
-    src = inspect.getsource(json_module.encoder)
-    cpu = LLM(fp8_dir, device="cpu", num_pages=256, page_size=16)
-    prompts = [cpu.tokenizer.encode(src[300 * i: 300 * i + 30 + 41 * i]) for i in range(12)]
+    cpu = LLM(embedded_fp8_dir, device="cpu", num_pages=256, page_size=16)
+    prompts = _code_prompts(cpu.tokenizer, 12)
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     want = cpu.generate(prompts, sp)
-    got = LLM(fp8_dir, device="cuda", num_pages=256, page_size=16).generate(prompts, sp)
+    got = LLM(embedded_fp8_dir, device="cuda", num_pages=256, page_size=16).generate(prompts, sp)
     whole = sum(a.token_ids == b.token_ids for a, b in zip(got, want)) / len(prompts)
     tokens = sum(x == y for a, b in zip(got, want) for x, y in zip(a.token_ids, b.token_ids)) / (32 * len(prompts))
     print(f"embedded model, FP8 w8a8 on the GPU: all 32 greedy tokens equal on {whole:.0%} of {len(prompts)} prompts, "
           f"{tokens:.0%} of tokens at equal positions")
     assert whole >= 1 / 3
+
+
+TIE_NATS = 0.5  # a greedy choice within this of the best logit is a near-tie (4 bf16 steps of logits of 16–32)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_embedded_model_kernels_match_the_w8a8_emulation(embedded_fp8_dir):
+    """The bar of DeepSeek's w8a8 numerics on the trained embedded model in FP8, bf16 activations. Per layer: every
+    Fp8Linear and every MoE layer's fused experts on the kernels (backend "auto" on CUDA) within 1e-2 (Frobenius) of
+    the torch emulation ("w8a8_torch": act_quant per token per 128 columns, block-scaled weights, fp32 products) on
+    random rows (measured on an H200: linear layers 1.7e-3, the bf16 output's rounding; MoE layers 5e-5).
+
+    Whole model: `LLM(fp8_dir, device="cuda")` (kernels, CUDA graphs) against `LLM(fp8_dir, device="cuda",
+    fp8_numerics="emulate")` (eager; everything but the FP8 layers runs the same kernels), 12 code prompts × 32
+    greedy tokens. Whole continuations equal are printed, not bounded: two correct w8a8 computations of this model
+    part at near-ties. Re-rounding a bf16 activation one ulp apart moves an e4m3 code by a whole step (8 % of the
+    value) where it sits on a rounding boundary, so sums in another order end the 4 layers about 2 % apart in the
+    logits, and bf16 logits tie exactly at 1 % of greedy positions (H200: 67 % of prompts equal whole, 75 % with fp32
+    activations; the kernels' own cache-free forward picks another token than their engine run on 6 of 12
+    prompts). Bounded: at least 95 % of the prompts equal whole or part at a near-tie, the kernels' token within
+    `TIE_NATS` of the emulation's best there (its logprobs)."""
+    from specmla import LLM, SamplingParams
+    from specmla.ops import fused_moe
+
+    model = load_model(embedded_fp8_dir, device="cuda", progress=False)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    checked = 0
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, Fp8Linear):
+                x = torch.randn(37, m.in_features, generator=g, device="cuda").bfloat16()
+                got = fp8_block_linear(x, m.weight, m.weight_scale_inv, bias=m.bias)
+                want = fp8_block_linear(x, m.weight, m.weight_scale_inv, bias=m.bias, backend="w8a8_torch",
+                                        out_dtype=torch.float32)
+            elif isinstance(m, MoE) and m.w_gate_up_scale is not None:
+                x = torch.randn(37, m.w_down.shape[1], generator=g, device="cuda").bfloat16()
+                weights, ids = m.gate(x)
+                shared = m.shared_down is not None
+                kw = dict(w_gate_up_scale=m.w_gate_up_scale, w_down_scale=m.w_down_scale,
+                          shared=(m.shared_gate_up, m.shared_down) if shared else None,
+                          shared_scales=(m.shared_gate_up_scale, m.shared_down_scale) if shared else None)
+                got = fused_moe(x, m.w_gate_up, m.w_down, weights, ids, **kw)
+                want = fused_moe(x, m.w_gate_up, m.w_down, weights, ids, **kw, backend="w8a8_torch")
+            else:
+                continue
+            rel = _rel(got, want)
+            print(f"{name}: kernels against the w8a8 emulation, rel {rel:.1e}")
+            assert rel <= 1e-2, name
+            checked += 1
+    assert checked > 10
+    del model
+    llm = LLM(embedded_fp8_dir, device="cuda", num_pages=256, page_size=16)
+    prompts = _code_prompts(llm.tokenizer, 12)
+    got = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    del llm
+    emulated = LLM(embedded_fp8_dir, device="cuda", num_pages=256, page_size=16, fp8_numerics="emulate")
+    want = emulated.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=8))
+    whole = tied = 0
+    for a, b in zip(got, want):
+        first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if first is None:
+            whole += 1
+            continue
+        top = b.logprobs[first]["top"]
+        gap = top[b.token_ids[first]] - top.get(a.token_ids[first], -float("inf"))
+        print(f"parted at token {first}: the kernels' token {gap:.3f} nats below the emulation's best")
+        tied += gap <= TIE_NATS
+    tokens = sum(x == y for a, b in zip(got, want) for x, y in zip(a.token_ids, b.token_ids)) / (32 * len(prompts))
+    print(f"embedded model in FP8, kernels against the w8a8 emulation: all 32 greedy tokens equal on "
+          f"{whole / len(prompts):.0%} of {len(prompts)} prompts, parted at a near-tie on {tied}, {tokens:.0%} of "
+          f"tokens at equal positions")
+    assert (whole + tied) / len(prompts) >= 0.95

@@ -1,8 +1,8 @@
 """The FP8 block-scaled linear's Triton kernels (contract C7) against torch: `act_quant` against `act_quant_torch`
-(bit-exact), the w8a8 product against its emulation in torch (act_quant_torch, then the dequantised product in
-fp32: tight) and against `fp8_block_linear_torch` (exact activations: loose). CPU runs the kernels under
-TRITON_INTERPRET=1 at small odd shapes; the GPU tests run DeepSeek-V3's shapes, a CUDA-graph replay and a
-no-sync check."""
+(bit-exact), the w8a8 product against its emulation in torch (`fp8_block_linear_w8a8_torch`: act_quant_torch, then
+the dequantised product in fp32: tight) and against `fp8_block_linear_torch` (exact activations: loose). CPU runs
+the kernels under TRITON_INTERPRET=1 at small odd shapes; the GPU tests run DeepSeek-V3's shapes, a CUDA-graph
+replay and a no-sync check."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from specmla.ops import fp8_block_linear
 from specmla.ops.linear import (act_quant, act_quant_torch, fp8_block_linear_torch, fp8_block_linear_triton,
                                 weight_dequant, weight_quant)
+from specmla.ops.linear.reference import act_quant_dequant_torch, fp8_block_linear_w8a8_torch
 
 
 def make_linear(N, K, seed=0, device="cpu"):
@@ -32,12 +33,9 @@ def make_x(shape, seed=1, dtype=torch.float32, device="cpu"):
 
 
 def w8a8_emulation(x, weight, scale, bias=None):
-    """The kernels' arithmetic in torch: x quantised by act_quant_torch, both operands dequantised, fp32 product."""
-    K = x.shape[-1]
-    q, s = act_quant_torch(x)
-    a = q.float() * s.repeat_interleave(128, dim=-1)[..., :K]
-    y = a @ weight_dequant(weight, scale).T
-    return y + bias.float() if bias is not None else y
+    """fp32 [..., N]: the kernels' w8a8 arithmetic in torch (`fp8_block_linear_w8a8_torch`), not rounded to x's
+    dtype."""
+    return fp8_block_linear_w8a8_torch(x, weight, scale, bias=bias, out_dtype=torch.float32)
 
 
 def rel(a, b):
@@ -83,6 +81,33 @@ def test_triton_matches_w8a8_emulation(M, kw):
     want = w8a8_emulation(x, w, s, bias)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert rel(y, fp8_block_linear_torch(x, w, s, bias=bias)) <= 3e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_backend_is_act_quant_then_the_dequantised_product(dtype):
+    """backend="w8a8_torch" is `act_quant_torch`'s e4m3 values times their group scales, times the dequantised weight
+    in fp32, plus the bias, rounded once to x's dtype (bit for bit); the rounded activations move x by about e4m3's
+    2.6 % rms, so the output leaves the exact-activation reference by about as much; empty inputs keep their
+    shapes."""
+    N, K = 200, 300
+    w, s = make_linear(N, K, seed=2)
+    x = make_x((2, 3, K), seed=3, dtype=dtype)
+    bias = torch.randn(N).to(dtype)
+    y = fp8_block_linear(x, w, s, bias=bias, backend="w8a8_torch")
+    q, qs = act_quant_torch(x)
+    a = q.float() * qs.repeat_interleave(128, dim=-1)[..., :K]
+    assert torch.equal(y, (a @ weight_dequant(w, s).T + bias.float()).to(dtype))
+    assert torch.equal(act_quant_dequant_torch(x), a)
+    assert 1e-2 <= rel(a, x) <= 4e-2
+    exact = fp8_block_linear(x, w, s, bias=bias, backend="torch")
+    assert 1e-2 <= rel(y, exact) <= 4e-2
+    assert fp8_block_linear(x, w, s, bias=bias, backend="w8a8_torch", out_dtype=torch.float32).dtype == torch.float32
+    assert fp8_block_linear(torch.randn(0, K), w, s, backend="w8a8_torch").shape == (0, N)
+    w0, s0 = torch.empty(N, 0, dtype=torch.float8_e4m3fn), torch.empty(2, 0)
+    torch.testing.assert_close(fp8_block_linear(torch.randn(3, 0).to(dtype), w0, s0, bias=bias, backend="w8a8_torch"),
+                               bias.expand(3, N))
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        fp8_block_linear(x, w, s[:1], backend="w8a8_torch")
 
 
 def test_split_k_is_deterministic_and_resets_its_counters():
@@ -178,6 +203,19 @@ def test_gpu_deepseek_v3_shapes(N, K, M):
     want = w8a8_emulation(x[rows], w, s, bias)
     assert rel(y[rows], want) <= 1e-2
     assert rel(y[rows], fp8_block_linear_torch(x[rows], w, s, bias=bias, out_dtype=torch.float32)) <= 3e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpu_act_quant_matches_torch_bit_exact(dtype):
+    """On CUDA too, act_quant's codes and scales equal act_quant_torch's: 16-bit rows put many values exactly on an
+    e4m3 tie, which a scale one ulp off (a division done as a multiplication by the reciprocal) rounds the other
+    way."""
+    x = make_x((300, 1000), seed=5, dtype=dtype, device="cuda")
+    q, s = act_quant(x)
+    qr, sr = act_quant_torch(x)
+    assert torch.equal(s, sr)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
 @pytest.mark.gpu

@@ -1,9 +1,10 @@
-"""The fused MoE on float8_e4m3fn experts with 128 × 128 block scales (w8a8 Triton path of `fused_moe`): against a
-torch emulation of the same quantisation (x and the intermediate per token and group of 128 columns, dequantised
-fp32 products) tightly, and against `fused_moe_torch` on the fp8 weights (which leaves the activations unquantised)
-within the activations' e4m3 rounding. CPU: the Triton interpreter at small shapes (H no multiple of 128, shared
-experts narrower and wider than I, ids outside [0, E), NaN-poisoned intermediates, bad input); GPU: DeepSeek-V3
-expert shapes, the bf16 MoE on the dequantised weights, CUDA graphs, no host sync.
+"""The fused MoE on float8_e4m3fn experts with 128 × 128 block scales (w8a8 Triton path of `fused_moe`): against the
+torch emulation of the same quantisation (`fused_moe_torch(..., act_quant=True)`, `fused_moe`'s backend "w8a8_torch":
+x and the intermediate per token and group of 128 columns, dequantised fp32 products) tightly, and against
+`fused_moe_torch` on the fp8 weights (which leaves the activations unquantised) within the activations' e4m3
+rounding. CPU: the Triton interpreter at small shapes (H no multiple of 128, shared experts narrower and wider than
+I, ids outside [0, E), NaN-poisoned intermediates, bad input); GPU: DeepSeek-V3 expert shapes, the bf16 MoE on the
+dequantised weights, CUDA graphs, no host sync.
 
 Tolerances against the unquantised reference: e4m3 keeps 3 mantissa bits, so rounding an activation scaled to
 amax = 448 costs about 2.6 % (rms) per element; x and the intermediate are both rounded, and the output of a
@@ -18,7 +19,8 @@ from helpers.moe_cases import fro_err, make_moe_case, random_ids, rel_err
 import specmla.ops.moe as moe_ops
 import specmla.ops.moe.triton as moe_triton
 from specmla.ops import fused_moe, fused_moe_torch
-from specmla.ops.linear.reference import act_quant_torch, weight_dequant
+from specmla.ops.linear.reference import (act_quant_dequant_torch, act_quant_torch, fp8_block_linear_w8a8_torch,
+                                          weight_dequant)
 from specmla.ops.linear.triton import act_quant
 from specmla.ops.moe.triton import fused_moe_fp8_triton
 from specmla.ops.moe.tuning import Config
@@ -73,40 +75,6 @@ class Fp8Case:
                 *(self.shared_scales or ())]
 
 
-def dequant_act(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return q.float() * s.repeat_interleave(128, dim=-1)[..., :q.shape[-1]]
-
-
-def w8a8_emulation(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
-                   w_down_scale=None, shared_scales=None):
-    """fp32 [T, H]: the fused MoE with x and each pair's intermediate quantised as DeepSeek's act_quant (per row and
-    group of 128 columns), products of the dequantised values; the expert outputs are rounded to x's dtype per pair
-    (as the kernels store them) before the sum."""
-    T, H = x.shape
-    E, I = w_down.shape[0], w_down.shape[2]
-    xd = dequant_act(*act_quant_torch(x.float()))
-
-    def mlp(rows, gu, d):
-        g = rows @ gu.T
-        n = d.shape[1]
-        return dequant_act(*act_quant_torch(F.silu(g[:, :n]) * g[:, n:])) @ d.T
-
-    acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    ids = topk_ids.long()
-    valid = (ids >= 0) & (ids < E)
-    for e in ids[valid].unique().tolist():
-        tok, slot = ((ids == e) & valid).nonzero(as_tuple=True)
-        y = mlp(xd[tok], weight_dequant(w_gate_up[e], w_gate_up_scale[e]), weight_dequant(w_down[e], w_down_scale[e]))
-        acc.index_add_(0, tok, (y * topk_weights[tok, slot].float()[:, None]).to(x.dtype).float())
-    if shared is not None:
-        sgu, sd = (weight_dequant(w, s) for w, s in zip(shared, shared_scales))
-        for c in range(0, sd.shape[1], I):  # pseudo-experts of width I, each rounded to x's dtype
-            n = min(I, sd.shape[1] - c)
-            gu = torch.cat([sgu[c:c + n], sgu[sd.shape[1] + c:sd.shape[1] + c + n]])
-            acc += mlp(xd, gu, sd[:, c:c + n]).to(x.dtype).float()
-    return acc
-
-
 def poisoned_empty(shape, dtype, device):
     if dtype == FP8:
         return torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(FP8)  # e4m3fn NaN
@@ -132,7 +100,7 @@ def test_fp8_matches_emulation_and_reference(T, E, k, H, I, Is, dtype):
     assert got.dtype == dtype and got.shape == (T, H)
     assert all(torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b)
                for a, b in zip(case.tensors(), before))
-    emu = w8a8_emulation(*case.args, **case.kwargs)
+    emu = fused_moe_torch(*case.args, **case.kwargs, act_quant=True)
     ref = fused_moe_torch(*case.args, **case.kwargs)
     assert rel_err(got, emu) <= EMU_TOL[dtype]
     assert rel_err(got, ref) <= ACT_TOL
@@ -144,6 +112,35 @@ def test_fp8_matches_emulation_and_reference(T, E, k, H, I, Is, dtype):
                     w_gate_up_scale=wrong, w_down_scale=case.w_down_scale, shared_scales=case.shared_scales,
                     backend="triton")
     assert rel_err(bad, emu) > 0.1
+
+
+def test_w8a8_backend_is_act_quant_composed_per_expert():
+    """backend="w8a8_torch" is `fused_moe_torch(..., act_quant=True)`: each expert's MLP composed of the w8a8 linear
+    emulation (`fp8_block_linear_w8a8_torch`: x, then silu(gate)·up, through act_quant_torch), weighted and summed,
+    the shared experts (two slices of I here) added; it leaves the exact-activation reference by about the e4m3
+    rounding of x and h. Other experts than float8 ones are refused."""
+    T, E, k, H, I, Is = 9, 4, 2, 200, 128, 256
+    case = Fp8Case(T, E, k, H, I, Is, F32, seed=21)
+    got = fused_moe(*case.args, **case.kwargs, backend="w8a8_torch")
+    assert torch.equal(got, fused_moe_torch(*case.args, **case.kwargs, act_quant=True))
+
+    def mlp(x, w_gate_up, s_gate_up, w_down, s_down):
+        gu = fp8_block_linear_w8a8_torch(x, w_gate_up, s_gate_up)
+        n = w_down.shape[1]
+        return fp8_block_linear_w8a8_torch(F.silu(gu[:, :n]) * gu[:, n:], w_down, s_down)
+
+    want = mlp(case.x, *case.shared[:1], case.shared_scales[0], case.shared[1], case.shared_scales[1])
+    for t in range(T):
+        for j in range(k):
+            e = case.topk_ids[t, j]
+            y = mlp(case.x[t:t + 1], case.w_gate_up[e], case.w_gate_up_scale[e], case.w_down[e], case.w_down_scale[e])
+            want[t] += case.topk_weights[t, j] * y[0]
+    assert rel_err(got, want) <= 1e-5
+    assert 1e-2 <= rel_err(got, fused_moe_torch(*case.args, **case.kwargs)) <= ACT_TOL
+    assert rel_err(act_quant_dequant_torch(case.x), case.x) >= 1e-2
+    bf16 = [w.float().to(BF16) for w in (case.w_gate_up, case.w_down)]
+    with pytest.raises(ValueError, match="w8a8_torch"):
+        fused_moe(case.x.to(BF16), *bf16, case.topk_weights, case.topk_ids, backend="w8a8_torch")
 
 
 def test_act_quant_matches_the_reference_bit_for_bit():
@@ -173,8 +170,8 @@ def test_ids_outside_the_local_experts_add_nothing(T):
     valid = (ids >= 0) & (ids < E)
     assert valid.any() and (~valid).any()
     case.topk_ids = ids
-    want = w8a8_emulation(case.x, case.w_gate_up, case.w_down, torch.where(valid, case.topk_weights, 0.0),
-                          torch.where(valid, ids, 0), **case.kwargs)
+    want = fused_moe_torch(case.x, case.w_gate_up, case.w_down, torch.where(valid, case.topk_weights, 0.0),
+                           torch.where(valid, ids, 0), **case.kwargs, act_quant=True)
     case.topk_weights = torch.where(valid, case.topk_weights, float("nan"))
     got = fused_moe(*case.args, **case.kwargs, backend="triton")
     assert rel_err(got, want) <= EMU_TOL[F32]
@@ -188,7 +185,7 @@ def test_nan_poisoned_intermediates_experts_and_out_do_not_leak(T, dtype, monkey
     case = Fp8Case(T, E, k, H, I, Is, dtype, seed=7 + T)
     chosen = torch.tensor([1, 3])
     case.topk_ids = chosen[random_ids(T, 2, k, torch.Generator().manual_seed(T))]
-    want = w8a8_emulation(*case.args, **case.kwargs)
+    want = fused_moe_torch(*case.args, **case.kwargs, act_quant=True)
     unused = torch.ones(E, dtype=torch.bool)
     unused[chosen] = False
     for w in (case.w_gate_up, case.w_down):
@@ -214,8 +211,9 @@ def test_residual_is_added_in_the_sum(T, Is):
     case = Fp8Case(T, E, k, H, I, Is, dtype, seed=3 * T + (Is or 0))
     residual = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dtype)
     kept = residual.clone()
-    emu = w8a8_emulation(*case.args, **case.kwargs)
-    want = (emu + residual.float()).to(dtype)
+    emu = fused_moe_torch(*case.args, **case.kwargs, act_quant=True)
+    want = fused_moe_torch(*case.args, **case.kwargs, residual=residual, act_quant=True)
+    assert rel_err(want, emu.float() + residual.float()) <= 1e-3
     ref = fused_moe_torch(*case.args, **case.kwargs, residual=residual)
     assert rel_err(ref, (fused_moe_torch(*case.args, **case.kwargs).float() + residual.float())) <= 1e-3
     got = fused_moe(*case.args, **case.kwargs, residual=residual, backend="triton")
@@ -243,7 +241,7 @@ def test_tile_configurations():
     """Other valid tiles give the same result: down block_n 64 (a scale block spans two programs) and 256 (a program
     spans two scale blocks, the last one partial at H = 200), block_m 16 / 32 / 64 / 128."""
     case = Fp8Case(40, 4, 2, 200, 256, 128, F32, seed=11)
-    want = w8a8_emulation(*case.args, **case.kwargs)
+    want = fused_moe_torch(*case.args, **case.kwargs, act_quant=True)
     for bm, dn, warps in ((16, 64, 4), (32, 256, 4), (64, 128, 8), (128, 64, 8)):
         got = fused_moe_fp8_triton(*case.args, **case.kwargs, up_config=Config(bm, 128, 128, 2, warps, 2),
                                    down_config=Config(bm, dn, 128, 1, 4, 3))
@@ -340,7 +338,7 @@ def test_gpu_fp8_matches_reference_and_bf16_moe(shape, T, gpu_cases):
     with torch.inference_mode():
         got = fused_moe(*args, **case.kwargs)
         assert torch.equal(got, fused_moe(*args, **case.kwargs, backend="triton"))
-        emu = w8a8_emulation(*args, **case.kwargs)
+        emu = fused_moe_torch(*args, **case.kwargs, act_quant=True)
         ref = fused_moe_torch(*args, **case.kwargs)
         ids = args[4]
         used = ids.unique()
@@ -383,7 +381,8 @@ def test_gpu_fp8_cuda_graph_capture_and_replay(T):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, fused_moe(*case.args, **case.kwargs))  # the replay computes what a call does
-            assert fro_err(out, w8a8_emulation(*case.args, **case.kwargs)) <= 2e-2  # see the test above
+            emu = fused_moe_torch(*case.args, **case.kwargs, act_quant=True)
+            assert fro_err(out, emu) <= 2e-2  # see the test above
             assert previous is None or not torch.equal(previous, out)
             previous = out.clone()
 
@@ -401,6 +400,6 @@ def test_gpu_fp8_no_host_sync(T):
             got = fused_moe(*case.args, **case.kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        want = w8a8_emulation(*case.args, **case.kwargs)
+        want = fused_moe_torch(*case.args, **case.kwargs, act_quant=True)
     assert torch.equal(got, first)
     assert fro_err(got, want) <= 2e-2  # see test_gpu_fp8_matches_reference_and_bf16_moe

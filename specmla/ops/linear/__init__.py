@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from specmla.ops.backend import pick_backend
 from specmla.ops.linear import deepgemm
 from specmla.ops.linear.gemv import SMALL_M, head_matmul_small_m, linear_small_m
-from specmla.ops.linear.reference import (act_quant_torch, fp8_block_linear_torch, weight_dequant,
-                                          weight_quant)
+from specmla.ops.linear.reference import (act_quant_torch, fp8_block_linear_torch, fp8_block_linear_w8a8_torch,
+                                          weight_dequant, weight_quant)
 from specmla.ops.linear.triton import act_quant, fp8_block_linear_triton
 
 __all__ = ["act_quant", "act_quant_torch", "e4m3_backend", "fp8_block_linear", "fp8_block_linear_torch",
@@ -57,8 +57,11 @@ def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, 
     a gradient: DeepGEMM where it is installed, the call fits it and `deepgemm.preferred` its row count, else the
     Triton kernels; the torch reference otherwise), "triton" (also under TRITON_INTERPRET=1 on CPU tensors;
     activations quantised per token per 128 columns), "deepgemm" (RuntimeError where it is not available),
-    or "torch" (the weights dequantised, activations exact). No host synchronisation; graph-capturable once called
+    "torch" (the weights dequantised, activations exact) or "w8a8_torch" (`fp8_block_linear_w8a8_torch`: the
+    kernels' w8a8 arithmetic in torch, any device). No host synchronisation; graph-capturable once called
     eagerly (the split-K counters are allocated, DeepGEMM's kernels compiled, then)."""
+    if backend == "w8a8_torch":
+        return fp8_block_linear_w8a8_torch(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     if backend == "deepgemm":
         return deepgemm.fp8_block_linear_deepgemm(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     if e4m3_backend(backend, x, weight, weight_scale_inv, bias) == "triton":

@@ -4,6 +4,10 @@
   (i, j) is the e4m3 values times scale_inv[i, j] (DeepSeek's `weight_dequant`; edge blocks are partial);
 - activations (the kernels' w8a8 path): per token, per group of 128 columns, scale = amax / 448 and the
   values divided by it, rounded to e4m3 (DeepSeek's `act_quant`; a group of zeros keeps scale 1).
+
+Two references of the product: `fp8_block_linear_torch` (the weights dequantised, activations exact: the exact
+product of the stored weights) and `fp8_block_linear_w8a8_torch` (the kernels' w8a8 arithmetic: activations through
+`act_quant_torch` first, then the same fp32 product).
 """
 
 from __future__ import annotations
@@ -43,14 +47,24 @@ def weight_quant(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor
 
 def act_quant_torch(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] → (float8_e4m3fn [..., K], fp32 scales [..., ⌈K/block⌉]): per row, per group of `block`
-    columns (the last one partial), scale = amax / 448 (1 for a group of zeros)."""
+    columns (the last one partial), scale = amax / 448 (1 for a group of zeros); both divisions correctly rounded
+    on every device, as in the kernels (`act_quant`), so the two agree bit for bit."""
     K = x.shape[-1]
     kb = -(-K // block)
     xp = torch.nn.functional.pad(x.float(), (0, kb * block - K)).view(*x.shape[:-1], kb, block)
     amax = xp.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch on CUDA multiplies by the rounded reciprocal of a Python-number divisor, which moves
+    # the scale by an ulp now and then and with it the rounding of values on an e4m3 tie (common for bf16 inputs)
+    scale = torch.where(amax > 0, amax / amax.new_tensor(E4M3_MAX), torch.ones_like(amax))
     q = (xp / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(*x.shape[:-1], kb * block)[..., :K]
     return q.to(torch.float8_e4m3fn), scale
+
+
+def act_quant_dequant_torch(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """x [..., K] → fp32 [..., K]: x as the w8a8 kernels multiply it, `act_quant_torch`'s e4m3 values times their
+    group's scale."""
+    q, s = act_quant_torch(x, block)
+    return q.float() * s.repeat_interleave(block, dim=-1)[..., :x.shape[-1]]
 
 
 def check_fp8_linear_args(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -78,6 +92,19 @@ def fp8_block_linear_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale_i
     not quantised: the reference is the exact product of the stored weights); out_dtype defaults to x's."""
     check_fp8_linear_args(x, weight, weight_scale_inv, bias)
     y = x.float() @ weight_dequant(weight, weight_scale_inv).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+def fp8_block_linear_w8a8_torch(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
+                                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+                                ) -> torch.Tensor:
+    """The w8a8 kernels' arithmetic in torch (DeepSeek's inference numerics): x quantised per token per 128 columns
+    (`act_quant_torch`), times the dequantised weight in fp32 (+ bias in fp32), rounded once to out_dtype (default
+    x's). Equals the kernels up to the fp32 sums' order. No host synchronisation."""
+    check_fp8_linear_args(x, weight, weight_scale_inv, bias)
+    y = act_quant_dequant_torch(x) @ weight_dequant(weight, weight_scale_inv).T
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype or x.dtype)

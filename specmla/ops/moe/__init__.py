@@ -33,7 +33,8 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_ga
     weights carry fp32 scales per 128 × 128 block: w_gate_up_scale [E, ⌈2I/128⌉, ⌈H/128⌉], w_down_scale
     [E, ⌈H/128⌉, ⌈I/128⌉], shared_scales = (gate‖up scale, down scale) of the shared experts.
     backend: "auto" (Triton on CUDA without gradients, else the torch reference; float8 experts need compute
-    capability 8.9, see `ops.linear.e4m3_backend`), "triton", "torch". float8
+    capability 8.9, see `ops.linear.e4m3_backend`), "triton", "torch", or for float8 experts "w8a8_torch" (the
+    torch emulation of the Triton w8a8 arithmetic, `fused_moe_torch(..., act_quant=True)`, on any device). float8
     experts run w8a8 in Triton (x and the intermediate quantised per token and group of 128 columns, as
     DeepSeek's act_quant; needs I and Is multiples of 128), the reference multiplies the dequantised weights.
     residual [T, H] in x's dtype: out = residual + the above, the sum in fp32 rounded once (a decoder layer's
@@ -41,6 +42,12 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_ga
     """
     args = dict(shared=shared, out=out, residual=residual)
     fp8 = w_gate_up_scale is not None or w_down_scale is not None or shared_scales is not None
+    if backend == "w8a8_torch":
+        if not fp8:
+            raise ValueError("fused_moe: backend='w8a8_torch' emulates the float8 experts' kernels; these experts are "
+                             f"{w_gate_up.dtype} without scales")
+        return fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale=w_gate_up_scale,
+                               w_down_scale=w_down_scale, shared_scales=shared_scales, act_quant=True, **args)
     chosen = (e4m3_backend if fp8 else pick_backend)(backend, x, w_gate_up, w_down, topk_weights, residual,
                                                      *(shared or ()))
     if chosen == "torch":

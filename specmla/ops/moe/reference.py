@@ -1,11 +1,12 @@
-"""Torch reference of the fused MoE (contract C6): the same signature as `fused_moe`, fp32 inside."""
+"""Torch reference of the fused MoE (contract C6): the same signature as `fused_moe`, fp32 inside; with
+act_quant=True the emulation of the fp8 kernels' w8a8 arithmetic."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from specmla.ops.linear.reference import weight_dequant
+from specmla.ops.linear.reference import act_quant_dequant_torch, weight_dequant
 
 
 def check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
@@ -53,32 +54,47 @@ def check_residual(residual, x) -> None:
 
 
 def fused_moe_torch(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
-                    w_down_scale=None, shared_scales=None, out=None, residual=None):
+                    w_down_scale=None, shared_scales=None, out=None, residual=None, act_quant=False):
     """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]; an id
     outside [0, E) adds nothing; plus the shared experts (w_gate_up_shared [2·Is, H], w_down_shared [H, Is])
     with weight 1. float8_e4m3fn weights come with fp32 block scales (`weight_dequant`; the shared experts' in
     shared_scales). fp32 inside, x's dtype out; one pass per expert that has tokens (the list of those experts
     is read on the host: a sync). residual [T, H] (x's dtype): added to the fp32 sum before the one rounding
-    (out may be residual itself)."""
+    (out may be residual itself).
+
+    act_quant: the fp8 Triton kernels' w8a8 arithmetic (`fused_moe_fp8_triton`), DeepSeek's inference numerics: x
+    and each (token, expert) intermediate silu(gate)·up are quantised per row and group of 128 columns
+    (`act_quant_torch`) before their products; each routed pair's output times its routing weight is rounded to
+    x's dtype, as are the shared experts' outputs per slice of I intermediate units (the kernels' shared
+    pseudo-experts, each quantised from its own first unit on), before the fp32 sum. Equals the kernels up to the
+    fp32 sums' order."""
     check_moe_args(x, w_gate_up, w_down, topk_weights, topk_ids, shared, w_gate_up_scale, w_down_scale, out,
                    shared_scales, residual)
     T, H = x.shape
     E, I = w_down.shape[0], w_down.shape[2]
-    xf = x.float()
+    act = act_quant_dequant_torch if act_quant else (lambda h: h)
+    pair_out = (lambda y: y.to(x.dtype).float()) if act_quant else (lambda y: y)
+    xf = act(x.float())
     acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < E)
     for e in ids[valid].unique().tolist():
         tok, slot = ((ids == e) & valid).nonzero(as_tuple=True)
         gu = xf[tok] @ weight_dequant(w_gate_up[e], None if w_gate_up_scale is None else w_gate_up_scale[e]).T
-        h = F.silu(gu[:, :I]) * gu[:, I:]
+        h = act(F.silu(gu[:, :I]) * gu[:, I:])
         y = h @ weight_dequant(w_down[e], None if w_down_scale is None else w_down_scale[e]).T
-        acc.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
+        acc.index_add_(0, tok, pair_out(y * topk_weights[tok, slot].float()[:, None]))
     if shared is not None:
         sgu, sd = (weight_dequant(w, s) for w, s in zip(shared, shared_scales or (None, None)))
         Is = sd.shape[1]
         gu = xf @ sgu.T
-        acc += (F.silu(gu[:, :Is]) * gu[:, Is:]) @ sd.T
+        h = F.silu(gu[:, :Is]) * gu[:, Is:]
+        if act_quant:  # one slice of I units at a time (the kernels' shared pseudo-experts)
+            step = I or Is
+            for c in range(0, Is, step):
+                acc += pair_out(act(h[:, c:c + step]) @ sd[:, c:c + step].T)
+        else:
+            acc += h @ sd.T
     if residual is not None:
         acc += residual.float()
     if out is None:
