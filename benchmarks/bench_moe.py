@@ -22,6 +22,11 @@ hidden behind a spin kernel. Figures are medians over --reps rounds after --warm
   into the shared experts' output (a dense MLP). Offsets come from `searchsorted` on the sorted ids,
   not `bincount`, whose CUDA version syncs with the host and cannot be captured. "n/a" where
   torch._grouped_mm is missing or refuses the shapes;
+- deepgemm (where the `deep_gemm` package imports and the GPU is sm_90): DeepGEMM's bf16 m-grouped contiguous GEMMs
+  (`m_grouped_bf16_gemm_nt_contiguous`, prefix-sum layout: each expert's rows start at a multiple of its
+  alignment) between torch glue: pairs sorted by expert and gathered into the padded layout, SiLU·up, the
+  weighted `index_add_` into the shared experts' dense MLP. "dg_gemms" times the two grouped GEMMs and the SiLU·up
+  alone (the library's share of the layer); both after the same router;
 - floor = max(bytes / copy bandwidth, FLOPs / bf16 GEMM rate), both ceilings measured in this run
   (limits.py). Bytes: the experts the routing touches (U · 3·H·I) + the shared experts (3·H·Is) +
   the router weight (E·H), all bf16, + x read and out written. limits.copy_bandwidth counts bytes
@@ -104,6 +109,58 @@ def sort_moe(x, w_gate_up, w_down, weights, ids, shared_gate_up, shared_down):
     return out.index_add_(0, tok, y)
 
 
+class DeepGemmMoE:
+    """The DeepGEMM peer: fixed buffers for T tokens (CUDA-graph capturable), E experts of [2I, H] / [H, I]."""
+
+    def __init__(self, dg, E: int, H: int, I: int, T: int, k: int, device):
+        self.dg, self.E, self.I, self.k = dg, E, I, k
+        self.align = dg.get_mk_alignment_for_contiguous_layout()
+        rows = -(-(T * k + E * (self.align - 1)) // self.align) * self.align
+        self.a = torch.zeros(rows, H, dtype=torch.bfloat16, device=device)
+        self.gu = torch.empty(rows, 2 * I, dtype=torch.bfloat16, device=device)
+        self.y = torch.empty(rows, H, dtype=torch.bfloat16, device=device)
+        self.pairs = torch.arange(T * k, device=device)
+        self.expected_m = max(1, T * k // E)
+
+    def layout(self, ids):
+        """(order of the pairs by expert, each pair's row in the padded layout, prefix sums of the expert ends)."""
+        flat = ids.reshape(-1).long()
+        experts, order = flat.sort(stable=True)
+        counts = torch.zeros(self.E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+        padded = (counts + self.align - 1) // self.align * self.align
+        starts = padded.cumsum(0) - padded
+        dest = starts[experts] + self.pairs - (counts.cumsum(0) - counts)[experts]
+        return order, dest, (starts + counts).to(torch.int32)
+
+    def gemms(self, w_gate_up, w_down, psum):
+        self.dg.m_grouped_bf16_gemm_nt_contiguous(self.a, w_gate_up, self.gu, psum, use_psum_layout=True,
+                                                  expected_m_for_psum_layout=self.expected_m)
+        h = F.silu(self.gu[:, :self.I]) * self.gu[:, self.I:]
+        self.dg.m_grouped_bf16_gemm_nt_contiguous(h, w_down, self.y, psum, use_psum_layout=True,
+                                                  expected_m_for_psum_layout=self.expected_m)
+
+    def __call__(self, x, w_gate_up, w_down, weights, ids, shared_gate_up, shared_down):
+        order, dest, psum = self.layout(ids)
+        tok = order // self.k
+        self.a.index_copy_(0, dest, x[tok])
+        self.gemms(w_gate_up, w_down, psum)
+        Is = shared_down.shape[1]
+        gs = x @ shared_gate_up.T
+        out = (F.silu(gs[:, :Is]) * gs[:, Is:]) @ shared_down.T
+        return out.index_add_(0, tok, self.y[dest] * weights.reshape(-1)[order].unsqueeze(1).to(self.y.dtype))
+
+
+def deepgemm_status(device):
+    """(the deep_gemm module, None) where its sm_90 kernels can run here, else (None, why not)."""
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return None, "DeepGEMM's bf16 grouped GEMM: sm_90 only"
+    try:
+        import deep_gemm
+    except Exception as e:  # missing, or built against another torch
+        return None, f"deep_gemm does not import: {type(e).__name__}: {str(e)[:200]}"
+    return deep_gemm, None
+
+
 def grouped_mm_status(device) -> str | None:
     """None when torch._grouped_mm runs bf16 grouped GEMMs here, else why not."""
     if not hasattr(torch, "_grouped_mm"):
@@ -167,15 +224,16 @@ def _f(v, fmt="{:.1f}", none="n/a") -> str:
 
 
 def format_table(shape: Shape, rows: list[dict]) -> str:
-    head = ("| T | ours layer µs | ours experts µs | router µs (in a step / one replay) | sort µs | floor µs "
-            "| floor/ours | speedup vs sort | % of GEMM | accept |")
+    head = ("| T | ours layer µs | ours experts µs | router µs (in a step / one replay) | sort µs | DeepGEMM layer µs "
+            "(its GEMMs) | floor µs | floor/ours | speedup vs sort | % of GEMM | accept |")
     launch = statistics.median(r["launch_us"] for r in rows if "launch_us" in r) if rows else None
     lines = [f"{shape.name}: E={shape.E} top-{shape.k}, H={shape.H}, I={shape.I}, shared Is={shape.Is}; "
-             f"one replay of a one-kernel graph: {_f(launch)} µs", head, "|" + "---|" * 10]
+             f"one replay of a one-kernel graph: {_f(launch)} µs", head, "|" + "---|" * 11]
     for r in rows:
         acc = "PASS" if r["pass"] else "MISS (" + ", ".join(r["miss"]) + ")"
         lines.append(f"| {r['T']} | {_f(r.get('layer_us'))} | {_f(r.get('experts_us'))} | {_f(r.get('router_in_step_us'))} / "
-                     f"{_f(r.get('router_us'))} | {_f(r.get('sort_layer_us'))} | {_f(r['floor_us'])} | {_f(r.get('floor_frac'), '{:.0%}')} "
+                     f"{_f(r.get('router_us'))} | {_f(r.get('sort_layer_us'))} | {_f(r.get('dg_layer_us'))} "
+                     f"({_f(r.get('dg_gemms_us'))}) | {_f(r['floor_us'])} | {_f(r.get('floor_frac'), '{:.0%}')} "
                      f"| {_f(r.get('speedup_vs_sort'), '{:.2f}x')} | {_f(r.get('gemm_frac'), '{:.0%}')} | {acc} |")
     return "\n".join(lines)
 
@@ -236,7 +294,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---- one shape ----------------------------------------------------------------------------------------
 def bench_shape(key: str, s: Shape, tokens: list[int], copy_bw: float, gemm: float, sort_ok: bool, reps: int,
-                warmup: int, dev, seed: int = 0) -> dict:
+                warmup: int, dev, seed: int = 0, dg=None) -> dict:
     g = torch.Generator(device=dev).manual_seed(seed)
     bf = torch.bfloat16
 
@@ -277,6 +335,14 @@ def bench_shape(key: str, s: Shape, tokens: list[int], copy_bw: float, gemm: flo
                 return sort_moe(x, w_gate_up, w_down, w, i, *shared)
 
             fns.update(sort_experts=sort_experts, sort_layer=sort_layer)
+        if dg is not None:
+            peer = DeepGemmMoE(dg, s.E, s.H, s.I, T, s.k, dev)
+            psum = peer.layout(r_ids)[2]
+
+            def dg_layer(x=x, peer=peer):
+                return peer(x, w_gate_up, w_down, *moe_route(x, router_w, bias, s.spec), *shared)
+
+            fns.update(dg_layer=dg_layer, dg_gemms=lambda peer=peer, psum=psum: peer.gemms(w_gate_up, w_down, psum))
         row = {"T": T, "unique_experts": ids.unique().numel(), "router_unique_experts": r_ids.unique().numel()}
         graphs, outs = {}, {}
         for name, fn in fns.items():
@@ -294,6 +360,8 @@ def bench_shape(key: str, s: Shape, tokens: list[int], copy_bw: float, gemm: flo
             checks["experts_vs_sort"] = rel_err(outs["experts"], outs["sort_experts"])
         if "layer" in outs and "sort_layer" in outs:
             checks["layer_vs_sort"] = rel_err(outs["layer"], outs["sort_layer"])
+        if "layer" in outs and "dg_layer" in outs:
+            checks["layer_vs_deepgemm"] = rel_err(outs["layer"], outs["dg_layer"])
         if T == tokens[0] and "experts" in outs:
             checks["experts_vs_torch_reference"] = rel_err(
                 outs["experts"], fused_moe_torch(x, w_gate_up, w_down, weights, ids, shared=shared))
@@ -320,6 +388,8 @@ def bench_shape(key: str, s: Shape, tokens: list[int], copy_bw: float, gemm: flo
             row["experts_floor_frac"] = row["experts_floor_us"] / row["experts_us"]
         if "layer_us" in row and "sort_layer_us" in row:
             row["speedup_vs_sort"] = row["sort_layer_us"] / row["layer_us"]
+        if "dg_layer_us" in row:
+            row["deepgemm_floor_frac"] = row["floor_us"] / row["dg_layer_us"]
         if "experts_us" in row and "sort_experts_us" in row:
             row["experts_speedup_vs_sort"] = row["sort_experts_us"] / row["experts_us"]
         row["pass"], row["miss"] = acceptance(key, row)
@@ -355,9 +425,11 @@ def main() -> None:
 
     copy_bw, gemm = copy_bandwidth(dev), gemm_rate(dev)
     sort_status = grouped_mm_status(dev)
+    dg, dg_status = deepgemm_status(dev)
     result = {"device": torch.cuda.get_device_name(dev), "copy_GBps": copy_bw / 1e9, "gemm_TFLOPs": gemm / 1e12,
               "torch": torch.__version__, "triton": triton.__version__, "git_commit": args.commit or git_commit(),
               "sort_baseline": sort_status or "torch._grouped_mm",
+              "deepgemm": dg_status or f"deep_gemm {getattr(dg, '__version__', '?')}",
               "timing": f"CUDA graph per candidate, median of {args.reps} interleaved replays after {args.warmup} "
                         "warm-up rounds, L2 flushed before each replay",
               "router_in_sort_layer": "specmla.ops.moe_route (the same router as ours)", "shapes": []}
@@ -368,7 +440,7 @@ def main() -> None:
     for key in args.shapes:
         s = SHAPES[key]
         res = bench_shape(key, s, sorted(set(args.tokens)), copy_bw, gemm, sort_status is None, args.reps,
-                          args.warmup, dev)
+                          args.warmup, dev, dg=dg)
         result["shapes"].append(res)
         tables.append(format_table(s, res["rows"]))
         print("\n" + tables[-1], flush=True)
