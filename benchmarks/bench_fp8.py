@@ -43,8 +43,8 @@ from limits import copy_bandwidth, gemm_rate  # noqa: E402
 
 from specmla.ops import fp8_block_linear  # noqa: E402
 from specmla.ops.linear import deepgemm  # noqa: E402
-from specmla.ops.linear import (act_quant_torch, fp8_block_linear_torch, fp8_block_linear_triton,  # noqa: E402
-                                weight_dequant, weight_quant)
+from specmla.ops.linear import (fp8_block_linear_torch, fp8_block_linear_triton,  # noqa: E402
+                                fp8_block_linear_w8a8_torch, weight_dequant, weight_quant)
 from specmla.ops.linear.triton import DECODE_MAX_M, _num_sms, plan_split  # noqa: E402
 
 LINEAR_SHAPES = [(7168, 18432), (18432, 7168), (2112, 7168), (24576, 1536), (7168, 2048)]
@@ -114,9 +114,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def w8a8_emulation(x, weight, scale):
-    K = x.shape[-1]
-    q, s = act_quant_torch(x)
-    return (q.float() * s.repeat_interleave(128, dim=-1)[..., :K]) @ weight_dequant(weight, scale).T
+    """The kernels' w8a8 arithmetic in torch, fp32 out (`fp8_block_linear_w8a8_torch`)."""
+    return fp8_block_linear_w8a8_torch(x, weight, scale, out_dtype=torch.float32)
 
 
 def _f(v, fmt="{:.1f}", none="-") -> str:

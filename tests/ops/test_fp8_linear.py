@@ -178,7 +178,7 @@ def test_bad_inputs_raise_naming_the_argument():
         fp8_block_linear_triton(x, w, s, split=2, workspace=torch.empty(10))
     with pytest.raises(ValueError, match="PREFETCH"):
         fp8_block_linear_triton(x, w, s, config=dict(PREFETCH=3))
-    with pytest.raises(ValueError, match="unknown backend"):
+    with pytest.raises(ValueError, match=r"unknown backend 'cuda' \(auto \| triton \| deepgemm \| torch \| w8a8_torch\)"):
         fp8_block_linear(x, w, s, backend="cuda")
 
 

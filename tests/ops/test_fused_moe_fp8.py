@@ -141,6 +141,8 @@ def test_w8a8_backend_is_act_quant_composed_per_expert():
     bf16 = [w.float().to(BF16) for w in (case.w_gate_up, case.w_down)]
     with pytest.raises(ValueError, match="w8a8_torch"):
         fused_moe(case.x.to(BF16), *bf16, case.topk_weights, case.topk_ids, backend="w8a8_torch")
+    with pytest.raises(ValueError, match=r"unknown backend 'w8a8' \(auto \| triton \| torch \| w8a8_torch\)"):
+        fused_moe(*case.args, **case.kwargs, backend="w8a8")
 
 
 def test_act_quant_matches_the_reference_bit_for_bit():

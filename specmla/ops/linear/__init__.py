@@ -1,7 +1,8 @@
 """FP8 block-scaled linear layers (contract C7): DeepSeek-V3 / R1 / Kimi-K2 checkpoints keep their linear weights in
 float8_e4m3fn with one fp32 `weight_scale_inv` per 128 × 128 block.
 
-- `reference.py`: `fp8_block_linear_torch` (the weights dequantised, fp32 product), `weight_dequant`,
+- `reference.py`: `fp8_block_linear_torch` (the weights dequantised, fp32 product), `fp8_block_linear_w8a8_torch`
+  (the kernels' w8a8 arithmetic: activations through `act_quant_torch` first), `weight_dequant`,
   `weight_quant` and `act_quant_torch` (DeepSeek's block and per-token-group rules);
 - `triton.py`: `fp8_block_linear_triton` (w8a8: activations quantised per token per 128 columns, e4m3 tensor-core
   products promoted to fp32 every 128 K with both scales; a split-K swap-AB kernel up to 64 rows, a tiled GEMM
@@ -29,7 +30,8 @@ from specmla.ops.linear.reference import (act_quant_torch, fp8_block_linear_torc
 from specmla.ops.linear.triton import act_quant, fp8_block_linear_triton
 
 __all__ = ["act_quant", "act_quant_torch", "e4m3_backend", "fp8_block_linear", "fp8_block_linear_torch",
-           "fp8_block_linear_triton", "head_matmul", "linear", "weight_dequant", "weight_quant"]
+           "fp8_block_linear_triton", "fp8_block_linear_w8a8_torch", "head_matmul", "linear", "weight_dequant",
+           "weight_quant"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,6 +53,9 @@ def e4m3_backend(backend: str, *tensors) -> str:
     return chosen
 
 
+FP8_LINEAR_BACKENDS = ("auto", "triton", "deepgemm", "torch", "w8a8_torch")
+
+
 def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, backend="auto"):
     """Contract C7: x [..., K] @ (weight · scale)ᵀ (+ bias) → [..., N] in out_dtype (default x's dtype); weight
     float8_e4m3fn [N, K], weight_scale_inv fp32 [⌈N/128⌉, ⌈K/128⌉]. backend: "auto" (on CUDA when no tensor needs
@@ -60,6 +65,8 @@ def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, 
     "torch" (the weights dequantised, activations exact) or "w8a8_torch" (`fp8_block_linear_w8a8_torch`: the
     kernels' w8a8 arithmetic in torch, any device). No host synchronisation; graph-capturable once called
     eagerly (the split-K counters are allocated, DeepGEMM's kernels compiled, then)."""
+    if backend not in FP8_LINEAR_BACKENDS:
+        raise ValueError(f"fp8_block_linear: unknown backend {backend!r} ({' | '.join(FP8_LINEAR_BACKENDS)})")
     if backend == "w8a8_torch":
         return fp8_block_linear_w8a8_torch(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     if backend == "deepgemm":

@@ -22,6 +22,9 @@ from specmla.ops.moe.triton import fused_moe_fp8_triton, fused_moe_triton
 __all__ = ["RouteSpec", "fused_moe", "fused_moe_torch", "moe_route", "moe_route_torch", "moe_route_triton"]
 
 
+MOE_BACKENDS = ("auto", "triton", "torch", "w8a8_torch")
+
+
 def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_gate_up_scale=None,
               w_down_scale=None, shared_scales=None, out=None, residual=None, backend="auto"):
     """out[t] = Σ_j topk_weights[t, j] · w_down[e] (silu(gate_e x[t]) ⊙ up_e x[t]), e = topk_ids[t, j]
@@ -42,6 +45,8 @@ def fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, w_ga
     """
     args = dict(shared=shared, out=out, residual=residual)
     fp8 = w_gate_up_scale is not None or w_down_scale is not None or shared_scales is not None
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"fused_moe: unknown backend {backend!r} ({' | '.join(MOE_BACKENDS)})")
     if backend == "w8a8_torch":
         if not fp8:
             raise ValueError("fused_moe: backend='w8a8_torch' emulates the float8 experts' kernels; these experts are "
