@@ -174,8 +174,7 @@ def bench_linear(args, ctx) -> dict:
             row["fp8_s"] = timer(lambda i: fp8_block_linear(xs[i], w8s[i], wss[i], **kw), copies, reps)
             row["bf16_s"] = timer(lambda i: torch.matmul(xs[i], wbfs[i].T, out=outs[i % 2]) if not smoke
                                   else xs[i] @ wbfs[i].T.to(xs[i].dtype), copies_bf, reps)
-            row["route"] = ("deepgemm" if deepgemm.preferred(M, K) and deepgemm.available(xs[0].device)
-                            and deepgemm.supported(xs[0], w8) else "triton")
+            row["route"] = "deepgemm" if deepgemm.routes_to(xs[0], w8) else "triton"
             if not smoke:  # both implementations, whichever "auto" takes
                 row["triton_s"] = timer(lambda i: fp8_block_linear_triton(xs[i], w8s[i], wss[i]), copies, reps)
                 if deepgemm.available(dev) and deepgemm.supported(xs[0], w8):

@@ -94,7 +94,6 @@ def sort_moe(x, w_gate_up, w_down, weights, ids, shared_gate_up, shared_down):
     shared experts' output (computed as a dense MLP)."""
     T, k = ids.shape
     E, I = w_down.shape[0], w_down.shape[2]
-    Is = shared_down.shape[1]
     sorted_ids, order = ids.reshape(-1).sort(stable=True)
     tok = order // k
     # offs[e] = pairs of experts 0..e (int32 cumulative ends, as torch._grouped_mm takes them)
@@ -104,9 +103,14 @@ def sort_moe(x, w_gate_up, w_down, weights, ids, shared_gate_up, shared_down):
     h = F.silu(gu[:, :I]) * gu[:, I:]
     y = torch._grouped_mm(h, w_down.transpose(1, 2), offs=offs)
     y = y * weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+    return shared_mlp(x, shared_gate_up, shared_down).index_add_(0, tok, y)
+
+
+def shared_mlp(x, shared_gate_up, shared_down):
+    """The shared experts as one dense MLP: (silu(gate x) ⊙ up x) @ downᵀ, in x's dtype."""
+    Is = shared_down.shape[1]
     gs = x @ shared_gate_up.T
-    out = (F.silu(gs[:, :Is]) * gs[:, Is:]) @ shared_down.T
-    return out.index_add_(0, tok, y)
+    return (F.silu(gs[:, :Is]) * gs[:, Is:]) @ shared_down.T
 
 
 class DeepGemmMoE:
@@ -144,10 +148,8 @@ class DeepGemmMoE:
         tok = order // self.k
         self.a.index_copy_(0, dest, x[tok])
         self.gemms(w_gate_up, w_down, psum)
-        Is = shared_down.shape[1]
-        gs = x @ shared_gate_up.T
-        out = (F.silu(gs[:, :Is]) * gs[:, Is:]) @ shared_down.T
-        return out.index_add_(0, tok, self.y[dest] * weights.reshape(-1)[order].unsqueeze(1).to(self.y.dtype))
+        return shared_mlp(x, shared_gate_up, shared_down).index_add_(
+            0, tok, self.y[dest] * weights.reshape(-1)[order].unsqueeze(1).to(self.y.dtype))
 
 
 def deepgemm_status(device):

@@ -80,11 +80,21 @@ def test_rules_supported_and_preferred():
     assert not deepgemm.preferred(128, 1536) and deepgemm.preferred(256, 1536)
 
 
+def test_routes_to_takes_the_rows_deepgemm_wins_on_calls_it_fits(fake_deepgemm):
+    w = make_linear(128, 256)[0]
+    assert deepgemm.routes_to(torch.zeros(256, 256, dtype=torch.bfloat16), w)
+    assert deepgemm.routes_to(torch.zeros(2, 128, 256, dtype=torch.bfloat16), w)  # rows of all leading dims
+    assert not deepgemm.routes_to(torch.zeros(255, 256, dtype=torch.bfloat16), w)  # K < 2048: from 256 rows
+    assert not deepgemm.routes_to(torch.zeros(256, 256), w)  # fp32 activations
+    assert not deepgemm.supported(torch.zeros(3, 256, dtype=torch.bfloat16), w.flatten())  # not a matrix: no call
+
+
 def test_missing_deepgemm_is_named_and_auto_stays_on_triton(monkeypatch):
     monkeypatch.setattr(deepgemm, "module", lambda: None)
     w, s = make_linear(128, 256, seed=7)
     x = make_x((20, 256), seed=8, dtype=torch.bfloat16)
     assert not deepgemm.available(torch.device("cpu"))
+    assert not deepgemm.routes_to(torch.zeros(300, 256, dtype=torch.bfloat16), w)
     with pytest.raises(RuntimeError, match=r"specmla\[hopper\]"):
         fp8_block_linear(x, w, s, backend="deepgemm")
     with pytest.raises(ValueError, match="weight_scale_inv"):  # bad arguments are named before availability

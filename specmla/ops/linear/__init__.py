@@ -59,7 +59,7 @@ FP8_LINEAR_BACKENDS = ("auto", "triton", "deepgemm", "torch", "w8a8_torch")
 def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, backend="auto"):
     """Contract C7: x [..., K] @ (weight · scale)ᵀ (+ bias) → [..., N] in out_dtype (default x's dtype); weight
     float8_e4m3fn [N, K], weight_scale_inv fp32 [⌈N/128⌉, ⌈K/128⌉]. backend: "auto" (on CUDA when no tensor needs
-    a gradient: DeepGEMM where it is installed, the call fits it and `deepgemm.preferred` its row count, else the
+    a gradient: DeepGEMM where `deepgemm.routes_to` (installed, the call fits it, its rows `preferred`), else the
     Triton kernels; the torch reference otherwise), "triton" (also under TRITON_INTERPRET=1 on CPU tensors;
     activations quantised per token per 128 columns), "deepgemm" (RuntimeError where it is not available),
     "torch" (the weights dequantised, activations exact) or "w8a8_torch" (`fp8_block_linear_w8a8_torch`: the
@@ -72,8 +72,7 @@ def fp8_block_linear(x, weight, weight_scale_inv, *, bias=None, out_dtype=None, 
     if backend == "deepgemm":
         return deepgemm.fp8_block_linear_deepgemm(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     if e4m3_backend(backend, x, weight, weight_scale_inv, bias) == "triton":
-        if (backend == "auto" and x.dim() >= 1 and deepgemm.preferred(math.prod(x.shape[:-1]), weight.shape[-1])
-                and deepgemm.available(x.device) and deepgemm.supported(x, weight, bias, out_dtype)):
+        if backend == "auto" and deepgemm.routes_to(x, weight, bias, out_dtype):
             return deepgemm.fp8_block_linear_deepgemm(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
         return fp8_block_linear_triton(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)
     return fp8_block_linear_torch(x, weight, weight_scale_inv, bias=bias, out_dtype=out_dtype)

@@ -53,6 +53,8 @@ def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
               out_dtype: torch.dtype | None = None) -> bool:
     """Whether a call fits DeepGEMM's kernel: bf16 x and output, K a multiple of 128, N a multiple of 64, a bf16 or
     fp32 bias (added after the product)."""
+    if weight.dim() != 2:
+        return False
     N, K = weight.shape
     return (x.dtype == torch.bfloat16 and (out_dtype or x.dtype) == torch.bfloat16 and K % BLOCK == 0
             and N % 64 == 0 and K > 0 and (bias is None or bias.dtype in (torch.bfloat16, torch.float32)))
@@ -64,6 +66,14 @@ def preferred(M: int, K: int) -> bool:
     five linear shapes (docs/benchmarks.md, "FP8 block-scaled linear"): from 17 rows at K ≥ 2048, from 256 at
     K = 1536; up to 16 rows the split-K kernel ties or wins."""
     return M >= (MIN_ROWS if K >= 2048 else MIN_ROWS_SHORT_K)
+
+
+def routes_to(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> bool:
+    """Whether `fp8_block_linear`'s "auto" sends this call to DeepGEMM: its rows `preferred`, DeepGEMM `available`
+    on x's device, the call `supported`."""
+    return (preferred(math.prod(x.shape[:-1]), weight.shape[-1]) and available(x.device)
+            and supported(x, weight, bias, out_dtype))
 
 
 def fp8_block_linear_deepgemm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, *,
