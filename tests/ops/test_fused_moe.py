@@ -15,7 +15,9 @@ import specmla.ops.moe.route as route_mod
 from specmla.ops import fused_moe, fused_moe_torch, moe_route, moe_route_torch
 from specmla.ops.moe import RouteSpec, moe_route_triton
 from specmla.ops.linear.reference import weight_dequant
+import specmla.ops.moe.triton as moe_triton
 from specmla.ops.moe.triton import MAX_EXPERT_SLOTS, align_pairs, align_pairs_torch, fused_moe_triton, max_blocks
+import specmla.ops.moe.tuning as moe_tuning
 from specmla.ops.moe.tuning import Config
 from specmla.ops.scratch import zeroed_scratch
 
@@ -115,6 +117,70 @@ def test_tile_configurations_must_share_block_m():
     case = make_moe_case(8, 7, 3, 40, 24, None, F32)
     with pytest.raises(ValueError, match="block_m"):
         fused_moe_triton(*case.args, up_config=Config(16, 16, 16), down_config=Config(32, 16, 16))
+
+
+# ---- weight tiles through tensor descriptors (weights_tma) --------------------------------------------------
+# T, E, k, H, I, Is, dtype, up, down: tiles wider than I or H make the descriptor's tile run past an expert's rows
+# (into the up rows, the next expert, or past the tensor: zeros), K tiles that do not divide H or I run past the
+# row (zeros), and Is = I + 8 leaves a narrow shared pseudo-expert whose K range stops inside the shared weights.
+TMA_CASES = [
+    (1, 7, 4, 24, 32, 40, F32, None, None),  # one pair per block
+    (17, 7, 7, 40, 24, 32, F16, Config(16, 32, 32, 1), Config(16, 32, 16, 1)),
+    (40, 9, 3, 72, 40, 88, F32, Config(32, 64, 32, 2), Config(32, 64, 32, 4)),
+    (127, 66, 8, 32, 24, 48, F16, Config(64, 16, 16, 8), Config(64, 16, 16, 8)),
+    (33, 9, 3, 64, 64, None, F32, Config(16, 64, 64, 1), Config(16, 64, 64, 1)),
+]
+
+
+@pytest.mark.parametrize("T,E,k,H,I,Is,dtype,up,down", TMA_CASES, ids=[case_id(c[:7]) for c in TMA_CASES])
+def test_weight_descriptors_match_pointer_loads(T, E, k, H, I, Is, dtype, up, down):
+    case = make_moe_case(T, E, k, H, I, Is, dtype, seed=T + E)
+    before = snapshot(case.tensors())
+    tiles = dict(up_config=up, down_config=down)
+    got = fused_moe_triton(*case.args, shared=case.shared, weights_tma=True, **tiles)
+    assert unchanged(case.tensors(), before)
+    plain = fused_moe_triton(*case.args, shared=case.shared, weights_tma=False, **tiles)
+    oracle = moe_oracle(*case.args, shared=case.shared)
+    assert rel_err(got, oracle) <= TOL[dtype]
+    assert rel_err(got, plain) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_weight_descriptors_never_use_unused_experts(dtype):
+    """Every expert but 2 and 5 is NaN and the down tiles (16 columns of H = 40) run past each expert into the next
+    one: the columns that reach a NaN expert are never stored, so the result is finite and right."""
+    T, E, k, H, I, Is = 24, 8, 2, 40, 24, 32
+    case = make_moe_case(T, E, k, H, I, Is, dtype, seed=3)
+    chosen = torch.tensor([2, 5])
+    case.topk_ids = chosen[random_ids(T, 2, k, torch.Generator().manual_seed(3))]
+    oracle = moe_oracle(*case.args, shared=case.shared)
+    unused = torch.ones(E, dtype=torch.bool)
+    unused[chosen] = False
+    case.w_gate_up[unused], case.w_down[unused] = float("nan"), float("nan")
+    got = fused_moe_triton(*case.args, shared=case.shared, weights_tma=True,
+                           up_config=Config(16, 16, 16, 1), down_config=Config(16, 16, 16, 1))
+    assert torch.isfinite(got).all()
+    assert rel_err(got, oracle) <= TOL[dtype]
+
+
+def test_weight_descriptors_need_aligned_weights():
+    """Weights at an offset of 5 fp32 elements (20 bytes) cannot be covered by descriptors: asked for, a clear
+    error that writes nothing; by default the pointer loads run."""
+    case = make_moe_case(9, 7, 3, 40, 24, 24, F32, seed=1)
+    wgu = embedded(case.w_gate_up, 5, float("nan"))
+    out = torch.full((9, 40), 7.0)
+    with pytest.raises(ValueError, match="weights_tma"):
+        fused_moe_triton(case.x, wgu, case.w_down, case.topk_weights, case.topk_ids, shared=case.shared, out=out,
+                         weights_tma=True)
+    assert (out == 7.0).all()
+    got = fused_moe_triton(case.x, wgu, case.w_down, case.topk_weights, case.topk_ids, shared=case.shared)
+    assert rel_err(got, moe_oracle(*case.args, shared=case.shared)) <= 1e-5
+
+
+def test_weight_descriptor_rule_stays_off_the_cpu_and_narrow_blocks():
+    case = make_moe_case(9, 7, 3, 40, 24, 24, BF16, seed=1)
+    weights = (case.w_gate_up, case.w_down, *case.shared)
+    assert not moe_triton.weights_tma_rule(case.x, 128, *weights)  # a CPU tensor (the interpreter)
 
 
 # ---- expert parallelism: ids outside [0, E) -------------------------------------------------------------
@@ -638,6 +704,26 @@ def test_gpu_bf16_matches_reference(shape, T):
     assert fro_err(got, want) <= 1e-2
     assert torch.equal(auto, got)
     assert into is out and torch.equal(out, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [127, 1000, 4097])
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_gpu_weight_descriptors_are_the_default_at_prefill_sizes(shape, T):
+    """Where the rule takes tensor descriptors (bf16, ≥ 64-row blocks on sm_90), the result equals pointer loads
+    of the same tiles up to the accumulation's rounding, and the reference."""
+    E, k, I, H, Is = GPU_SHAPES[shape]
+    case = make_moe_case(T, E, k, H, I, Is, BF16, seed=T, device="cuda")
+    up = moe_tuning.lookup("up", E, I, H, T, case.x.device, k)
+    weights = (case.w_gate_up, case.w_down, *case.shared)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert moe_triton.weights_tma_rule(case.x, up.block_m, *weights) == (up.block_m >= 64)
+    with torch.inference_mode():
+        want = fused_moe_torch(*case.args, shared=case.shared)
+        tma = fused_moe_triton(*case.args, shared=case.shared, weights_tma=True)
+        plain = fused_moe_triton(*case.args, shared=case.shared, weights_tma=False)
+    assert fro_err(tma, want) <= 1e-2
+    assert fro_err(tma, plain) <= 2e-3
 
 
 @pytest.mark.gpu

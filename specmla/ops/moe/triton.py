@@ -16,6 +16,11 @@ exact; the last one may be narrower). Pair p = t·S + j (S = k + shared slots).
 4. `_sum_kernel`: out[t] = residual[t] + Σ_j of the token's valid pairs (ids outside [0, E) add nothing; no
    residual: 0), summed in fp32 and rounded once.
 
+The GEMMs load their weight tiles through tensor descriptors (the copy engine: TMA) where `weights_tma_rule` says
+(16-bit experts on sm_90+, row blocks of 64 or more), pointer loads elsewhere; the token rows are gathered by pointer
+loads either way. With descriptors each GEMM is two launches, the routed experts' blocks and the shared ones'
+(one descriptor each); a program whose block belongs to the other launch exits at once.
+
 On sm_90+ every launch is a programmatic dependent launch (`ops.pdl`): each program waits for the kernel before
 at its start (every input here, the expert ids and the pair tables, is written by an earlier kernel) and lets the
 next kernel launch at once.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from specmla.ops.linear.reference import BLOCK, E4M3_MAX
 from specmla.ops.linear.triton import act_quant, interpreting, quant_tile
@@ -236,13 +242,57 @@ def _down_slice(e, I, Is, H, shared_down_off, E: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_tma(a_ptrs, row_ok, W_DESC, g_row, u_row, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """(x·Wgᵀ, x·Wuᵀ) of one tile, the weight tiles [BLOCK_N, BLOCK_K] at rows g_row / u_row of W_DESC (a tensor
+    descriptor: the copy engine loads them; rows past the tensor and columns past H read as zero, rows past the
+    expert's units only feed output columns the caller does not store)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k + k0 < H)[None, :], other=0.0)
+        wg = W_DESC.load([g_row, k0])
+        wu = W_DESC.load([u_row, k0])
+        acc_g = tl.dot(a, wg.T, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu.T, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+    return acc_g, acc_u
+
+
+@triton.jit
+def _down_tma(a_ptrs, row_ok, W_DESC, n_row, k_col, k_lim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """h·Wdᵀ of one tile over K < k_lim, the weight tiles [BLOCK_N, BLOCK_K] at (n_row, k_col + k) of W_DESC (the
+    activations past k_lim are masked to zero, so weight columns there add nothing)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_lim, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k + k0 < k_lim)[None, :], other=0.0)
+        b = W_DESC.load([n_row, k_col + k0])
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
-    X, IDS, SORTED, BLOCK_EXPERT, WGU, HB,
+    X, IDS, SORTED, BLOCK_EXPERT, WGU, HB, W_DESC,
     P, H, I, Is, shared_gu_off, num_m, stride_ids, stride_x, stride_hb,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, W_TMA: tl.constexpr, PDL: tl.constexpr,
 ):
+    """W_TMA 0: every block, weight tiles by pointer loads; 1: the routed experts' blocks only, weight tiles through
+    the tensor descriptor W_DESC (the routed gate‖up as [E·2I, H]); 2: the shared pseudo-experts' blocks only, W_DESC
+    the shared gate‖up [2·Is, H]. (One descriptor per launch: a kernel choosing between two at run time holds both
+    pipelines' shared memory.)"""
     S: tl.constexpr = TOP_K + N_SHARED
     wait(PDL)  # before the block's expert (and its early exits)
     launch_dependents(PDL)
@@ -252,32 +302,37 @@ def _gate_up_kernel(
     if e < 0:
         return
     routed, c, g_off, u_off, n_lim = _gate_up_slices(e, I, Is, H, shared_gu_off, E)
-    if pid_n * BLOCK_N >= n_lim:
+    if pid_n * BLOCK_N >= n_lim or (W_TMA == 1 and not routed) or (W_TMA == 2 and routed):
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_lim
     offs_k = tl.arange(0, BLOCK_K)
     tok = rows // S
     a_ptrs = X + tok[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-    g_ptrs = WGU + g_off + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
-    u_ptrs = WGU + u_off + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            wg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
-            wu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k + k0 < H
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if W_TMA > 0:  # routed: gate rows e·2I + n, up rows e·2I + I + n; shared: c·I + n and Is + c·I + n
+        g_row = tl.where(routed, e * (2 * I), c * I) + pid_n * BLOCK_N
+        acc_g, acc_u = _gate_up_tma(a_ptrs, row_ok, W_DESC, g_row, g_row + tl.where(routed, I, Is), H,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    else:
+        g_ptrs = WGU + g_off + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
+        u_ptrs = WGU + u_off + offs_n[None, :].to(tl.int64) * H + offs_k[:, None]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                wg = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+                wu = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k + k0 < H
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(g_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                wu = tl.load(u_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out = HB + rows[:, None].to(tl.int64) * stride_hb + offs_n[None, :]
     tl.store(out, h.to(HB.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -285,12 +340,14 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    HB, IDS, WTS, SORTED, BLOCK_EXPERT, WD, OUT,
+    HB, IDS, WTS, SORTED, BLOCK_EXPERT, WD, OUT, W_DESC,
     P, H, I, Is, shared_down_off, num_m, stride_ids, stride_wts, stride_hb, stride_o,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, W_TMA: tl.constexpr, PDL: tl.constexpr,
 ):
+    """W_TMA as in `_gate_up_kernel`: W_DESC is the routed down projections as [E·H, I] (1) or the shared one,
+    [H, Is] (2)."""
     S: tl.constexpr = TOP_K + N_SHARED
     wait(PDL)  # before the block's expert (and its early exit)
     launch_dependents(PDL)
@@ -300,23 +357,29 @@ def _down_kernel(
     if e < 0:
         return
     routed, c, b_off, rs, k_lim = _down_slice(e, I, Is, H, shared_down_off, E)
+    if (W_TMA == 1 and not routed) or (W_TMA == 2 and routed):
+        return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = HB + rows[:, None].to(tl.int64) * stride_hb + offs_k[None, :]
-    b_ptrs = WD + b_off + offs_n[None, :].to(tl.int64) * rs + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_lim, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k + k0 < k_lim
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if W_TMA > 0:  # routed: rows e·H + n, columns k; shared: rows n, columns c·I + k
+        acc = _down_tma(a_ptrs, row_ok, W_DESC, tl.where(routed, e * H, 0) + pid_n * BLOCK_N,
+                        tl.where(routed, 0, c * I), k_lim, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    else:
+        b_ptrs = WD + b_off + offs_n[None, :].to(tl.int64) * rs + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, k_lim, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k + k0 < k_lim
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     j = rows % S
     w = tl.load(WTS + (rows // S) * stride_wts + j, mask=row_ok & (j < TOP_K), other=1.0)
     acc = acc * w[:, None]
@@ -389,11 +452,30 @@ def shared_slots(shared, inter: int) -> int:
     return 0 if shared is None else triton.cdiv(shared[1].shape[1], inter)
 
 
+TMA_MIN_BLOCK_M = 64  # weight tiles through tensor descriptors from this row block up (measured faster there)
+
+
+def _tma_ready(*weights: torch.Tensor) -> bool:
+    """Whether tensor descriptors can cover these contiguous weights: 16-byte aligned bases and rows."""
+    return all(w.data_ptr() % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0 for w in weights)
+
+
+def weights_tma_rule(x: torch.Tensor, block_m: int, *weights: torch.Tensor) -> bool:
+    """Whether the grouped GEMMs load their weight tiles through tensor descriptors (the copy engine, TMA) by
+    default: 16-bit experts on sm_90+ in row blocks of ≥ TMA_MIN_BLOCK_M rows (prefill sizes, where they measured
+    faster on an H200; the narrow decode blocks keep pointer loads), weights `_tma_ready`."""
+    return (x.is_cuda and not interpreting() and block_m >= TMA_MIN_BLOCK_M and x.element_size() == 2
+            and torch.cuda.get_device_capability(x.device)[0] >= 9 and _tma_ready(*weights))
+
+
 def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, out=None, residual=None,
-                     up_config: Config | None = None, down_config: Config | None = None):
+                     up_config: Config | None = None, down_config: Config | None = None,
+                     weights_tma: bool | None = None):
     """`fused_moe` on bf16 / fp16 / fp32 experts (tile configurations from `tuning.lookup` unless given).
     residual [T, H] (x's dtype): out = residual + the MoE, added in the sum's fp32 accumulator; out may be
-    residual itself."""
+    residual itself. weights_tma: load the weight tiles through tensor descriptors (True; ValueError where the
+    weights are not `_tma_ready`; also under the interpreter), pointer loads (False), or `weights_tma_rule` (None).
+    Both multiply the same tiles in the same K order."""
     T, H = x.shape
     E = w_gate_up.shape[0]
     I = w_down.shape[2]
@@ -421,6 +503,11 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
     smem = shared_memory(x.device)
     up_cfg = fit(up_config or lookup("up", E, I, H, T, x.device, k), x.element_size(), 2, smem)
     down_cfg = fit(down_config or lookup("down", E, H, I, T, x.device, k), x.element_size(), 1, smem)
+    weights = (w_gate_up, w_down, *(shared or ()))
+    if weights_tma is None:
+        weights_tma = not (T == 1) and weights_tma_rule(x, up_cfg.block_m, *weights)
+    elif weights_tma and not _tma_ready(*weights):
+        raise ValueError("fused_moe: weights_tma needs 16-byte aligned weights whose rows are multiples of 16 bytes")
     pair_blocks = T == 1  # every pair its own block: no align launch
     if pair_blocks:
         sorted_pairs = block_expert = ids
@@ -441,17 +528,26 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
         return dict(BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                     GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages)
 
-    _gate_up_kernel[(num_blocks * triton.cdiv(I, up_cfg.block_n),)](
-        x, ids, sorted_pairs, block_expert, w_gate_up, hb,
-        P, H, I, Is, _offset(shared_gu, w_gate_up), num_blocks, ids.stride(0), x.stride(0), hb.stride(0),
-        **common, **tiles(up_cfg), EVEN_K=H % up_cfg.block_k == 0,
-    )
-    _down_kernel[(num_blocks * triton.cdiv(H, down_cfg.block_n),)](
-        hb, ids, wts, sorted_pairs, block_expert, w_down, y,
-        P, H, I, Is, _offset(shared_down, w_down), num_blocks, ids.stride(0), wts.stride(0), hb.stride(0),
-        y.stride(0), **common, **tiles(down_cfg),
-        EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0),
-    )
+    if weights_tma:  # (pass, gate‖up descriptor, down descriptor): the routed experts, then the shared ones
+        up_tile, down_tile = [up_cfg.block_n, up_cfg.block_k], [down_cfg.block_n, down_cfg.block_k]
+        parts = [(1, w_gate_up.view(E * 2 * I, H), w_down.view(E * H, I))] + ([(2, *shared)] if shared else [])
+        passes = [(kind, TensorDescriptor.from_tensor(gu, up_tile), TensorDescriptor.from_tensor(dn, down_tile))
+                  for kind, gu, dn in parts]
+    else:
+        passes = [(0, None, None)]
+    for kind, desc, _ in passes:
+        _gate_up_kernel[(num_blocks * triton.cdiv(I, up_cfg.block_n),)](
+            x, ids, sorted_pairs, block_expert, w_gate_up, hb, desc,
+            P, H, I, Is, _offset(shared_gu, w_gate_up), num_blocks, ids.stride(0), x.stride(0), hb.stride(0),
+            **common, **tiles(up_cfg), EVEN_K=H % up_cfg.block_k == 0, W_TMA=kind,
+        )
+    for kind, _, desc in passes:
+        _down_kernel[(num_blocks * triton.cdiv(H, down_cfg.block_n),)](
+            hb, ids, wts, sorted_pairs, block_expert, w_down, y, desc,
+            P, H, I, Is, _offset(shared_down, w_down), num_blocks, ids.stride(0), wts.stride(0), hb.stride(0),
+            y.stride(0), **common, **tiles(down_cfg),
+            EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0), W_TMA=kind,
+        )
     _launch_sum(y, ids, residual, out, E, k, n_shared, pdl)
     return out
 
