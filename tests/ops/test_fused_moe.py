@@ -120,9 +120,9 @@ def test_tile_configurations_must_share_block_m():
 
 
 # ---- weight tiles through tensor descriptors (weights_tma) --------------------------------------------------
-# T, E, k, H, I, Is, dtype, up, down: tiles wider than I or H make the descriptor's tile run past an expert's rows
-# (into the up rows, the next expert, or past the tensor: zeros), K tiles that do not divide H or I run past the
-# row (zeros), and Is = I + 8 leaves a narrow shared pseudo-expert whose K range stops inside the shared weights.
+# T, E, k, H, I, Is, dtype, up, down: N tiles that do not divide I or H run past an expert's rows (into its up rows,
+# the next expert, or past the tensor: zeros), K tiles that do not divide H or I run past the row (zeros), and
+# Is = 2I + 8 (or I + 8) leaves a narrow last shared pseudo-expert whose K range stops inside the shared weights.
 TMA_CASES = [
     (1, 7, 4, 24, 32, 40, F32, None, None),  # one pair per block
     (17, 7, 7, 40, 24, 32, F16, Config(16, 32, 32, 1), Config(16, 32, 16, 1)),
@@ -133,7 +133,7 @@ TMA_CASES = [
 
 
 @pytest.mark.parametrize("T,E,k,H,I,Is,dtype,up,down", TMA_CASES, ids=[case_id(c[:7]) for c in TMA_CASES])
-def test_weight_descriptors_match_pointer_loads(T, E, k, H, I, Is, dtype, up, down):
+def test_weight_descriptors_match_pointer_loads(T, E, k, H, I, Is, dtype, up, down, monkeypatch):
     case = make_moe_case(T, E, k, H, I, Is, dtype, seed=T + E)
     before = snapshot(case.tensors())
     tiles = dict(up_config=up, down_config=down)
@@ -143,6 +143,11 @@ def test_weight_descriptors_match_pointer_loads(T, E, k, H, I, Is, dtype, up, do
     oracle = moe_oracle(*case.args, shared=case.shared)
     assert rel_err(got, oracle) <= TOL[dtype]
     assert rel_err(got, plain) <= TOL[dtype]
+    # each launch keeps to its slots: with the shared launch first, a routed launch that also ran the shared blocks
+    # (through the routed descriptor) would overwrite their rows
+    passes = moe_triton._gemm_passes
+    monkeypatch.setattr(moe_triton, "_gemm_passes", lambda *a: passes(*a)[::-1])
+    assert torch.equal(fused_moe_triton(*case.args, shared=case.shared, weights_tma=True, **tiles), got)
 
 
 @pytest.mark.parametrize("dtype", [F32, F16])
@@ -163,24 +168,30 @@ def test_weight_descriptors_never_use_unused_experts(dtype):
     assert rel_err(got, oracle) <= TOL[dtype]
 
 
-def test_weight_descriptors_need_aligned_weights():
-    """Weights at an offset of 5 fp32 elements (20 bytes) cannot be covered by descriptors: asked for, a clear
-    error that writes nothing; by default the pointer loads run."""
-    case = make_moe_case(9, 7, 3, 40, 24, 24, F32, seed=1)
-    wgu = embedded(case.w_gate_up, 5, float("nan"))
-    out = torch.full((9, 40), 7.0)
+@pytest.mark.parametrize("what", ["routed base", "shared base", "H rows", "Is rows", "strided out"])
+def test_weight_descriptors_need_aligned_weights(what):
+    """Descriptors need 16-byte aligned bases and rows: asked for where they cannot be built (a base 20 bytes off,
+    fp16 rows of 72 or 40 bytes), a clear error that writes nothing; also through a strided `out`."""
+    H, Is, dtype = (36, 24, F16) if what == "H rows" else (40, 20, F16) if what == "Is rows" else (40, 24, F32)
+    case = make_moe_case(9, 7, 3, H, 24, Is, dtype, seed=1)
+    wgu, shared = case.w_gate_up, case.shared
+    if what in ("routed base", "strided out"):
+        wgu = embedded(wgu, 5, float("nan"))
+    if what == "shared base":
+        shared = (embedded(shared[0], 5, float("nan")), shared[1])
+    out = torch.full((H, 9), 7.0, dtype=dtype).T if what == "strided out" else torch.full((9, H), 7.0, dtype=dtype)
     with pytest.raises(ValueError, match="weights_tma"):
-        fused_moe_triton(case.x, wgu, case.w_down, case.topk_weights, case.topk_ids, shared=case.shared, out=out,
+        fused_moe_triton(case.x, wgu, case.w_down, case.topk_weights, case.topk_ids, shared=shared, out=out,
                          weights_tma=True)
     assert (out == 7.0).all()
-    got = fused_moe_triton(case.x, wgu, case.w_down, case.topk_weights, case.topk_ids, shared=case.shared)
-    assert rel_err(got, moe_oracle(*case.args, shared=case.shared)) <= 1e-5
 
 
-def test_weight_descriptor_rule_stays_off_the_cpu_and_narrow_blocks():
+def test_weight_descriptors_are_preferred_for_wide_16_bit_blocks():
+    assert moe_triton.prefers_weight_tma(64, BF16) and moe_triton.prefers_weight_tma(128, F16)
+    assert not moe_triton.prefers_weight_tma(32, BF16)  # decode-sized blocks keep pointer loads
+    assert not moe_triton.prefers_weight_tma(128, F32)
     case = make_moe_case(9, 7, 3, 40, 24, 24, BF16, seed=1)
-    weights = (case.w_gate_up, case.w_down, *case.shared)
-    assert not moe_triton.weights_tma_rule(case.x, 128, *weights)  # a CPU tensor (the interpreter)
+    assert not moe_triton.weights_tma_rule(case.x, 128, case.w_gate_up, case.w_down, *case.shared)  # on the CPU
 
 
 # ---- expert parallelism: ids outside [0, E) -------------------------------------------------------------
@@ -722,8 +733,10 @@ def test_gpu_weight_descriptors_are_the_default_at_prefill_sizes(shape, T):
         want = fused_moe_torch(*case.args, shared=case.shared)
         tma = fused_moe_triton(*case.args, shared=case.shared, weights_tma=True)
         plain = fused_moe_triton(*case.args, shared=case.shared, weights_tma=False)
+        default = fused_moe_triton(*case.args, shared=case.shared)
     assert fro_err(tma, want) <= 1e-2
     assert fro_err(tma, plain) <= 2e-3
+    assert torch.equal(default, tma if up.block_m >= 64 and torch.cuda.get_device_capability()[0] >= 9 else plain)
 
 
 @pytest.mark.gpu

@@ -266,8 +266,9 @@ def _gate_up_tma(a_ptrs, row_ok, W_DESC, g_row, u_row, H, BLOCK_M: tl.constexpr,
 @triton.jit
 def _down_tma(a_ptrs, row_ok, W_DESC, n_row, k_col, k_lim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """h·Wdᵀ of one tile over K < k_lim, the weight tiles [BLOCK_N, BLOCK_K] at (n_row, k_col + k) of W_DESC (the
-    activations past k_lim are masked to zero, so weight columns there add nothing)."""
+    """h·Wdᵀ of one tile over K < k_lim, the weight tiles [BLOCK_N, BLOCK_K] at (n_row, k_col + k) of W_DESC. The
+    activations past k_lim are masked to zero and the weight columns there are the descriptor's zero fill or the next
+    shared pseudo-expert's finite values, so they add nothing."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_lim, BLOCK_K):
@@ -284,15 +285,15 @@ def _down_tma(a_ptrs, row_ok, W_DESC, n_row, k_col, k_lim, BLOCK_M: tl.constexpr
 @triton.jit
 def _gate_up_kernel(
     X, IDS, SORTED, BLOCK_EXPERT, WGU, HB, W_DESC,
-    P, H, I, Is, shared_gu_off, num_m, stride_ids, stride_x, stride_hb,
+    P, H, I, Is, shared_gu_off, num_m, stride_ids, stride_x, stride_hb, slot_lo, slot_hi,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, W_TMA: tl.constexpr, PDL: tl.constexpr,
 ):
-    """W_TMA 0: every block, weight tiles by pointer loads; 1: the routed experts' blocks only, weight tiles through
-    the tensor descriptor W_DESC (the routed gate‖up as [E·2I, H]); 2: the shared pseudo-experts' blocks only, W_DESC
-    the shared gate‖up [2·Is, H]. (One descriptor per launch: a kernel choosing between two at run time holds both
-    pipelines' shared memory.)"""
+    """The launch covers the blocks of expert slots slot_lo ≤ e < slot_hi. W_TMA: the weight tiles come through the
+    tensor descriptor W_DESC — the routed gate‖up as [E·2I, H] when the slots are routed experts, the shared gate‖up
+    [2·Is, H] when they are shared pseudo-experts (one descriptor per launch: a kernel choosing between two at run
+    time holds both pipelines' shared memory); else by pointer loads from WGU."""
     S: tl.constexpr = TOP_K + N_SHARED
     wait(PDL)  # before the block's expert (and its early exits)
     launch_dependents(PDL)
@@ -301,15 +302,19 @@ def _gate_up_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
+    if e < slot_lo:
+        return
+    if e >= slot_hi:
+        return
     routed, c, g_off, u_off, n_lim = _gate_up_slices(e, I, Is, H, shared_gu_off, E)
-    if pid_n * BLOCK_N >= n_lim or (W_TMA == 1 and not routed) or (W_TMA == 2 and routed):
+    if pid_n * BLOCK_N >= n_lim:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n_lim
     offs_k = tl.arange(0, BLOCK_K)
     tok = rows // S
     a_ptrs = X + tok[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-    if W_TMA > 0:  # routed: gate rows e·2I + n, up rows e·2I + I + n; shared: c·I + n and Is + c·I + n
+    if W_TMA:  # routed: gate rows e·2I + n, up rows e·2I + I + n; shared: c·I + n and Is + c·I + n
         g_row = tl.where(routed, e * (2 * I), c * I) + pid_n * BLOCK_N
         acc_g, acc_u = _gate_up_tma(a_ptrs, row_ok, W_DESC, g_row, g_row + tl.where(routed, I, Is), H,
                                     BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
@@ -341,13 +346,13 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     HB, IDS, WTS, SORTED, BLOCK_EXPERT, WD, OUT, W_DESC,
-    P, H, I, Is, shared_down_off, num_m, stride_ids, stride_wts, stride_hb, stride_o,
+    P, H, I, Is, shared_down_off, num_m, stride_ids, stride_wts, stride_hb, stride_o, slot_lo, slot_hi,
     E: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, W_TMA: tl.constexpr, PDL: tl.constexpr,
 ):
-    """W_TMA as in `_gate_up_kernel`: W_DESC is the routed down projections as [E·H, I] (1) or the shared one,
-    [H, Is] (2)."""
+    """Slots and W_TMA as in `_gate_up_kernel`: W_DESC is the routed down projections as [E·H, I] or the shared
+    one, [H, Is]."""
     S: tl.constexpr = TOP_K + N_SHARED
     wait(PDL)  # before the block's expert (and its early exit)
     launch_dependents(PDL)
@@ -356,14 +361,16 @@ def _down_kernel(
                                   PAIR_BLOCKS)
     if e < 0:
         return
-    routed, c, b_off, rs, k_lim = _down_slice(e, I, Is, H, shared_down_off, E)
-    if (W_TMA == 1 and not routed) or (W_TMA == 2 and routed):
+    if e < slot_lo:
         return
+    if e >= slot_hi:
+        return
+    routed, c, b_off, rs, k_lim = _down_slice(e, I, Is, H, shared_down_off, E)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = HB + rows[:, None].to(tl.int64) * stride_hb + offs_k[None, :]
-    if W_TMA > 0:  # routed: rows e·H + n, columns k; shared: rows n, columns c·I + k
+    if W_TMA:  # routed: rows e·H + n, columns k; shared: rows n, columns c·I + k
         acc = _down_tma(a_ptrs, row_ok, W_DESC, tl.where(routed, e * H, 0) + pid_n * BLOCK_N,
                         tl.where(routed, 0, c * I), k_lim, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
     else:
@@ -460,12 +467,33 @@ def _tma_ready(*weights: torch.Tensor) -> bool:
     return all(w.data_ptr() % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0 for w in weights)
 
 
+def prefers_weight_tma(block_m: int, dtype: torch.dtype) -> bool:
+    """The measured half of `weights_tma_rule`: 16-bit experts in row blocks of ≥ TMA_MIN_BLOCK_M rows (prefill
+    sizes, where descriptors measured faster on an H200; the narrow decode blocks keep pointer loads)."""
+    return block_m >= TMA_MIN_BLOCK_M and dtype in (torch.bfloat16, torch.float16)
+
+
 def weights_tma_rule(x: torch.Tensor, block_m: int, *weights: torch.Tensor) -> bool:
     """Whether the grouped GEMMs load their weight tiles through tensor descriptors (the copy engine, TMA) by
-    default: 16-bit experts on sm_90+ in row blocks of ≥ TMA_MIN_BLOCK_M rows (prefill sizes, where they measured
-    faster on an H200; the narrow decode blocks keep pointer loads), weights `_tma_ready`."""
-    return (x.is_cuda and not interpreting() and block_m >= TMA_MIN_BLOCK_M and x.element_size() == 2
+    default: compiled on sm_90+, `prefers_weight_tma`, weights `_tma_ready`."""
+    return (x.is_cuda and not interpreting() and prefers_weight_tma(block_m, x.dtype)
             and torch.cuda.get_device_capability(x.device)[0] >= 9 and _tma_ready(*weights))
+
+
+def _gemm_passes(weights_tma: bool, E: int, n_shared: int, w_gate_up, w_down, shared, up_cfg: Config,
+                 down_cfg: Config) -> list[tuple]:
+    """The GEMM launches as (first slot, end slot, gate‖up descriptor, down descriptor): all slots by pointer loads,
+    or with descriptors the routed experts [0, E) and the shared pseudo-experts [E, E + n_shared) apart."""
+    if not weights_tma:
+        return [(0, E + n_shared, None, None)]
+    _, twoI, H = w_gate_up.shape
+    I = twoI // 2
+    up_tile, down_tile = [up_cfg.block_n, up_cfg.block_k], [down_cfg.block_n, down_cfg.block_k]
+    parts = [(0, E, w_gate_up.view(E * 2 * I, H), w_down.view(E * H, I))]
+    if n_shared:
+        parts.append((E, E + n_shared, *shared))
+    return [(lo, hi, TensorDescriptor.from_tensor(gu, up_tile), TensorDescriptor.from_tensor(dn, down_tile))
+            for lo, hi, gu, dn in parts]
 
 
 def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=None, out=None, residual=None,
@@ -473,9 +501,9 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
                      weights_tma: bool | None = None):
     """`fused_moe` on bf16 / fp16 / fp32 experts (tile configurations from `tuning.lookup` unless given).
     residual [T, H] (x's dtype): out = residual + the MoE, added in the sum's fp32 accumulator; out may be
-    residual itself. weights_tma: load the weight tiles through tensor descriptors (True; ValueError where the
-    weights are not `_tma_ready`; also under the interpreter), pointer loads (False), or `weights_tma_rule` (None).
-    Both multiply the same tiles in the same K order."""
+    residual itself. weights_tma: load the weight tiles through tensor descriptors (True, which also runs under the
+    interpreter; ValueError where the weights are not `_tma_ready`), by pointer loads (False), or as
+    `weights_tma_rule` says (None). Both multiply the same tiles in the same K order."""
     T, H = x.shape
     E = w_gate_up.shape[0]
     I = w_down.shape[2]
@@ -493,7 +521,8 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
         out = torch.empty_like(x)
     elif out.stride(-1) != 1:  # the sum writes rows contiguous in H: go through a temporary
         return out.copy_(fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, shared=shared,
-                                          residual=residual, up_config=up_config, down_config=down_config))
+                                          residual=residual, up_config=up_config, down_config=down_config,
+                                          weights_tma=weights_tma))
     if T == 0:
         return out
     shared_gu, shared_down = shared if shared is not None else (w_gate_up, w_down)
@@ -505,7 +534,7 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
     down_cfg = fit(down_config or lookup("down", E, H, I, T, x.device, k), x.element_size(), 1, smem)
     weights = (w_gate_up, w_down, *(shared or ()))
     if weights_tma is None:
-        weights_tma = not (T == 1) and weights_tma_rule(x, up_cfg.block_m, *weights)
+        weights_tma = T != 1 and weights_tma_rule(x, up_cfg.block_m, *weights)
     elif weights_tma and not _tma_ready(*weights):
         raise ValueError("fused_moe: weights_tma needs 16-byte aligned weights whose rows are multiples of 16 bytes")
     pair_blocks = T == 1  # every pair its own block: no align launch
@@ -528,25 +557,19 @@ def fused_moe_triton(x, w_gate_up, w_down, topk_weights, topk_ids, *, shared=Non
         return dict(BLOCK_M=16 if pair_blocks else c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
                     GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages)
 
-    if weights_tma:  # (pass, gate‖up descriptor, down descriptor): the routed experts, then the shared ones
-        up_tile, down_tile = [up_cfg.block_n, up_cfg.block_k], [down_cfg.block_n, down_cfg.block_k]
-        parts = [(1, w_gate_up.view(E * 2 * I, H), w_down.view(E * H, I))] + ([(2, *shared)] if shared else [])
-        passes = [(kind, TensorDescriptor.from_tensor(gu, up_tile), TensorDescriptor.from_tensor(dn, down_tile))
-                  for kind, gu, dn in parts]
-    else:
-        passes = [(0, None, None)]
-    for kind, desc, _ in passes:
+    passes = _gemm_passes(weights_tma, E, n_shared, w_gate_up, w_down, shared, up_cfg, down_cfg)
+    for lo, hi, desc, _ in passes:
         _gate_up_kernel[(num_blocks * triton.cdiv(I, up_cfg.block_n),)](
             x, ids, sorted_pairs, block_expert, w_gate_up, hb, desc,
-            P, H, I, Is, _offset(shared_gu, w_gate_up), num_blocks, ids.stride(0), x.stride(0), hb.stride(0),
-            **common, **tiles(up_cfg), EVEN_K=H % up_cfg.block_k == 0, W_TMA=kind,
+            P, H, I, Is, _offset(shared_gu, w_gate_up), num_blocks, ids.stride(0), x.stride(0), hb.stride(0), lo, hi,
+            **common, **tiles(up_cfg), EVEN_K=H % up_cfg.block_k == 0, W_TMA=weights_tma,
         )
-    for kind, _, desc in passes:
+    for lo, hi, _, desc in passes:
         _down_kernel[(num_blocks * triton.cdiv(H, down_cfg.block_n),)](
             hb, ids, wts, sorted_pairs, block_expert, w_down, y, desc,
             P, H, I, Is, _offset(shared_down, w_down), num_blocks, ids.stride(0), wts.stride(0), hb.stride(0),
-            y.stride(0), **common, **tiles(down_cfg),
-            EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0), W_TMA=kind,
+            y.stride(0), lo, hi, **common, **tiles(down_cfg),
+            EVEN_K=I % down_cfg.block_k == 0 and (shared is None or Is % I == 0), W_TMA=weights_tma,
         )
     _launch_sum(y, ids, residual, out, E, k, n_shared, pdl)
     return out
