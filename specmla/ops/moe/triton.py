@@ -242,19 +242,25 @@ def _down_slice(e, I, Is, H, shared_down_off, E: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(a_ptrs, row_ok, k0, k_lim, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The activation tile at a_ptrs (columns k0..k0 + BLOCK_K): rows outside row_ok and, unless EVEN_K, columns
+    past k_lim read as zero."""
+    mask = row_ok[:, None]
+    if not EVEN_K:
+        mask = mask & (tl.arange(0, BLOCK_K) + k0 < k_lim)[None, :]
+    return tl.load(a_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _gate_up_tma(a_ptrs, row_ok, W_DESC, g_row, u_row, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
     """(x·Wgᵀ, x·Wuᵀ) of one tile, the weight tiles [BLOCK_N, BLOCK_K] at rows g_row / u_row of W_DESC (a tensor
     descriptor: the copy engine loads them; rows past the tensor and columns past H read as zero, rows past the
     expert's units only feed output columns the caller does not store)."""
-    offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k + k0 < H)[None, :], other=0.0)
+        a = _row_tile(a_ptrs, row_ok, k0, H, BLOCK_K, EVEN_K)
         wg = W_DESC.load([g_row, k0])
         wu = W_DESC.load([u_row, k0])
         acc_g = tl.dot(a, wg.T, acc_g, input_precision=PRECISION)
@@ -269,13 +275,9 @@ def _down_tma(a_ptrs, row_ok, W_DESC, n_row, k_col, k_lim, BLOCK_M: tl.constexpr
     """h·Wdᵀ of one tile over K < k_lim, the weight tiles [BLOCK_N, BLOCK_K] at (n_row, k_col + k) of W_DESC. The
     activations past k_lim are masked to zero and the weight columns there are the descriptor's zero fill or the next
     shared pseudo-expert's finite values, so they add nothing."""
-    offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_lim, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k + k0 < k_lim)[None, :], other=0.0)
+        a = _row_tile(a_ptrs, row_ok, k0, k_lim, BLOCK_K, EVEN_K)
         b = W_DESC.load([n_row, k_col + k0])
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
