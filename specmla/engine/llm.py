@@ -31,7 +31,7 @@ from specmla.engine.tp_channel import GlooChannel, ShmChannel
 from specmla.engine.tp_worker import TPEngine, follow_engine
 from specmla.model.deepseek import DeepseekForCausalLM
 from specmla.model.default import default_model_path
-from specmla.model.fp8 import FP8_NUMERICS, fp8_numerics_of, use_fp8_numerics_
+from specmla.model.fp8 import check_fp8_numerics, fp8_numerics_of, use_fp8_numerics_
 from specmla.model.loader import WEIGHTS, load_model
 from specmla.ops.all_reduce import symmetric_bytes
 from specmla.ops.kv_cache import QUANTIZED
@@ -104,8 +104,7 @@ class LLM:
             on_phase("loading")
         if weights not in WEIGHTS:
             raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
-        if fp8_numerics not in FP8_NUMERICS:
-            raise ValueError(f"fp8_numerics={fp8_numerics!r}: expected one of {tuple(FP8_NUMERICS)}")
+        check_fp8_numerics(fp8_numerics)
         if speculative not in (None, "auto", "ngram", "mtp", "hybrid"):
             raise ValueError(f"speculative={speculative!r}: expected None, 'auto', 'ngram', 'mtp' or 'hybrid'")
         if tensor_parallel_size < 1:

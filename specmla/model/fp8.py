@@ -74,6 +74,13 @@ def use_fp8_weights_(model: nn.Module, fp8_names: set[str], checkpoint_name) -> 
 FP8_NUMERICS = {"auto": "auto", "emulate": "w8a8_torch"}  # fp8_numerics → the ops' backend of the FP8 layers
 
 
+def check_fp8_numerics(numerics: str) -> str:
+    """The ops' backend of fp8_numerics `numerics` (`FP8_NUMERICS`); ValueError naming the choices otherwise."""
+    if numerics not in FP8_NUMERICS:
+        raise ValueError(f"fp8_numerics={numerics!r}: expected one of {tuple(FP8_NUMERICS)}")
+    return FP8_NUMERICS[numerics]
+
+
 def use_fp8_numerics_(model: nn.Module, numerics: str) -> int:
     """Set the backend of every FP8 layer of `model` (`Fp8Linear`, MoE stacks in float8; the fused input projections
     follow their first `Fp8Linear`): numerics "auto" → the ops' "auto" (w8a8 kernels on CUDA, the dequantised
@@ -81,9 +88,7 @@ def use_fp8_numerics_(model: nn.Module, numerics: str) -> int:
     act_quant, block-scaled weights, fp32 products; its MoE reads the chosen experts on the host, so it runs outside
     CUDA graphs). Returns how many layers it set; ValueError for another value, or "emulate" on a model without FP8
     layers."""
-    if numerics not in FP8_NUMERICS:
-        raise ValueError(f"fp8_numerics={numerics!r}: expected one of {tuple(FP8_NUMERICS)}")
-    backend = FP8_NUMERICS[numerics]
+    backend = check_fp8_numerics(numerics)
     layers = [m for m in model.modules()
               if isinstance(m, Fp8Linear) or (isinstance(m, MoE) and m.w_gate_up_scale is not None)]
     if numerics == "emulate" and not layers:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from specmla.config import ModelConfig
 from specmla.model.deepseek import DeepseekForCausalLM, MoE, checkpoint_name
 from specmla.model.dummy import dummy_model
-from specmla.model.fp8 import FP8_NUMERICS, use_fp8_numerics_, use_fp8_weights_
+from specmla.model.fp8 import check_fp8_numerics, use_fp8_numerics_, use_fp8_weights_
 from specmla.model.rope import rope_cos_sin_cache
 from specmla.model.sharding import shard_model_
 from specmla.ops.linear.reference import weight_dequant
@@ -215,8 +215,7 @@ def load_model(
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
-    if fp8_numerics not in FP8_NUMERICS:
-        raise ValueError(f"fp8_numerics={fp8_numerics!r}: expected one of {tuple(FP8_NUMERICS)}")
+    check_fp8_numerics(fp8_numerics)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}: expected one of {LOAD_FORMATS}")
     path = Path(path)
